@@ -1,0 +1,32 @@
+# Set-up and entry points. `make test` and `make run` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: test run bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# A CPU build of torch is installed only when no torch is importable, so an
+# existing CUDA build is kept and CI never pulls a multi-GB wheel.
+$(VENV)/.torch: | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@ $(VENV)/.installed
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q
+
+run: $(VENV)/.installed
+	$(VENV)/bin/pipeline start
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,97 @@
+"""Sampling parameters of one request, validated where they are made."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+
+
+class InvalidParams(ValueError):
+    """A sampling parameter is out of its allowed range; `field` names it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidParams(name, f"must be a number, got {type(value).__name__}")
+    if math.isnan(value) or value > hi or value < lo or (lo_open and value == lo):
+        left = "(" if lo_open else "["
+        raise InvalidParams(name, f"must be in {left}{lo}, {hi}], got {value}")
+
+
+def _check_int(name: str, value: int, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParams(name, f"must be an integer, got {type(value).__name__}")
+    if value < lo or (hi is not None and value > hi):
+        upper = "" if hi is None else f", {hi}"
+        raise InvalidParams(name, f"must be in [{lo}{upper}], got {value}")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 is greedy. top_k 0 (or -1) and top_p 1 disable those filters.
+    seed makes the request's samples independent of the batch it runs in.
+    logprobs=n returns the sampled token's logprob plus the n most likely (n <= 20).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_range("temperature", self.temperature, 0.0, 100.0)
+        _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_int("top_k", self.top_k, -1)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, 2**63 - 1)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidParams("stop", "must be a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidParams("stop", f"at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidParams("stop", f"each string at most {MAX_STOP_STRING_CHARS} characters")
+        if not isinstance(self.stop_token_ids, list):
+            raise InvalidParams("stop_token_ids", "must be a list of integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParams("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, 0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

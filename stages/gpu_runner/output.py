@@ -1,0 +1,47 @@
+"""What one executed step hands back: sampled tokens that stay on the device until asked for."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class HostStepOutput:
+    step: int
+    rows: np.ndarray  # int32 [m]: the plan's sampled rows, in plan order
+    token_ids: np.ndarray  # int32 [m]
+    logprobs: np.ndarray | None  # float32 [m, 1 + k]
+    logprob_token_ids: np.ndarray | None  # int32 [m, 1 + k]
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """Returned by `ModelRunner.execute` before the device has finished the step.
+
+    `token_ids` etc. live on the device. `host_*` are pinned host buffers that an async
+    copy fills; `ready` is recorded after that copy (None on CPU, where the step is done
+    when execute returns). `to_host()` is the only call that waits.
+    """
+
+    step: int
+    rows: np.ndarray
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None
+    logprob_token_ids: torch.Tensor | None
+    host_token_ids: torch.Tensor
+    host_logprobs: torch.Tensor | None
+    host_logprob_token_ids: torch.Tensor | None
+    ready: torch.cuda.Event | None
+
+    def to_host(self) -> HostStepOutput:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return HostStepOutput(
+            step=self.step,
+            rows=self.rows,
+            token_ids=self.host_token_ids.numpy(),
+            logprobs=None if self.host_logprobs is None else self.host_logprobs.numpy(),
+            logprob_token_ids=None if self.host_logprob_token_ids is None else self.host_logprob_token_ids.numpy(),
+        )

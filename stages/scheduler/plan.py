@@ -1,0 +1,61 @@
+"""The step plan: everything the runner needs to execute one step, and nothing else.
+
+A plan names batch rows, not request ids. A row belongs to one request from the plan that
+admits it (a `NewRequest`) until the plan that lists it in `freed_rows`. Token ids cross only
+once, when a request is admitted; every later input token is read by the runner from its own
+device token table, so a placeholder for a not-yet-known token never appears here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request taking a batch row: fresh, or re-admitted after preemption."""
+
+    req_id: int
+    row: int
+    token_ids: np.ndarray  # int32: the prompt, plus the outputs so far when re-admitted
+    num_prompt_tokens: int  # the first num_prompt_tokens of token_ids are the prompt
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Step `step`: the rows to run, in batch order, and how many tokens each computes.
+
+    For scheduled row i: its tokens at positions
+    [num_computed_tokens[i], num_computed_tokens[i] + num_scheduled_tokens[i]) are computed;
+    their KV goes to the row's blocks. `new_block_ids` holds, row after row, the blocks
+    appended to each row's block table this step (`num_new_blocks[i]` of them; a new
+    request's first plan lists all its blocks, prefix-cache hits included).
+    `sample[i]` says whether the row's last scheduled token yields a new token.
+    """
+
+    step: int
+    new_requests: list[NewRequest]
+    rows: np.ndarray  # int32 [n]
+    num_computed_tokens: np.ndarray  # int32 [n]: tokens already in the KV cache before this step
+    num_scheduled_tokens: np.ndarray  # int32 [n]
+    sample: np.ndarray  # bool [n]
+    num_new_blocks: np.ndarray  # int32 [n]
+    new_block_ids: np.ndarray  # int32 [sum(num_new_blocks)]
+    freed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32
+    connector_meta: object | None = None  # KV connector metadata, when a connector is set
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.num_scheduled_tokens.sum())
+
+    @property
+    def sampled_rows(self) -> np.ndarray:
+        return self.rows[self.sample]
