@@ -1,0 +1,214 @@
+"""One ring's shared-memory segment: header layout, creation, attaching by name, and unlinking.
+
+Layout (all header fields are int64, each 64-byte line written by exactly one process):
+
+    line 0      magic, version, capacity_bytes, num_readers, creator_pid   (written once)
+    line 1      write cursor, writer sleeping, writer pid, writer closed   (the writer's)
+    line 2 + i  read cursor, reader sleeping, reader pid, reader closed    (reader i's)
+    data        capacity_bytes of records [u32 length | u32 kind | payload | pad to 8]
+
+Cursors are monotonic byte counts; a record starts at `cursor % capacity_bytes`. Every field is
+read and written through a native int64 memoryview: on an 8-aligned address that is one plain
+8-byte load or store (the same instruction a numpy int64 element store compiles to), which
+x86-64 performs atomically and in program order. aarch64 would need barriers that Python cannot
+issue, so the segment refuses to map there.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+
+import posix_ipc
+
+from shm.doorbell import Doorbell
+from shm.fence import full_fence, register_process
+from shm.naming import pid_alive, ring_name
+
+MAGIC = 0x31474E5245504950  # b"PIPERNG1" little-endian
+VERSION = 1
+LINE_SLOTS = 8  # int64 slots per 64-byte cache line
+MAX_READERS = 64
+MIN_CAPACITY_BYTES = 64
+MAX_CAPACITY_BYTES = 1 << 31  # so every payload length fits in a u32 below the wrap marker
+
+# Slot indices into the int64 view of the header.
+MAGIC_SLOT, VERSION_SLOT, CAPACITY_SLOT, NUM_READERS_SLOT, CREATOR_PID_SLOT = range(5)
+WRITE_CURSOR = LINE_SLOTS
+WRITER_SLEEPING = LINE_SLOTS + 1
+WRITER_PID = LINE_SLOTS + 2
+WRITER_CLOSED = LINE_SLOTS + 3
+READ_CURSOR, READER_SLEEPING, READER_PID, READER_CLOSED = range(4)  # offsets within a reader line
+
+_X86_64 = ("x86_64", "amd64")
+
+
+def reader_slot(index: int, field: int) -> int:
+    """Header slot of `field` (READ_CURSOR, READER_SLEEPING, ...) of reader `index`."""
+    return (2 + index) * LINE_SLOTS + field
+
+
+def data_offset(num_readers: int) -> int:
+    return (2 + num_readers) * LINE_SLOTS * 8
+
+
+class PeerDied(RuntimeError):
+    """The process at the other end of a ring died (or never attached and its creator died)."""
+
+
+def check_platform() -> None:
+    machine = platform.machine().lower()
+    if machine not in _X86_64:
+        raise RuntimeError(
+            f"shared-memory rings need x86-64 store ordering; on {platform.machine()!r} "
+            "publishing a cursor needs a memory barrier that this implementation does not provide"
+        )
+
+
+def _check_geometry(capacity_bytes: int, num_readers: int) -> None:
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+        raise ValueError(f"capacity_bytes must be an int, got {capacity_bytes!r}")
+    if not MIN_CAPACITY_BYTES <= capacity_bytes <= MAX_CAPACITY_BYTES or capacity_bytes % 8:
+        raise ValueError(
+            f"capacity_bytes must be a multiple of 8 in [{MIN_CAPACITY_BYTES}, {MAX_CAPACITY_BYTES}], "
+            f"got {capacity_bytes}"
+        )
+    if isinstance(num_readers, bool) or not isinstance(num_readers, int) or not 1 <= num_readers <= MAX_READERS:
+        raise ValueError(f"num_readers must be an int in [1, {MAX_READERS}], got {num_readers!r}")
+
+
+class RingSegment:
+    """A mapping of one ring's segment plus its doorbells. Each ring end owns one."""
+
+    __slots__ = ("name", "capacity_bytes", "num_readers", "data_offset", "mm", "slots", "data",
+                 "space_bell", "data_bells")
+
+    def __init__(self, name: str, mm: mmap.mmap, space_bell: Doorbell, data_bells: list[Doorbell]) -> None:
+        self.name = name
+        self.mm = mm
+        self.slots = memoryview(mm).cast("q")
+        self.data = memoryview(mm)
+        self.capacity_bytes = self.slots[CAPACITY_SLOT]
+        self.num_readers = self.slots[NUM_READERS_SLOT]
+        self.data_offset = data_offset(self.num_readers)
+        self.space_bell = space_bell
+        self.data_bells = data_bells
+
+    @staticmethod
+    def _bell_names(name: str, num_readers: int) -> tuple[str, list[str]]:
+        return f"{name}.space", [f"{name}.data{i}" for i in range(num_readers)]
+
+    @classmethod
+    def create(cls, instance: str, link: str, capacity_bytes: int, num_readers: int = 1) -> RingSegment:
+        """Make the segment (mode 0600) and doorbells of link `link` of `instance`. The names
+        stay until every end has attached; pass `segment.name` to the processes that attach."""
+        check_platform()
+        name = ring_name(instance, link)
+        _check_geometry(capacity_bytes, num_readers)
+        size = data_offset(num_readers) + capacity_bytes
+        made: list[Doorbell] = []
+        try:
+            shared = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+        except posix_ipc.ExistentialError:
+            raise FileExistsError(f"ring {name!r} already exists: each link of an instance is created once") from None
+        try:
+            mm = mmap.mmap(shared.fd, size)
+            shared.close_fd()
+            slots = memoryview(mm).cast("q")
+            slots[CAPACITY_SLOT] = capacity_bytes
+            slots[NUM_READERS_SLOT] = num_readers
+            slots[CREATOR_PID_SLOT] = os.getpid()
+            slots[VERSION_SLOT] = VERSION
+            slots[MAGIC_SLOT] = MAGIC  # last: an attacher that sees it sees a complete header
+            slots.release()
+            space_name, data_names = cls._bell_names(name, num_readers)
+            for bell_name in [space_name, *data_names]:
+                made.append(Doorbell(bell_name, create=True))
+        except BaseException:
+            for bell in made:
+                bell.unlink()
+                bell.close()
+            shared.unlink()
+            raise
+        return cls(name, mm, made[0], made[1:])
+
+    @classmethod
+    def open(cls, name: str) -> RingSegment:
+        """Map an existing ring by name (in any process, e.g. one started with 'spawn')."""
+        check_platform()
+        try:
+            shared = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            raise FileNotFoundError(
+                f"no ring segment {name!r}: never created, or unlinked because all its ends attached"
+            ) from None
+        try:
+            if shared.size < data_offset(1):
+                raise ValueError(f"{name!r} is too small ({shared.size} bytes) to be a ring")
+            mm = mmap.mmap(shared.fd, shared.size)
+        finally:
+            shared.close_fd()
+        slots = memoryview(mm).cast("q")
+        magic, version, capacity_bytes, num_readers = slots[MAGIC_SLOT], slots[VERSION_SLOT], \
+            slots[CAPACITY_SLOT], slots[NUM_READERS_SLOT]
+        slots.release()
+        if magic != MAGIC or version != VERSION:
+            mm.close()
+            raise ValueError(f"{name!r} is not a version-{VERSION} ring (magic {magic:#x}, version {version})")
+        if data_offset(num_readers) + capacity_bytes != mm.size():
+            mm.close()
+            raise ValueError(f"ring {name!r} header says {capacity_bytes} bytes x {num_readers} readers, "
+                             f"but the segment has {mm.size()} bytes")
+        space_name, data_names = cls._bell_names(name, num_readers)
+        return cls(name, mm, Doorbell(space_name, create=False), [Doorbell(n, create=False) for n in data_names])
+
+    @property
+    def creator_pid(self) -> int:
+        return self.slots[CREATOR_PID_SLOT]
+
+    def peer_pid_slots(self) -> list[int]:
+        return [WRITER_PID] + [reader_slot(i, READER_PID) for i in range(self.num_readers)]
+
+    def claim(self, pid_slot: int, role: str) -> None:
+        """Write this process's pid as `role`'s, then unlink the names if every end is attached."""
+        register_process()
+        holder = self.slots[pid_slot]
+        if holder != 0:
+            raise RuntimeError(f"ring {self.name!r} already has a {role} (pid {holder})")
+        self.slots[pid_slot] = os.getpid()
+        full_fence()  # two ends attaching at once must not both miss each other's pid
+        if all(self.slots[slot] != 0 for slot in self.peer_pid_slots()):
+            self.unlink()
+
+    def check_peer(self, pid_slot: int, role: str) -> None:
+        """Raise PeerDied if the process holding `pid_slot` died, or never came and the creator died."""
+        pid = self.slots[pid_slot]
+        if pid == 0:
+            creator = self.creator_pid
+            if not pid_alive(creator):
+                raise PeerDied(f"ring {self.name!r}: the {role} never attached and the creator (pid {creator}) died")
+        elif not pid_alive(pid):
+            raise PeerDied(f"ring {self.name!r}: the {role} (pid {pid}) died")
+
+    def unlink(self) -> None:
+        """Remove the names; every mapping and doorbell handle already open keeps working."""
+        try:
+            posix_ipc.unlink_shared_memory(self.name)
+        except posix_ipc.ExistentialError:
+            pass  # the other end got there first
+        self.space_bell.unlink()
+        for bell in self.data_bells:
+            bell.unlink()
+
+    def close(self) -> None:
+        """Unmap. A payload view still held by the caller keeps the mapping alive until dropped."""
+        self.slots.release()
+        self.data.release()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a Record payload still references the mapping; it is unmapped when freed
+        self.space_bell.close()
+        for bell in self.data_bells:
+            bell.close()
+

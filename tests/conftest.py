@@ -1,0 +1,28 @@
+"""Fixtures for every test: a test session must leave /dev/shm as it found it."""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from shm.naming import check_instance_id, instance_of, list_entries, pid_alive, unlink_instance
+
+
+def _made_here(entry: str) -> bool:
+    """Made by this session: its creator is this process, or a process (a child) that is gone.
+    Entries of another live session running beside this one are not ours to judge."""
+    creator = check_instance_id(instance_of(entry))
+    return creator == os.getpid() or not pid_alive(creator)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_shared_memory() -> Iterator[None]:
+    before = list_entries()
+    yield
+    leaked = sorted(entry for entry in list_entries() - before if _made_here(entry))
+    for instance in {instance_of(entry) for entry in leaked}:
+        unlink_instance(instance)  # reported below; no need to leave them for the next run
+    if leaked:
+        pytest.fail(f"tests left {len(leaked)} shared-memory entries in /dev/shm: {', '.join(leaked)}",
+                    pytrace=False)
