@@ -1,6 +1,13 @@
 """On-device sampling: logits in, one token per row out, no host synchronisation.
 
-INTERFACE STUB: the signatures below are the contract the runner codes against.
+Which stages run (penalties, min_tokens, top-k, top-p, min-p, seeded noise, logprobs) is
+decided from host-known flags computed in `SamplingMetadata.build`, never from device values,
+so a step never waits for the device.
+
+Seeded rows draw their noise from a counter-based hash of (seed, output_pos, vocab index), so a
+seeded request gets the same tokens whatever else is in its batch, however its prompt was
+chunked, and in async as in sync mode. Sampling is an exponential race: token =
+argmax(probs / E) with E ~ Exp(1) per vocab entry, which picks token i with probability probs[i].
 """
 from __future__ import annotations
 
@@ -11,10 +18,47 @@ import torch
 
 from pipeline.sampling_params import SamplingParams
 
+# splitmix64 constants as two's-complement int64, since torch has no uint64 arithmetic.
+_GAMMA = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+_UNIFORM_BITS = 24  # float32 holds 24 bits exactly
+
 
 @dataclass(slots=True)
 class SamplingMetadata:
-    """Per-row sampling inputs for one step's sampled rows, already on the device."""
+    """Per-row sampling inputs for one step's sampled rows, already on the device.
+
+    Tensors are [n] unless noted; the bool/int fields are host-known and choose the work.
+    """
+
+    num_rows: int
+    all_greedy: bool
+    any_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalty: bool
+    max_top_k: int  # largest top_k asked (0 when none)
+    max_num_tokens: int  # longest history among the rows (prompt + outputs so far)
+    max_num_logprobs: int | None  # None: no row asked for logprobs
+    num_seeded: int
+    greedy: torch.Tensor  # bool
+    temperature: torch.Tensor  # float32; 1.0 on greedy rows so nothing divides by zero
+    top_k: torch.Tensor  # int64; 0 = off (-1 is stored as 0)
+    top_p: torch.Tensor  # float32
+    min_p: torch.Tensor  # float32
+    repetition_penalty: torch.Tensor  # float32
+    presence_penalty: torch.Tensor  # float32
+    frequency_penalty: torch.Tensor  # float32
+    rows: torch.Tensor  # int64: token_table rows
+    num_tokens: torch.Tensor  # int64
+    num_prompt_tokens: torch.Tensor  # int64
+    seeded_rows: torch.Tensor  # int64 [num_seeded]: indices (into the n rows) of seeded rows
+    seeds: torch.Tensor  # int64 [num_seeded]
+    seeded_output_pos: torch.Tensor  # int64 [num_seeded]
+    blocked_token_ids: torch.Tensor | None  # int64 [n, s], -1 padded: ids barred by min_tokens
+    token_table: torch.Tensor  # the runner's [max_num_seqs, max_model_len] int32 table
 
     @classmethod
     def build(
@@ -32,8 +76,115 @@ class SamplingMetadata:
         request's outputs, of the token being sampled now (0 for the first);
         num_tokens[i] is how many of token_table[rows[i]] are known (prompt + outputs before
         this one); num_prompt_tokens[i] how many of those are prompt. token_table is the
-        runner's device table [max_num_seqs, max_model_len] int32, read for penalties."""
-        raise NotImplementedError
+        runner's device table [max_num_seqs, max_model_len] int32, read for penalties.
+
+        The table is read when the sampler runs (in stream order), not here, so tokens the
+        runner writes into it after this call and before sampling are counted.
+        """
+        n = len(params)
+        output_pos = np.asarray(output_pos, dtype=np.int64)
+        rows = np.asarray(rows, dtype=np.int64)
+        num_tokens = np.asarray(num_tokens, dtype=np.int64)
+        num_prompt_tokens = np.asarray(num_prompt_tokens, dtype=np.int64)
+        for name, array in (("output_pos", output_pos), ("rows", rows), ("num_tokens", num_tokens),
+                            ("num_prompt_tokens", num_prompt_tokens)):
+            if array.shape != (n,):
+                raise ValueError(f"{name} must have shape ({n},) to match params, got {array.shape}")
+        if n and int(num_tokens.max()) > token_table.shape[1]:
+            raise ValueError(f"num_tokens {int(num_tokens.max())} exceeds token_table width {token_table.shape[1]}")
+        if np.any(num_prompt_tokens > num_tokens):
+            raise ValueError(f"num_prompt_tokens {num_prompt_tokens} exceeds num_tokens {num_tokens}")
+
+        greedy = np.array([p.temperature == 0.0 for p in params], dtype=bool)
+        top_k = np.array([max(p.top_k, 0) for p in params], dtype=np.int64)
+        seeded = np.array([p.seed is not None for p in params], dtype=bool)
+        floats = np.array(
+            [[1.0 if p.temperature == 0.0 else p.temperature for p in params],
+             [p.top_p for p in params],
+             [p.min_p for p in params],
+             [p.repetition_penalty for p in params],
+             [p.presence_penalty for p in params],
+             [p.frequency_penalty for p in params]],
+            dtype=np.float32,
+        ).reshape(6, n)
+        seeded_rows = np.flatnonzero(seeded)
+        ints = np.concatenate([
+            greedy.astype(np.int64), top_k, rows, num_tokens, num_prompt_tokens,
+            seeded_rows, np.array([params[i].seed for i in seeded_rows], dtype=np.int64),
+            output_pos[seeded_rows],
+        ])
+        floats_dev = _to_device(floats, device)
+        ints_dev = _to_device(ints, device)
+        m = len(seeded_rows)
+        cuts = np.cumsum([n, n, n, n, n, m, m])
+        (greedy_dev, top_k_dev, rows_dev, num_tokens_dev, num_prompt_dev, seeded_rows_dev, seeds_dev,
+         seeded_pos_dev) = torch.tensor_split(ints_dev, cuts.tolist())
+
+        blocked = _min_tokens_blocked_ids(params, output_pos, eos_token_ids)
+        asked_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        any_penalty = any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                          or p.frequency_penalty != 0.0 for p in params)
+        return cls(
+            num_rows=n,
+            all_greedy=bool(n) and bool(greedy.all()),
+            any_greedy=bool(greedy.any()),
+            any_top_k=bool((top_k > 0).any()),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0.0 for p in params),
+            any_penalty=any_penalty,
+            max_top_k=int(top_k.max()) if n else 0,
+            max_num_tokens=int(num_tokens.max()) if n else 0,
+            max_num_logprobs=max(asked_logprobs) if asked_logprobs else None,
+            num_seeded=m,
+            greedy=greedy_dev.bool(),
+            temperature=floats_dev[0],
+            top_p=floats_dev[1],
+            min_p=floats_dev[2],
+            repetition_penalty=floats_dev[3],
+            presence_penalty=floats_dev[4],
+            frequency_penalty=floats_dev[5],
+            top_k=top_k_dev,
+            rows=rows_dev,
+            num_tokens=num_tokens_dev,
+            num_prompt_tokens=num_prompt_dev,
+            seeded_rows=seeded_rows_dev,
+            seeds=seeds_dev,
+            seeded_output_pos=seeded_pos_dev,
+            blocked_token_ids=None if blocked is None else _to_device(blocked, device),
+            token_table=token_table,
+        )
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host → device without a host wait: through pinned memory, non-blocking. The caching
+    host allocator keeps the pinned block alive until the copy has run."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _min_tokens_blocked_ids(params: list[SamplingParams], output_pos: np.ndarray,
+                            eos_token_ids: list[int]) -> np.ndarray | None:
+    """[n, s] ids each row may not sample yet (-1 padded), or None when no row is blocked.
+
+    While output_pos < min_tokens a row may not produce a token that would stop it: its
+    stop_token_ids, and EOS unless ignore_eos (with ignore_eos EOS does not stop the request,
+    so it stays an ordinary token).
+    """
+    blocked: list[list[int]] = []
+    for p, pos in zip(params, output_pos):
+        if pos < p.min_tokens:
+            blocked.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids)))
+        else:
+            blocked.append([])
+    width = max((len(ids) for ids in blocked), default=0)
+    if width == 0:
+        return None
+    table = np.full((len(params), width), -1, dtype=np.int64)
+    for i, ids in enumerate(blocked):
+        table[i, :len(ids)] = ids
+    return table
 
 
 @dataclass(slots=True)
@@ -44,6 +195,154 @@ class SamplerOutput:
 
 
 class Sampler:
+    """Stateless apart from the generator that unseeded rows draw from."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: float [n, vocab] for the sampled rows, in the same order as meta."""
-        raise NotImplementedError
+        if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
+            raise ValueError(f"logits must be [{meta.num_rows}, vocab], got {tuple(logits.shape)}")
+        processed = logits.to(torch.float32, copy=True)
+        if meta.any_penalty:
+            processed = _apply_penalties(processed, meta)
+        if meta.blocked_token_ids is not None:
+            processed = _block_ids(processed, meta.blocked_token_ids)
+
+        if meta.all_greedy:
+            token_ids = processed.argmax(dim=-1)
+        elif meta.any_greedy:
+            greedy_ids = processed.argmax(dim=-1)  # before _sample scales and filters in place
+            token_ids = torch.where(meta.greedy, greedy_ids, self._sample(processed, meta))
+        else:
+            token_ids = self._sample(processed, meta)
+        token_ids = token_ids.to(torch.int32)
+
+        if meta.max_num_logprobs is None:
+            return SamplerOutput(token_ids, None, None)
+        logprobs, logprob_token_ids = _logprobs(logits, token_ids, meta.max_num_logprobs)
+        return SamplerOutput(token_ids, logprobs, logprob_token_ids)
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        logits = logits.div_(meta.temperature.unsqueeze(1))
+        if meta.any_min_p:
+            probs = logits.softmax(dim=-1)
+            threshold = meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            logits = logits.masked_fill_(probs < threshold, float("-inf"))
+        if meta.any_top_p:
+            logits = _top_k_top_p_sorted(logits, meta)
+        elif meta.any_top_k:
+            logits = _top_k(logits, meta)
+        probs = logits.softmax(dim=-1)
+
+        noise = torch.empty_like(probs)
+        if meta.num_seeded < meta.num_rows:
+            noise.exponential_(generator=self.generator)
+        if meta.num_seeded:
+            seeded = _seeded_exponential(meta.seeds, meta.seeded_output_pos, probs.shape[1], probs.device)
+            noise.index_copy_(0, meta.seeded_rows, seeded)
+        # exponential_ may return exactly 0; 0/0 would be NaN, which argmax would pick.
+        noise.clamp_min_(torch.finfo(torch.float32).tiny)
+        return probs.div_(noise).argmax(dim=-1)
+
+
+def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition penalty over prompt + outputs (HF semantics: positive logits divided, negative
+    multiplied); presence and frequency penalties over outputs only (OpenAI semantics).
+    Table slots at or beyond a row's num_tokens may hold placeholders or stale ids: masked out."""
+    n, vocab = logits.shape
+    width = meta.max_num_tokens
+    history = meta.token_table[:, :width].index_select(0, meta.rows).to(torch.int64)
+    position = torch.arange(width, device=logits.device).unsqueeze(0)
+    known = position < meta.num_tokens.unsqueeze(1)
+    is_output = known & (position >= meta.num_prompt_tokens.unsqueeze(1))
+    history = torch.where(known, history, 0)  # masked slots add 0 below, at a safe index
+
+    seen = torch.zeros(n, vocab, dtype=torch.float32, device=logits.device)
+    seen.scatter_add_(1, history, known.to(torch.float32))
+    output_counts = torch.zeros_like(seen).scatter_add_(1, history, is_output.to(torch.float32))
+
+    penalty = meta.repetition_penalty.unsqueeze(1)
+    repeated = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = torch.where(seen > 0, repeated, logits)
+    logits -= meta.frequency_penalty.unsqueeze(1) * output_counts
+    logits -= meta.presence_penalty.unsqueeze(1) * (output_counts > 0).to(torch.float32)
+    return logits
+
+
+def _block_ids(logits: torch.Tensor, blocked_token_ids: torch.Tensor) -> torch.Tensor:
+    """Set the blocked ids to -inf. Padding and ids outside the vocabulary land in a spare
+    column that is dropped, so no id needs checking on the host."""
+    n, vocab = logits.shape
+    ids = blocked_token_ids
+    ids = torch.where((ids < 0) | (ids >= vocab), vocab, ids)
+    bias = torch.zeros(n, vocab + 1, dtype=logits.dtype, device=logits.device)
+    bias.scatter_(1, ids, float("-inf"))
+    return logits.add_(bias[:, :vocab])
+
+
+def _top_k(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Keep each row's top_k largest logits (all of them where top_k is 0)."""
+    vocab = logits.shape[1]
+    max_k = min(meta.max_top_k, vocab)
+    top_values = logits.topk(max_k, dim=-1).values
+    k = meta.top_k.clamp(max=max_k)
+    kth = top_values.gather(1, (k - 1).clamp(min=0).unsqueeze(1))
+    threshold = torch.where(k.unsqueeze(1) > 0, kth, float("-inf"))
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """top_k then top_p (over the top_k-renormalised distribution) on one descending sort.
+    top_p keeps the smallest prefix whose mass reaches top_p: a token stays when the mass of
+    the tokens before it is still below top_p."""
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    if meta.any_top_k:
+        k = meta.top_k.unsqueeze(1)
+        sorted_logits.masked_fill_((k > 0) & (rank >= k), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    top_p = meta.top_p.unsqueeze(1)
+    # rows with top_p == 1 keep everything, whatever the cumsum's rounding says
+    sorted_logits.masked_fill_((mass_before >= top_p) & (top_p < 1.0), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, sorted_ids, sorted_logits)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical shift of int64 viewed as uint64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser in int64 (multiplication wraps like uint64)."""
+    x = x ^ _shift_right(x, 30)
+    x = x * _MIX1
+    x = x ^ _shift_right(x, 27)
+    x = x * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def _seeded_exponential(seeds: torch.Tensor, output_pos: torch.Tensor, vocab: int,
+                        device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [m, vocab] that depends only on (seed, output_pos, vocab index): a
+    splitmix64 stream keyed by (seed, output_pos), one draw per vocab index."""
+    key = _mix64(_mix64(seeds + _GAMMA) + output_pos * _GAMMA)
+    index = torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _GAMMA
+    bits = _shift_right(_mix64(key.unsqueeze(1) + index.unsqueeze(0)), 64 - _UNIFORM_BITS)
+    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _UNIFORM_BITS))  # in (0, 1)
+    return uniform.log_().neg_()
+
+
+def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
+              num_logprobs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled token's logprob, then the top num_logprobs, under the model's raw
+    distribution (before penalties, temperature and filters)."""
+    logprobs = raw_logits.to(torch.float32).log_softmax(dim=-1)
+    sampled_ids = token_ids.to(torch.int64).unsqueeze(1)
+    sampled = logprobs.gather(1, sampled_ids)
+    top_values, top_ids = logprobs.topk(min(num_logprobs, logprobs.shape[1]), dim=-1)
+    values = torch.cat([sampled, top_values], dim=1)
+    ids = torch.cat([sampled_ids, top_ids], dim=1).to(torch.int32)
+    return values, ids

@@ -1,0 +1,105 @@
+"""Persistent batch state: one permanent row per running request, tables kept on the device.
+
+A request keeps the row the scheduler gave it for its whole life, so nothing is ever moved or
+compacted; a step's batch order is just `plan.rows`, and its inputs are gathered from the
+tables by (row, position) on the device. The token table holds every known token of a row
+(prompt, then each sampled token, written there on the device right after sampling), so the
+next step's decode inputs never pass through the host.
+
+Host mirrors of the block table and per-row counts let the runner compute positions and slots
+without reading the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.sampling_params import SamplingParams
+from stages.scheduler.plan import StepPlan
+
+
+@dataclass(slots=True)
+class TableWrites:
+    """Flat (index, value) writes a plan makes to the device tables, applied in one copy each."""
+
+    token_index: np.ndarray  # int64: row * max_model_len + position
+    token_ids: np.ndarray  # int64
+    block_index: np.ndarray  # int64: row * max_blocks_per_row + block number
+    block_ids: np.ndarray  # int64
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks_per_row = -(-max_model_len // block_size)
+        self.device = device
+        self.token_table = torch.zeros(max_num_seqs, max_model_len, dtype=torch.int32, device=device)
+        # Unused entries stay 0, a valid block id, so padded gathers read real (masked) memory.
+        self.block_table = torch.zeros(max_num_seqs, self.max_blocks_per_row, dtype=torch.int32, device=device)
+        self.block_table_host = np.zeros((max_num_seqs, self.max_blocks_per_row), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.req_ids = np.full(max_num_seqs, -1, dtype=np.int64)
+        self.params: list[SamplingParams | None] = [None] * max_num_seqs
+
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.max_num_seqs:
+            raise ValueError(f"row {row} is outside [0, max_num_seqs={self.max_num_seqs})")
+
+    def apply(self, plan: StepPlan) -> TableWrites:
+        """Free, admit and extend rows as the plan says; return the device-table writes it implies."""
+        for row in plan.freed_rows.tolist():
+            self._check_row(row)
+            self.req_ids[row] = -1
+            self.params[row] = None
+            self.num_blocks[row] = 0
+            self.num_prompt_tokens[row] = 0
+
+        token_index, token_ids = [], []
+        for req in plan.new_requests:
+            self._check_row(req.row)
+            if self.req_ids[req.row] != -1:
+                raise ValueError(f"row {req.row} is still held by request {self.req_ids[req.row]}; "
+                                 f"request {req.req_id} cannot take it before it is freed")
+            num_tokens = len(req.token_ids)
+            if num_tokens > self.max_model_len:
+                raise ValueError(f"request {req.req_id} has {num_tokens} tokens, more than max_model_len {self.max_model_len}")
+            self.req_ids[req.row] = req.req_id
+            self.params[req.row] = req.params
+            self.num_prompt_tokens[req.row] = req.num_prompt_tokens
+            self.num_blocks[req.row] = 0
+            token_index.append(req.row * self.max_model_len + np.arange(num_tokens, dtype=np.int64))
+            token_ids.append(np.asarray(req.token_ids, dtype=np.int64))
+
+        rows = plan.rows.astype(np.int64)
+        counts = plan.num_new_blocks.astype(np.int64)
+        start = self.num_blocks[rows]
+        if np.any(start + counts > self.max_blocks_per_row):
+            bad = int(rows[np.argmax(start + counts > self.max_blocks_per_row)])
+            raise ValueError(f"row {bad} would exceed {self.max_blocks_per_row} blocks (max_model_len {self.max_model_len})")
+        # Block number of each new block within its row: start[row] + 0, 1, ...
+        offsets = np.arange(counts.sum(), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        block_rows = np.repeat(rows, counts)
+        block_numbers = np.repeat(start, counts) + offsets
+        block_ids = plan.new_block_ids.astype(np.int64)
+        self.block_table_host[block_rows, block_numbers] = block_ids
+        self.num_blocks[rows] = start + counts
+
+        return TableWrites(
+            token_index=np.concatenate(token_index) if token_index else np.zeros(0, np.int64),
+            token_ids=np.concatenate(token_ids) if token_ids else np.zeros(0, np.int64),
+            block_index=block_rows * self.max_blocks_per_row + block_numbers,
+            block_ids=block_ids,
+        )
+
+    def write_tables(self, token_index: torch.Tensor, token_ids: torch.Tensor,
+                     block_index: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Apply TableWrites once they are on the device."""
+        if token_index.numel():
+            self.token_table.view(-1).index_copy_(0, token_index, token_ids.to(torch.int32))
+        if block_index.numel():
+            self.block_table.view(-1).index_copy_(0, block_index, block_ids.to(torch.int32))

@@ -1,0 +1,1 @@
+"""Model implementations: one llama-family decoder with per-architecture switches."""

@@ -1,0 +1,169 @@
+"""The llama-family decoder (Llama 1-3.x, Mistral, Qwen2, Qwen3) over flattened tokens and a paged KV cache.
+
+Per-architecture differences are switches on ModelConfig: q/k/v bias (Qwen2), per-head q/k
+RMSNorm (Qwen3), tied embeddings, llama3 rope scaling. The q/k/v and gate/up projections are
+fused into one matmul each; `load_hf_tensor` places a checkpoint tensor into its slice.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from stages.gpu_runner.attention import AttentionMetadata, paged_attention, write_kv
+from stages.gpu_runner.model_config import ModelConfig
+from stages.gpu_runner.models.rotary import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as transformers does: the same
+        # rounding keeps low-precision outputs token-identical to the reference.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# checkpoint suffix -> (module attribute path, index of the slice in a fused weight or None)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class LlamaFamilyModel(nn.Module):
+    """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden]; logits(hidden) separately."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config, max_positions, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] of the tokens to sample from -> float32 logits [n, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.matmul(self.norm(hidden), weight.t()).float()
+
+    def expected_hf_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Checkpoint tensor name -> shape, for every tensor the checkpoint must provide."""
+        c = self.config
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+            "model.norm.weight": (c.hidden_size,),
+        }
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+        out_sizes = {"q_proj": c.q_size, "k_proj": c.kv_size, "v_proj": c.kv_size}
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
+            shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
+            for name, size in out_sizes.items():
+                shapes[p + f"self_attn.{name}.weight"] = (size, c.hidden_size)
+                if c.qkv_bias:
+                    shapes[p + f"self_attn.{name}.bias"] = (size,)
+            shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, c.q_size)
+            if c.o_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (c.hidden_size,)
+            if c.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+                shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
+            for name in ("gate_proj", "up_proj"):
+                shapes[p + f"mlp.{name}.weight"] = (c.intermediate_size, c.hidden_size)
+                if c.mlp_bias:
+                    shapes[p + f"mlp.{name}.bias"] = (c.intermediate_size,)
+            shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+            if c.mlp_bias:
+                shapes[p + "mlp.down_proj.bias"] = (c.hidden_size,)
+        return shapes
+
+    @torch.no_grad()
+    def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor (name as in expected_hf_tensors, shape already checked) in place."""
+        module_path, _, kind = name.removeprefix("model.").rpartition(".")
+        slice_index = None
+        for suffix, (fused_path, index) in _FUSED.items():
+            if module_path.endswith(suffix):
+                module_path = module_path[: -len(suffix)] + fused_path
+                slice_index = index
+                break
+        target: torch.Tensor = getattr(self.get_submodule(module_path), kind)
+        if slice_index is not None:
+            c = self.config
+            sizes = [c.q_size, c.kv_size, c.kv_size] if "qkv" in module_path else [c.intermediate_size] * 2
+            start = sum(sizes[:slice_index])
+            target = target[start:start + sizes[slice_index]]
+        target.copy_(tensor)

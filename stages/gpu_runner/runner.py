@@ -1,0 +1,161 @@
+"""The model runner: executes step plans in order, returning before the device has finished.
+
+execute(plan) applies the plan to the persistent batch, gathers inputs on the device, runs the
+model over the step's flattened tokens, samples the sampled rows, writes the new tokens into
+the device token table (where the next step's decode inputs are read), starts a non-blocking
+copy of them into a fresh pinned host buffer and records an event after it. Nothing in it waits
+for the device: every size and index comes from the plan and host-side mirrors.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stages.gpu_runner.input_batch import InputBatch
+from stages.gpu_runner.kv_cache import allocate_kv_caches, num_blocks_for_budget
+from stages.gpu_runner.loader import load_model, tokenizer_path
+from stages.gpu_runner.model_config import ModelConfig, load_model_config, resolve_dtype
+from stages.gpu_runner.output import StepOutput
+from stages.gpu_runner.sampler import Sampler, SamplerOutput, SamplingMetadata
+from stages.gpu_runner.step_inputs import build_step_inputs
+from stages.scheduler.connector import KVConnectorWorker
+from stages.scheduler.plan import StepPlan
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def _positive(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+class ModelRunner:
+    """Owns the model, the paged KV cache, the persistent batch and the sampler.
+
+    `kv_caches[layer]` is [2, num_kv_blocks, block_size, num_kv_heads, head_dim]: keys at
+    index 0, values at 1; position p of a row is at block block_table[row][p // block_size],
+    offset p % block_size.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "auto",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        kv_connector: KVConnectorWorker | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {device!r}")
+        self.block_size = _positive("block_size", block_size)
+        self.max_num_seqs = _positive("max_num_seqs", max_num_seqs)
+        self.config: ModelConfig = load_model_config(model_dir)
+        self.tokenizer_path: Path = tokenizer_path(model_dir)
+        self.dtype = resolve_dtype(dtype, self.config, self.device)
+
+        # Beyond a sliding window the model attends differently; this runner keeps full
+        # attention, so it stays exact by never running past the window.
+        limit = self.config.max_position_embeddings
+        if self.config.sliding_window is not None:
+            limit = min(limit, self.config.sliding_window)
+        if max_model_len is None:
+            max_model_len = limit
+        elif _positive("max_model_len", max_model_len) > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of {limit} tokens")
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = _positive(
+            "max_num_batched_tokens", max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+
+        self.model = load_model(model_dir, device=self.device, dtype=self.dtype,
+                                max_positions=self.max_model_len, config=self.config)
+        if num_kv_blocks is None:
+            num_kv_blocks = num_blocks_for_budget(self.config, self.block_size, self.dtype, self.device,
+                                                  kv_cache_memory_bytes)
+        self.num_kv_blocks = _positive("num_kv_blocks", num_kv_blocks)
+        self.kv_caches = allocate_kv_caches(self.config, self.num_kv_blocks, self.block_size, self.dtype, self.device)
+        self.batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size, self.device)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.sampler = Sampler(generator)
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.bind(self.kv_caches, self.block_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.config.eos_token_ids)
+
+    @property
+    def token_table(self) -> torch.Tensor:
+        """Device [max_num_seqs, max_model_len] int32: every known token of each row."""
+        return self.batch.token_table
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        if plan.num_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"step {plan.step} schedules {plan.num_tokens} tokens, "
+                             f"more than max_num_batched_tokens {self.max_num_batched_tokens}")
+        writes = self.batch.apply(plan)
+        inputs = build_step_inputs(plan, self.batch, writes, self.device)
+        connector_meta = plan.connector_meta if self.kv_connector is not None else None
+        if connector_meta is not None:
+            self.kv_connector.load(connector_meta)
+        sampled = None
+        if plan.num_rows:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
+            if len(inputs.sampled_rows):
+                sampled = self._sample(hidden[inputs.logits_index], inputs.sampled_rows, inputs.sampled_num_tokens)
+                self.batch.token_table.view(-1).index_copy_(0, inputs.sampled_token_index, sampled.token_ids)
+        if connector_meta is not None:
+            self.kv_connector.save(connector_meta)
+        if sampled is None:
+            sampled = SamplerOutput(torch.zeros(0, dtype=torch.int32, device=self.device), None, None)
+        return self._output(plan.step, inputs.sampled_rows, sampled)
+
+    def _sample(self, hidden: torch.Tensor, rows: np.ndarray, num_tokens: np.ndarray) -> SamplerOutput:
+        params = [self.batch.params[row] for row in rows.tolist()]
+        if any(p is None for p in params):
+            raise ValueError(f"plan samples rows {rows[[p is None for p in params]].tolist()} that hold no request")
+        num_prompt_tokens = self.batch.num_prompt_tokens[rows]
+        meta = SamplingMetadata.build(
+            params, output_pos=num_tokens - num_prompt_tokens, rows=rows, num_tokens=num_tokens,
+            num_prompt_tokens=num_prompt_tokens, token_table=self.batch.token_table,
+            eos_token_ids=self.config.eos_token_ids, device=self.device)
+        return self.sampler(self.model.compute_logits(hidden), meta)
+
+    def _output(self, step: int, rows: np.ndarray, sampled: SamplerOutput) -> StepOutput:
+        if self.device.type == "cpu":
+            host = (sampled.token_ids, sampled.logprobs, sampled.logprob_token_ids)
+            ready = None
+        else:
+            # A fresh pinned buffer per step: one still being filled is never rewritten.
+            host = tuple(None if t is None else _pinned_copy(t) for t in
+                         (sampled.token_ids, sampled.logprobs, sampled.logprob_token_ids))
+            ready = torch.cuda.Event()
+            ready.record()
+        return StepOutput(
+            step=step, rows=rows, token_ids=sampled.token_ids, logprobs=sampled.logprobs,
+            logprob_token_ids=sampled.logprob_token_ids, host_token_ids=host[0], host_logprobs=host[1],
+            host_logprob_token_ids=host[2], ready=ready)
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

@@ -1,0 +1,62 @@
+"""The runner on CUDA: several steps with host/device synchronisation made an error, and the
+same greedy tokens as on the CPU. Skipped without a CUDA device."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.sampling_params import SamplingParams
+from runner_plans import PlannedRequest, run_requests
+from stages.gpu_runner.runner import ModelRunner
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def requests(sampling: bool) -> list[PlannedRequest]:
+    prompts = [[3], list(range(2, 40)), list(range(100, 217))]
+    params = None
+    if sampling:
+        params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=12, logprobs=3,
+                                repetition_penalty=1.1, ignore_eos=True)
+    return [PlannedRequest(p, 12, params=params) for p in prompts]
+
+
+class SyncCheckedRunner(ModelRunner):
+    """execute() under torch.cuda.set_sync_debug_mode("error"): any synchronising call raises."""
+
+    def execute(self, plan):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return super().execute(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_steps_run_without_host_synchronisation(tiny_checkpoint, sampling):
+    runner = SyncCheckedRunner(tiny_checkpoint("qwen3"), device="cuda", dtype="float32", num_kv_blocks=64,
+                               max_num_seqs=4)
+    got = run_requests(runner, requests(sampling), token_budget=32, async_mode=True)
+    assert [len(t) for t in got] == [12, 12, 12]
+
+
+def test_cuda_greedy_tokens_equal_cpu(tiny_checkpoint):
+    model_dir = tiny_checkpoint("llama")
+    cpu = run_requests(ModelRunner(model_dir, num_kv_blocks=64, max_num_seqs=4), requests(False), token_budget=32)
+    cuda = run_requests(ModelRunner(model_dir, device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4),
+                        requests(False), token_budget=32, async_mode=True)
+    assert cuda == cpu
+
+
+def test_bfloat16_auto_dtype_runs(tiny_checkpoint, tmp_path):
+    from make_tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "bf16", "qwen2", seed=3, dtype="bfloat16")
+    runner = ModelRunner(model_dir, device="cuda", num_kv_blocks=64, max_num_seqs=4)
+    assert runner.dtype == torch.bfloat16 and runner.kv_caches[0].dtype == torch.bfloat16
+    got = run_requests(runner, requests(False), token_budget=32, async_mode=True)
+    assert [len(t) for t in got] == [12, 12, 12]

@@ -1,0 +1,130 @@
+"""Decode throughput of the model runner vs transformers (StaticCache), same checkpoint, same run.
+
+A ~20M-parameter random Llama (tools/make_tiny_model.py --preset 20m) runs on the CPU in
+float32. For each batch size, every row gets a PROMPT_LEN-token prompt (prefill not timed),
+then DECODE_STEPS greedy decode steps are timed: ours through ModelRunner.execute with paged
+attention and the result read back each step; transformers through the model's forward with
+a StaticCache and an argmax per step. tok/s = batch * steps / seconds.
+
+Usage: python tools/bench_runner.py [--json] [--batches 1,32,256] [--steps N] [--model-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_tiny_model import make_tiny_model  # noqa: E402
+from pipeline.sampling_params import SamplingParams  # noqa: E402
+from stages.gpu_runner.runner import ModelRunner  # noqa: E402
+from stages.scheduler.plan import NewRequest, StepPlan  # noqa: E402
+
+PROMPT_LEN = 64
+BLOCK_SIZE = 16
+
+
+def _prompts(batch: int) -> np.ndarray:
+    return np.random.default_rng(batch).integers(2, 2000, (batch, PROMPT_LEN)).astype(np.int32)
+
+
+def _decode_plan(step: int, batch: int, position: int) -> StepPlan:
+    rows = np.arange(batch, dtype=np.int32)
+    return StepPlan(step=step, new_requests=[], rows=rows,
+                    num_computed_tokens=np.full(batch, position, np.int32),
+                    num_scheduled_tokens=np.ones(batch, np.int32), sample=np.ones(batch, bool),
+                    num_new_blocks=np.zeros(batch, np.int32), new_block_ids=np.zeros(0, np.int32))
+
+
+def bench_ours(model_dir: Path, batch: int, steps: int) -> tuple[float, list[int]]:
+    total = PROMPT_LEN + steps + 1
+    blocks_per_row = -(-total // BLOCK_SIZE)
+    runner = ModelRunner(model_dir, max_num_seqs=batch, max_model_len=total + BLOCK_SIZE,
+                         num_kv_blocks=batch * blocks_per_row, block_size=BLOCK_SIZE,
+                         max_num_batched_tokens=max(batch * PROMPT_LEN, 8192))
+    prompts = _prompts(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    prefill = StepPlan(
+        step=0,
+        new_requests=[NewRequest(req_id=r, row=r, token_ids=prompts[r], num_prompt_tokens=PROMPT_LEN, params=params)
+                      for r in range(batch)],
+        rows=np.arange(batch, dtype=np.int32), num_computed_tokens=np.zeros(batch, np.int32),
+        num_scheduled_tokens=np.full(batch, PROMPT_LEN, np.int32), sample=np.ones(batch, bool),
+        num_new_blocks=np.full(batch, blocks_per_row, np.int32),
+        new_block_ids=np.arange(batch * blocks_per_row, dtype=np.int32))
+    runner.execute(prefill).to_host()
+    runner.execute(_decode_plan(1, batch, PROMPT_LEN)).to_host()  # warm-up step, not timed
+    start = time.perf_counter()
+    for i in range(steps):
+        runner.execute(_decode_plan(2 + i, batch, PROMPT_LEN + 1 + i)).to_host()
+    seconds = time.perf_counter() - start
+    row0 = runner.token_table[0, PROMPT_LEN:PROMPT_LEN + steps + 2].tolist()
+    return batch * steps / seconds, row0
+
+
+def bench_hf(model_dir: Path, batch: int, steps: int) -> tuple[float, list[int]]:
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cache = StaticCache(config=model.config, max_cache_len=PROMPT_LEN + steps + 2)
+    ids = torch.from_numpy(_prompts(batch)).long()
+    generated = []
+    with torch.inference_mode():
+        logits = model(ids, past_key_values=cache, cache_position=torch.arange(PROMPT_LEN), use_cache=True).logits
+        next_ids = logits[:, -1].argmax(-1, keepdim=True)
+        generated.append(next_ids)
+
+        def decode(position: int) -> torch.Tensor:
+            out = model(generated[-1], past_key_values=cache, cache_position=torch.tensor([position]), use_cache=True)
+            return out.logits[:, -1].argmax(-1, keepdim=True)
+
+        generated.append(decode(PROMPT_LEN))  # warm-up step, not timed
+        start = time.perf_counter()
+        for i in range(steps):
+            generated.append(decode(PROMPT_LEN + 1 + i))
+        seconds = time.perf_counter() - start
+    return batch * steps / seconds, [int(t[0, 0]) for t in generated]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object only")
+    parser.add_argument("--batches", default="1,32,256")
+    parser.add_argument("--steps", type=int, default=None, help="timed decode steps (default: 32, 16 at batch 256)")
+    parser.add_argument("--model-dir", type=Path, default=None, help="reuse a checkpoint instead of building one")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+
+    with tempfile.TemporaryDirectory(prefix="bench-runner-") as tmp:
+        model_dir = args.model_dir or make_tiny_model(Path(tmp) / "llama-20m", "llama", seed=0, preset="20m")
+        with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+            num_params = sum(int(np.prod(f.get_slice(n).get_shape())) for n in f.keys())
+        results: dict[str, dict[str, float | bool]] = {}
+        for batch in batches:
+            steps = args.steps or (16 if batch >= 128 else 32)
+            ours, our_tokens = bench_ours(model_dir, batch, steps)
+            hf, hf_tokens = bench_hf(model_dir, batch, steps)
+            results[str(batch)] = {"ours_tok_s": round(ours, 1), "hf_tok_s": round(hf, 1),
+                                   "ratio": round(ours / hf, 2), "row0_tokens_match": our_tokens == hf_tokens}
+
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    print(f"Llama {num_params / 1e6:.1f}M params, CPU float32, {torch.get_num_threads()} threads, "
+          f"prompt {PROMPT_LEN} tokens, greedy decode")
+    print(f"{'batch':>6}{'ours tok/s':>14}{'hf tok/s':>14}{'ratio':>8}{'tokens match':>14}")
+    for batch, r in results.items():
+        print(f"{batch:>6}{r['ours_tok_s']:>14.1f}{r['hf_tok_s']:>14.1f}{r['ratio']:>8.2f}{str(r['row0_tokens_match']):>14}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
