@@ -59,3 +59,21 @@ class StepPlan:
     @property
     def sampled_rows(self) -> np.ndarray:
         return self.rows[self.sample]
+
+
+@dataclass(slots=True)
+class KVCopyMeta:
+    """Offload connector metadata for one step: explicit block copies, in order.
+
+    Loads (host slot → device block) run before the step's forward, saves (device block →
+    host slot) after it; a slot loaded and re-saved in one step is read before it is written.
+    """
+
+    load_host_slots: np.ndarray  # int32 [l]
+    load_block_ids: np.ndarray  # int32 [l]
+    save_block_ids: np.ndarray  # int32 [s]
+    save_host_slots: np.ndarray  # int32 [s]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.load_block_ids.shape[0] == 0 and self.save_block_ids.shape[0] == 0

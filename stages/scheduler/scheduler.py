@@ -1,0 +1,397 @@
+"""Continuous batching with chunked prefill, prefix caching, preemption and async scheduling.
+
+One loop drives it: `schedule()` builds plan N (possibly while step N-1 still runs, never
+further ahead), `update(plan, output)` applies a step's sampled tokens one step late.
+Under async scheduling a request's `num_computed` advances when it is scheduled and its
+sampled tokens are placeholders until their step is processed; the boundary of really
+computed, host-known tokens is `num_computed - num_in_flight`. Rows and blocks are released
+only when no step that used them is still unprocessed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.sampling_params import SamplingParams
+from stages.gpu_runner.output import HostStepOutput
+from stages.scheduler.block_manager import BlockManager, hash_block
+from stages.scheduler.config import SchedulerConfig
+from stages.scheduler.connector import KVConnectorScheduler
+from stages.scheduler.plan import NewRequest, StepPlan
+from stages.scheduler.request import FinishReason, Request, RequestStatus
+from stages.scheduler.row_table import RowTable
+from stages.scheduler.update import StepUpdate
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_waiting: int
+    num_running: int
+    num_draining: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_preemptions: int
+
+
+def _greedy_fill(need: np.ndarray, budget: int) -> np.ndarray:
+    """Give each entry, in order, min(need, what the budget still holds)."""
+    return np.minimum(np.maximum(budget - (np.cumsum(need) - need), 0), need)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_kv_blocks: int,
+        block_size: int,
+        eos_token_ids: list[int],
+        connector: KVConnectorScheduler | None = None,
+    ) -> None:
+        self.config = config
+        self.block_manager = BlockManager(num_kv_blocks, block_size, config.enable_prefix_caching)
+        if config.max_model_len > num_kv_blocks * block_size:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the KV cache: "
+                f"{num_kv_blocks} blocks x {block_size} tokens = {num_kv_blocks * block_size}")
+        self.block_size = block_size
+        self.connector = connector
+        self._eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
+        self._rows = RowTable(config.max_num_seqs, config.max_model_len)
+        self._row_request: list[Request | None] = [None] * config.max_num_seqs
+        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self._rows_to_free: list[int] = []
+        self._requests: dict[int, Request] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._running_rows: np.ndarray | None = None  # cache of the running requests' rows
+        self._num_draining = 0
+        self._connector_pins: list[int] = []  # blocks a pending connector save will read
+        self._next_step = 0
+        self._next_update_step = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out
+
+    def add_request(self, req_id: int, prompt_token_ids: np.ndarray | list[int], params: SamplingParams) -> None:
+        prompt = np.asarray(prompt_token_ids, dtype=np.int32)
+        if req_id in self._requests:
+            raise ValueError(f"request id {req_id} is already in use")
+        if prompt.ndim != 1 or prompt.shape[0] == 0:
+            raise ValueError("prompt must be a non-empty 1-D sequence of token ids")
+        if prompt.shape[0] >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {prompt.shape[0]} tokens; max_model_len {self.config.max_model_len} "
+                f"allows at most {self.config.max_model_len - 1} so one token can be generated")
+        request = Request(req_id, prompt, params)
+        self._requests[req_id] = request
+        self._waiting.append(request)
+
+    def abort(self, req_id: int) -> None:
+        """Ends the request now; its outputs still in flight are discarded. Unknown ids are
+        ignored (the request may have finished on its own meanwhile)."""
+        request = self._requests.get(req_id)
+        if request is not None:
+            self._finish(request, FinishReason.ABORT)
+
+    def finish(self, req_id: int, reason: FinishReason) -> None:
+        """Finish from outside the scheduler (a stop string matched in the detokenizer)."""
+        request = self._requests.get(req_id)
+        if request is not None:
+            self._finish(request, reason)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running or self._num_draining)
+
+    def stats(self) -> SchedulerStats:
+        manager = self.block_manager
+        return SchedulerStats(len(self._waiting), len(self._running), self._num_draining,
+                              manager.num_free_blocks, manager.num_used_blocks,
+                              manager.num_cached_blocks, self.num_preemptions)
+
+    def num_computed_tokens(self, req_id: int) -> int:
+        row = self._requests[req_id].row
+        return int(self._rows.num_computed[row]) if row >= 0 else 0
+
+    # ---- planning
+
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step, or None when nothing can run now."""
+        if self._next_step - self._next_update_step >= 2:
+            raise RuntimeError("at most one plan ahead: update() the oldest step before scheduling another")
+        rows_t = self._rows
+        budget = self.config.max_num_batched_tokens
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        new_block_ids: list[int] = []
+        preempted = False
+
+        if self._running:
+            rows = self._running_row_array()
+            num_computed = rows_t.num_computed[rows]
+            logical = rows_t.num_known[rows] + rows_t.num_placeholders[rows]
+            # max-tokens guard: a request whose outputs (known + placeholders) already reach a
+            # limit would only produce tokens that are discarded.
+            useful = (logical - rows_t.num_prompt[rows] < rows_t.max_tokens[rows]) & (logical < self.config.max_model_len)
+            need = np.where(useful, logical - num_computed, 0)
+            # Decodes first, so a long prefill chunk never starves running generations.
+            is_decode = need == 1
+            num_new = np.where(is_decode, _greedy_fill(np.where(is_decode, need, 0), budget), 0)
+            budget -= int(num_new.sum())
+            num_new += _greedy_fill(np.where(is_decode, 0, need), budget)
+            blocks_needed = np.maximum(-(-(num_computed + num_new) // self.block_size) - rows_t.num_blocks[rows], 0)
+            if int(blocks_needed.sum()) > self.block_manager.num_free_blocks:
+                preempted = True
+                rows, num_new, blocks_needed = self._make_room(rows, num_new, blocks_needed)
+                num_computed, logical = rows_t.num_computed[rows], rows_t.num_known[rows] + rows_t.num_placeholders[rows]
+            budget = self.config.max_num_batched_tokens - int(num_new.sum())
+            scheduled = num_new > 0
+            if scheduled.any():
+                rows, num_computed, num_new, blocks_needed = (
+                    rows[scheduled], num_computed[scheduled], num_new[scheduled], blocks_needed[scheduled])
+                sample = num_computed + num_new == logical[scheduled]
+                new_block_ids = self.block_manager.allocate(int(blocks_needed.sum()))
+                if new_block_ids:
+                    start = 0
+                    for row, count in zip(rows[blocks_needed > 0].tolist(), blocks_needed[blocks_needed > 0].tolist()):
+                        self._row_request[row].block_ids.extend(new_block_ids[start:start + count])
+                        start += count
+                    rows_t.num_blocks[rows] += blocks_needed
+                parts.append((rows, num_computed, num_new, sample, blocks_needed))
+
+        new_requests: list[NewRequest] = []
+        if not preempted:
+            admitted = self._admit(budget, new_requests, new_block_ids)
+            if admitted is not None:
+                parts.append(admitted)
+
+        if not parts:
+            return None
+        rows, num_computed, num_new, sample, num_new_blocks = (np.concatenate(p) for p in zip(*parts))
+        # Advance optimistically: the next plan continues where this one stops.
+        rows_t.num_computed[rows] += num_new
+        rows_t.num_in_flight[rows] += num_new
+        rows_t.num_steps_in_flight[rows] += 1
+        rows_t.num_placeholders[rows[sample]] += 1
+
+        meta = None
+        if self.connector is not None:
+            meta, read_blocks = self.connector.build_meta()
+            self._unpin(read_blocks)
+        plan = StepPlan(
+            step=self._next_step,
+            new_requests=new_requests,
+            rows=rows.astype(np.int32),
+            num_computed_tokens=num_computed.astype(np.int32),
+            num_scheduled_tokens=num_new.astype(np.int32),
+            sample=sample.astype(np.bool_),
+            num_new_blocks=num_new_blocks.astype(np.int32),
+            new_block_ids=np.asarray(new_block_ids, dtype=np.int32),
+            freed_rows=np.asarray(self._rows_to_free, dtype=np.int32),
+            connector_meta=meta,
+        )
+        self._rows_to_free = []
+        self._next_step += 1
+        return plan
+
+    def _admit(self, budget: int, new_requests: list[NewRequest], new_block_ids: list[int]):
+        """Admit waiting requests in order while rows, token budget and blocks allow."""
+        rows_t, manager, size = self._rows, self.block_manager, self.block_size
+        entries: list[tuple[int, int, int, bool, int]] = []
+        while self._waiting and budget > 0 and self._free_rows:
+            request = self._waiting[0]
+            token_ids = np.concatenate([request.prompt_token_ids, request.output_token_ids])
+            num_tokens = token_ids.shape[0]
+            # At least one token is computed, so hits stop a block short of a full-block end.
+            hashes = self._block_hashes(request, token_ids, (num_tokens - 1) // size)[:(num_tokens - 1) // size]
+            hit_blocks = manager.match_prefix(hashes)
+            num_loaded = 0
+            if self.connector is not None:
+                num_loaded = self.connector.num_hit_blocks(hashes[len(hit_blocks):])
+            start = (len(hit_blocks) + num_loaded) * size
+            num_new = min(num_tokens - start, budget)
+            num_fresh_blocks = -(-(start + num_new) // size) - len(hit_blocks)
+            if manager.num_free_after_taking(hit_blocks) < num_fresh_blocks:
+                break
+            self._waiting.popleft()
+            manager.take(hit_blocks)
+            fresh = manager.allocate(num_fresh_blocks)
+            if num_loaded:
+                self.connector.on_load(hashes[len(hit_blocks):len(hit_blocks) + num_loaded], fresh[:num_loaded])
+            row = self._free_rows.pop()
+            request.row, request.status = row, RequestStatus.RUNNING
+            request.block_ids = hit_blocks + fresh
+            self._row_request[row] = request
+            rows_t.assign(row, request.req_id, token_ids, request.num_prompt_tokens, request.params)
+            rows_t.num_blocks[row] = len(request.block_ids)
+            rows_t.num_committed_blocks[row] = len(hit_blocks)
+            rows_t.num_computed[row] = start
+            self._running.append(request)
+            self._running_rows = None
+            new_requests.append(NewRequest(request.req_id, row, token_ids, request.num_prompt_tokens, request.params))
+            new_block_ids.extend(request.block_ids)
+            entries.append((row, start, num_new, start + num_new == num_tokens, len(request.block_ids)))
+            budget -= num_new
+        if not entries:
+            return None
+        rows, num_computed, num_new, sample, num_blocks = zip(*entries)
+        return (np.array(rows, np.int64), np.array(num_computed, np.int64), np.array(num_new, np.int64),
+                np.array(sample, np.bool_), np.array(num_blocks, np.int64))
+
+    def _make_room(self, rows: np.ndarray, num_new: np.ndarray, blocks_needed: np.ndarray):
+        """Preempt from the back of the running list until the rest fit. Victims with a step
+        in flight free their blocks only once drained, so until then only the rows whose
+        blocks fit in what is free now run."""
+        keep, num_pending = len(rows), 0
+        while keep:
+            short = int(blocks_needed[:keep].sum()) - self.block_manager.num_free_blocks
+            if short <= num_pending:
+                break
+            num_pending += self._preempt(self._running[keep - 1])
+            keep -= 1
+        rows, num_new, blocks_needed = rows[:keep], num_new[:keep], blocks_needed[:keep]
+        fits = (np.cumsum(blocks_needed) <= self.block_manager.num_free_blocks) | (blocks_needed == 0)
+        return rows, np.where(fits, num_new, 0), np.where(fits, blocks_needed, 0)
+
+    def _preempt(self, request: Request) -> int:
+        """Give up a running request's row and blocks (recomputed on re-admission). Returns
+        the blocks that will be freed once its in-flight steps drain (0 if freed now)."""
+        self._running.remove(request)
+        self._running_rows = None
+        request.preempted = True
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        return self._start_draining(request)
+
+    # ---- results
+
+    def update(self, plan: StepPlan, output: HostStepOutput) -> StepUpdate:
+        """Apply step `plan.step`'s sampled tokens (steps are processed in order)."""
+        if plan.step != self._next_update_step:
+            raise RuntimeError(f"update for step {plan.step}, expected step {self._next_update_step}")
+        self._next_update_step += 1
+        rows_t = self._rows
+        rows = plan.rows.astype(np.int64)
+        rows_t.num_in_flight[rows] -= plan.num_scheduled_tokens
+        rows_t.num_steps_in_flight[rows] -= 1
+        sampled = output.rows.astype(np.int64)
+        rows_t.num_placeholders[sampled] -= 1
+        output_index = np.flatnonzero(~rows_t.finished[sampled])
+        live = sampled[output_index]
+        token_ids = np.asarray(output.token_ids, dtype=np.int32)[output_index]
+        position = rows_t.num_known[live]
+        rows_t.token_ids[live, position] = token_ids
+        rows_t.num_known[live] = position + 1
+        num_outputs = position + 1 - rows_t.num_prompt[live]
+        stop = np.zeros(token_ids.shape[0], np.bool_)
+        for eos_token_id in self._eos_token_ids:  # one or two ids: cheaper than np.isin
+            stop |= token_ids == eos_token_id
+        stop &= ~rows_t.ignore_eos[live]
+        for i in np.flatnonzero(rows_t.has_stop_ids[live]).tolist():
+            stop[i] |= int(token_ids[i]) in self._row_request[live[i]].params.stop_token_ids
+        stop &= num_outputs >= rows_t.min_tokens[live]
+        length = (num_outputs >= rows_t.max_tokens[live]) | (position + 1 >= self.config.max_model_len)
+        result = StepUpdate(plan.step, rows_t.req_id[live], token_ids, output_index, [])
+        self._commit_blocks(rows)  # before finishing: a finished request may release its blocks now
+        for i in np.flatnonzero(stop | length).tolist():
+            request = self._row_request[live[i]]
+            reason = FinishReason.STOP if stop[i] else FinishReason.LENGTH
+            result.finished.append((request.req_id, reason))
+            self._finish(request, reason)
+        for row in rows[rows_t.draining[rows] & (rows_t.num_steps_in_flight[rows] == 0)].tolist():
+            self._release(self._row_request[row])
+        return result
+
+    def _commit_blocks(self, rows: np.ndarray) -> None:
+        """Offer newly complete blocks to the prefix cache and the connector. Only blocks
+        below num_computed - num_in_flight: computed by processed steps, all tokens known."""
+        if not self.config.enable_prefix_caching and self.connector is None:
+            return
+        rows_t, size = self._rows, self.block_size
+        num_done_blocks = (rows_t.num_computed[rows] - rows_t.num_in_flight[rows]) // size
+        todo = num_done_blocks > rows_t.num_committed_blocks[rows]
+        for row, num_done in zip(rows[todo].tolist(), num_done_blocks[todo].tolist()):
+            request = self._row_request[row]
+            first = int(rows_t.num_committed_blocks[row])
+            hashes = self._block_hashes(request, rows_t.token_ids[row], num_done)
+            for index in range(first, num_done):
+                block_id = request.block_ids[index]
+                self.block_manager.commit(block_id, hashes[index])
+                if self.connector is not None and self.connector.on_commit(hashes[index], block_id):
+                    self.block_manager.take([block_id])
+                    self._connector_pins.append(block_id)
+            rows_t.num_committed_blocks[row] = num_done
+
+    def _block_hashes(self, request: Request, token_ids: np.ndarray, num_blocks: int) -> list[bytes]:
+        """The request's hash list, extended to at least `num_blocks` entries."""
+        hashes, size = request.block_hashes, self.block_size
+        for index in range(len(hashes), num_blocks):
+            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[index * size:(index + 1) * size]))
+        return hashes
+
+    # ---- life-cycle transitions
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.is_finished:
+            return
+        request.finish_reason = reason
+        if request.status is RequestStatus.WAITING:
+            self._waiting.remove(request)
+            request.status = RequestStatus.FINISHED
+            del self._requests[request.req_id]
+            return
+        self._rows.finished[request.row] = True
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+            self._running_rows = None
+            self._start_draining(request)
+
+    def _start_draining(self, request: Request) -> int:
+        request.status = RequestStatus.DRAINING
+        self._rows.draining[request.row] = True
+        self._num_draining += 1
+        if self._rows.num_steps_in_flight[request.row] == 0:
+            self._release(request)
+            return 0
+        return len(request.block_ids)
+
+    def _release(self, request: Request) -> None:
+        """Free the row and blocks of a drained request; re-queue it if it was preempted."""
+        row, rows_t = request.row, self._rows
+        if not request.is_finished:
+            request.output_token_ids = rows_t.token_ids[row, request.num_prompt_tokens:rows_t.num_known[row]].copy()
+        self.block_manager.free(request.block_ids[::-1])
+        request.block_ids = []
+        rows_t.clear(row)
+        self._row_request[row] = None
+        self._free_rows.append(row)
+        self._rows_to_free.append(row)
+        request.row = -1
+        self._num_draining -= 1
+        if request.is_finished:
+            request.status = RequestStatus.FINISHED
+            del self._requests[request.req_id]
+        else:
+            request.status = RequestStatus.WAITING
+            request.preempted = False
+            self._waiting.appendleft(request)
+
+    def _unpin(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self._connector_pins.remove(block_id)
+        self.block_manager.free(block_ids)
+
+    def flush_connector(self) -> object | None:
+        """When no plan will follow (the engine is idle), hand back the pending connector copies
+        so the caller runs them directly (all steps are done, so the blocks are complete)."""
+        if self.connector is None or self._next_step != self._next_update_step:
+            return None
+        meta, read_blocks = self.connector.build_meta()
+        self._unpin(read_blocks)
+        return meta
+
+    def _running_row_array(self) -> np.ndarray:
+        if self._running_rows is None:
+            self._running_rows = np.fromiter((r.row for r in self._running), np.int64, len(self._running))
+        return self._running_rows
