@@ -1,0 +1,270 @@
+"""The client-daemon wire protocol on the Unix socket: length-prefixed msgpack frames.
+
+A frame is a 4-byte unsigned **big-endian** (network order) payload length, then that many
+bytes of msgpack: one message, a msgspec Struct tagged by its "type" field. Decoding never
+runs code from the peer (no pickle, no eval): msgspec builds only the types below and checks
+every field's type. A frame may hold at most `max_frame_bytes` (16 MiB unless configured).
+
+Conversation, per connection (the daemon serves requests from one connection concurrently;
+the client library sends one request per connection at a time):
+- `Generate` -> `Accepted(request_id)`, then `Delta`* (only when `stream`), then `Done`, or
+  `Error` at any point (before `Accepted` its `request_id` is None).
+- `Abort(request_id)` -> `Aborted`, or `Error(not_found)` for an id that is not running; the
+  aborted request itself ends with `Error(aborted)` on its own connection. Any connection may
+  abort any request: request ids are random (`secrets`), so knowing one is the permission.
+- `Health` -> `HealthReply`; `Stats` -> `StatsReply`.
+- Closing the connection aborts every request still running on it.
+- After an `Error(protocol)` the daemon closes the connection: the byte stream cannot be trusted.
+"""
+from __future__ import annotations
+
+import secrets
+import struct
+from typing import Annotated, Generic, Literal, NoReturn, TypeVar, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+from pipeline.errors import ErrorCode, PipelineError, ProtocolError
+from pipeline.sampling_params import InvalidParams, SamplingParams
+
+FRAME_HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES_LIMIT = 2**32 - 1  # what the 4-byte header can express
+DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+REQUEST_ID_BYTES = 8
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=64)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+FinishReason = Literal["stop", "length"]
+
+
+def new_request_id() -> str:
+    """A request id nobody can guess: 16 hex characters from the OS's secure random source."""
+    return secrets.token_hex(REQUEST_ID_BYTES)
+
+
+class WireSamplingParams(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """SamplingParams as sent on the wire: same fields, same defaults (a test keeps them so).
+
+    msgspec checks the types; `to_params` checks the ranges. Unknown fields are refused, so a
+    misspelt parameter is an error rather than silently ignored.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> WireSamplingParams:
+        return cls(**{name: getattr(params, name) for name in cls.__struct_fields__})
+
+    def to_params(self) -> SamplingParams:
+        """Raises InvalidParams naming the field and its allowed range."""
+        return SamplingParams(**{name: getattr(self, name) for name in self.__struct_fields__})
+
+
+# --- client -> daemon ---
+
+
+class Generate(Struct, tag="generate", forbid_unknown_fields=True):
+    prompt: str | list[TokenId]  # text, or token ids that skip the tokenizer
+    params: WireSamplingParams = msgspec.field(default_factory=WireSamplingParams)
+    stream: bool = False
+
+
+class Abort(Struct, tag="abort", forbid_unknown_fields=True):
+    request_id: RequestId
+
+
+class Health(Struct, tag="health", forbid_unknown_fields=True):
+    pass
+
+
+class Stats(Struct, tag="stats", forbid_unknown_fields=True):
+    pass
+
+
+ClientMessage = Union[Generate, Abort, Health, Stats]
+
+# --- daemon -> client (unknown fields are ignored, so a newer daemon may add some) ---
+
+
+class TokenLogprobs(Struct, array_like=True):
+    """One output token's logprob and the `params.logprobs` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Accepted(Struct, tag="accepted"):
+    request_id: str
+
+
+class Delta(Struct, tag="delta"):
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+
+
+class Done(Struct, tag="done"):
+    """The request's end. Without `stream` it carries the whole output; with it, the deltas did."""
+
+    request_id: str
+    finish_reason: FinishReason
+    prompt_token_ids: list[int]
+    usage: Usage
+    text: str | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+class Error(Struct, tag="error"):
+    code: str  # an ErrorCode value; a str so that a newer daemon's codes still decode
+    message: str
+    field: str | None = None  # for invalid_params: the offending request field
+    request_id: str | None = None
+
+
+class Aborted(Struct, tag="aborted"):
+    request_id: str
+
+
+class HealthReply(Struct, tag="health_reply"):
+    status: Literal["ok", "degraded"]
+    version: str
+    uptime_s: float
+    stages: dict[str, str] = msgspec.field(default_factory=dict)  # stage name -> state
+
+
+class StatsReply(Struct, tag="stats_reply"):
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    num_finished_requests: int = 0
+    num_prompt_tokens_total: int = 0
+    num_generated_tokens_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    uptime_s: float = 0.0
+
+
+ServerMessage = Union[Accepted, Delta, Done, Error, Aborted, HealthReply, StatsReply]
+
+
+def error_for(exc: PipelineError | InvalidParams, request_id: str | None = None) -> Error:
+    """The `Error` message that reports `exc` to the client."""
+    if isinstance(exc, InvalidParams):  # an InvalidRequest too: it is both
+        return Error(ErrorCode.INVALID_PARAMS.value, str(exc), exc.field, request_id or getattr(exc, "request_id", None))
+    code = exc.code if exc.code is not None else ErrorCode.STAGE_FAILED
+    return Error(code.value, exc.message, None, request_id or exc.request_id)
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_frame(message: Struct, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
+    """The framed bytes of one message; ProtocolError if it exceeds the frame limit."""
+    payload = _encoder.encode(message)
+    if len(payload) > max_frame_bytes:
+        raise ProtocolError(
+            f"{type(message).__name__} message is {len(payload)} bytes, over the {max_frame_bytes}-byte frame limit"
+        )
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+M = TypeVar("M")
+
+
+class FrameDecoder(Generic[M]):
+    """Turns a byte stream into messages of `message_type`, or a ProtocolError naming the problem.
+
+    `feed` what the socket gave, then call `next_message` until it returns None. Memory stays
+    within one frame (at most `max_frame_bytes`) plus one feed: a header that announces a larger
+    frame is refused as soon as its 4 bytes arrive. After an error the stream cannot be
+    re-synchronised, so every later call raises the same error.
+    """
+
+    def __init__(self, message_type: object, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        if isinstance(max_frame_bytes, bool) or not isinstance(max_frame_bytes, int):
+            raise ValueError(f"max_frame_bytes must be an integer, got {max_frame_bytes!r}")
+        if not 1 <= max_frame_bytes <= MAX_FRAME_BYTES_LIMIT:
+            raise ValueError(f"max_frame_bytes must be in [1, {MAX_FRAME_BYTES_LIMIT}], got {max_frame_bytes}")
+        self._decoder = msgspec.msgpack.Decoder(message_type)
+        self._max_frame_bytes = max_frame_bytes
+        self._buffer = bytearray()
+        self._start = 0  # bytes before this offset are consumed
+        self._failure: str | None = None  # why the stream broke; later calls repeat it
+
+    @property
+    def buffered_bytes(self) -> int:
+        return len(self._buffer) - self._start
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        self._check_not_failed()
+        if self._start:
+            del self._buffer[: self._start]
+            self._start = 0
+        self._buffer += data
+        self._frame_length()  # refuse an oversized header now, before its body is buffered
+
+    def next_message(self) -> M | None:
+        """The next complete message, or None until more bytes arrive."""
+        self._check_not_failed()
+        length = self._frame_length()
+        if length is None:
+            return None
+        body_start = self._start + FRAME_HEADER.size
+        body_end = body_start + length
+        if len(self._buffer) < body_end:
+            return None
+        try:
+            with memoryview(self._buffer) as view, view[body_start:body_end] as body:
+                message = self._decoder.decode(body)
+        # msgspec reports bad input as DecodeError/ValidationError, but malformed bytes must
+        # never escape as another exception type, whatever the decoder raises.
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"invalid message in a {length}-byte frame: {exc}")
+        self._start = body_end
+        return message
+
+    def _frame_length(self) -> int | None:
+        if self.buffered_bytes < FRAME_HEADER.size:
+            return None
+        (length,) = FRAME_HEADER.unpack_from(self._buffer, self._start)
+        if length == 0:
+            self._fail("empty frame (length 0)")
+        if length > self._max_frame_bytes:
+            self._fail(f"frame of {length} bytes exceeds the {self._max_frame_bytes}-byte limit")
+        return length
+
+    def _check_not_failed(self) -> None:
+        if self._failure is not None:
+            raise ProtocolError(f"stream unusable after an earlier error: {self._failure}")
+
+    def _fail(self, reason: str) -> NoReturn:
+        self._failure = reason
+        self._buffer = bytearray()
+        self._start = 0
+        raise ProtocolError(reason)

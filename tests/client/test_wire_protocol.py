@@ -1,0 +1,257 @@
+"""Wire protocol: framing, message round trips, error mapping, and FrameDecoder under fuzzing."""
+from __future__ import annotations
+
+import dataclasses
+import random
+import struct
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.errors import (
+    ErrorCode,
+    InvalidRequest,
+    PipelineError,
+    PromptTooLong,
+    ProtocolError,
+    RequestAborted,
+    error_from_wire,
+)
+from pipeline.protocol import (
+    DEFAULT_MAX_FRAME_BYTES,
+    Abort,
+    Aborted,
+    Accepted,
+    ClientMessage,
+    Delta,
+    Done,
+    Error,
+    FrameDecoder,
+    Generate,
+    Health,
+    HealthReply,
+    ServerMessage,
+    Stats,
+    StatsReply,
+    TokenLogprobs,
+    Usage,
+    WireSamplingParams,
+    encode_frame,
+    error_for,
+    new_request_id,
+)
+from pipeline.sampling_params import InvalidParams, SamplingParams
+
+pytestmark = pytest.mark.timeout(30)
+
+CLIENT_MESSAGES = [
+    Generate("héllo 😀", WireSamplingParams(max_tokens=5, temperature=0.0, stop=["\n"], seed=7), True),
+    Generate([1, 2, 2**31 - 1]),
+    Abort("0123456789abcdef"),
+    Health(),
+    Stats(),
+]
+SERVER_MESSAGES = [
+    Accepted("ab"),
+    Delta("ab", "中", [5, 6], [TokenLogprobs(5, -0.5, [5, 9], [-0.5, -1.5])]),
+    Done("ab", "stop", [1, 2], Usage(2, 3), text="xyz", token_ids=[7, 8, 9], stop_reason="\n"),
+    Done("ab", "length", [1], Usage(1, 16)),
+    Error("invalid_params", "temperature: must be in [0.0, 100.0], got -1", "temperature", None),
+    Aborted("ab"),
+    HealthReply("ok", "0.1.0", 12.5, {"runner": "running"}),
+    StatsReply(num_running_requests=3, kv_blocks_used=10, kv_blocks_total=100),
+]
+
+
+def decode_all(data: bytes, message_type: object = ClientMessage, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> list:
+    decoder: FrameDecoder = FrameDecoder(message_type, max_frame_bytes)
+    decoder.feed(data)
+    messages = []
+    while (message := decoder.next_message()) is not None:
+        messages.append(message)
+    return messages
+
+
+def test_frames_are_big_endian_length_then_msgpack() -> None:
+    frame = encode_frame(Health())
+    (length,) = struct.unpack(">I", frame[:4])
+    assert length == len(frame) - 4
+    assert msgspec.msgpack.decode(frame[4:]) == {"type": "health"}
+
+
+def test_every_message_round_trips() -> None:
+    assert decode_all(b"".join(encode_frame(m) for m in CLIENT_MESSAGES)) == CLIENT_MESSAGES
+    assert decode_all(b"".join(encode_frame(m) for m in SERVER_MESSAGES), ServerMessage) == SERVER_MESSAGES
+
+
+def test_byte_by_byte_feeding_gives_the_same_messages() -> None:
+    data = b"".join(encode_frame(m) for m in CLIENT_MESSAGES)
+    decoder: FrameDecoder = FrameDecoder(ClientMessage)
+    messages = []
+    for i in range(len(data)):
+        decoder.feed(data[i : i + 1])
+        while (message := decoder.next_message()) is not None:
+            messages.append(message)
+    assert messages == CLIENT_MESSAGES
+    assert decoder.buffered_bytes == 0
+
+
+def test_wire_params_mirror_sampling_params() -> None:
+    fields = {f.name: f for f in dataclasses.fields(SamplingParams)}
+    assert list(WireSamplingParams.__struct_fields__) == list(fields)
+    wire_defaults = WireSamplingParams()
+    for name, field in fields.items():
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        assert getattr(wire_defaults, name) == default, name
+    params = SamplingParams(max_tokens=9, top_k=3, stop=["a"], logprobs=2, seed=1)
+    assert WireSamplingParams.from_params(params).to_params() == params
+
+
+def test_params_ranges_are_checked_on_arrival() -> None:
+    (message,) = decode_all(encode_frame(Generate("x", WireSamplingParams(top_p=2.0))))
+    with pytest.raises(InvalidParams) as excinfo:
+        message.params.to_params()
+    error = error_for(excinfo.value, "rid")
+    assert (error.code, error.field, error.request_id) == ("invalid_params", "top_p", "rid")
+    mapped = error_from_wire(error.code, error.message, error.field, error.request_id)
+    assert isinstance(mapped, InvalidRequest) and mapped.field == "top_p"
+    assert str(mapped) == "top_p: must be in (0.0, 1.0], got 2.0"
+
+
+@pytest.mark.parametrize(
+    ("payload", "problem"),
+    [
+        ({"type": "generate", "prompt": "x", "params": {"temprature": 1.0}}, "unknown field `temprature`"),
+        ({"type": "generate", "prompt": "x", "params": {"temperature": "hot"}}, "$.params.temperature"),
+        ({"type": "generate", "prompt": [1, -1]}, "$.prompt[1]"),
+        ({"type": "generate"}, "missing required field `prompt`"),
+        ({"type": "shutdown"}, "Invalid value 'shutdown'"),
+        ({"type": "abort", "request_id": "x" * 65}, "$.request_id"),
+        ([1, 2, 3], "Expected `object`"),
+    ],
+)
+def test_wrong_types_name_the_problem(payload: object, problem: str) -> None:
+    frame = msgspec.msgpack.encode(payload)
+    with pytest.raises(ProtocolError) as excinfo:
+        decode_all(struct.pack(">I", len(frame)) + frame)
+    assert problem in str(excinfo.value)
+
+
+def test_oversized_frames_are_refused_before_buffering() -> None:
+    decoder: FrameDecoder = FrameDecoder(ClientMessage, max_frame_bytes=1024)
+    with pytest.raises(ProtocolError, match="4294967295 bytes exceeds the 1024-byte limit"):
+        decoder.feed(b"\xff\xff\xff\xff")
+    assert decoder.buffered_bytes == 0
+    with pytest.raises(ProtocolError, match="earlier error"):
+        decoder.feed(encode_frame(Health()))
+    with pytest.raises(ProtocolError, match="earlier error"):
+        decoder.next_message()
+    with pytest.raises(ProtocolError, match="over the 100-byte frame limit"):
+        encode_frame(Generate("x" * 200), max_frame_bytes=100)
+    with pytest.raises(ValueError, match="max_frame_bytes"):
+        FrameDecoder(ClientMessage, max_frame_bytes=2**32)
+
+
+def test_empty_frame_is_an_error() -> None:
+    with pytest.raises(ProtocolError, match="empty frame"):
+        decode_all(b"\x00\x00\x00\x00")
+
+
+@pytest.mark.parametrize("code", list(ErrorCode))
+def test_every_error_code_maps_to_its_exception(code: ErrorCode) -> None:
+    exc = error_from_wire(code.value, "boom", "prompt", "rid")
+    assert exc.code is code
+    assert exc.request_id == "rid"
+    wire = error_for(exc)
+    assert (wire.code, wire.request_id) == (code.value, "rid")
+
+
+def test_error_mapping_details() -> None:
+    assert isinstance(error_from_wire("aborted", "gone"), RequestAborted)
+    assert isinstance(error_from_wire("prompt_too_long", "9000 > 4096"), PromptTooLong)
+    unknown = error_from_wire("future_code", "something new")
+    assert type(unknown) is PipelineError and "future_code" in str(unknown)
+    assert error_for(PipelineError("internal")).code == "stage_failed"
+
+
+def test_request_ids_are_random_hex() -> None:
+    ids = {new_request_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    assert all(len(i) == 16 and int(i, 16) >= 0 for i in ids)
+
+
+# --- fuzzing: only valid messages or ProtocolError, with bounded memory ---
+
+MAX_FUZZ_FRAME_BYTES = 4096
+
+
+def fuzz_one(data: bytes, chunk_sizes: list[int]) -> list:
+    """Feeds `data` in chunks; returns the messages, stopping at the first ProtocolError."""
+    decoder: FrameDecoder = FrameDecoder(ClientMessage, MAX_FUZZ_FRAME_BYTES)
+    messages: list = []
+    position = 0
+    try:
+        for size in chunk_sizes:
+            decoder.feed(data[position : position + size])
+            position += size
+            # Never more than one frame plus one feed is held.
+            assert decoder.buffered_bytes <= MAX_FUZZ_FRAME_BYTES + 4 + size
+            while (message := decoder.next_message()) is not None:
+                assert isinstance(message, (Generate, Abort, Health, Stats))
+                messages.append(message)
+    except ProtocolError as exc:
+        assert str(exc)
+    return messages
+
+
+def random_case(rng: random.Random) -> bytes:
+    valid = b"".join(encode_frame(rng.choice(CLIENT_MESSAGES)) for _ in range(rng.randint(1, 3)))
+    kind = rng.randrange(6)
+    if kind == 0:  # random bytes
+        return rng.randbytes(rng.randint(0, 200))
+    if kind == 1:  # a valid stream cut short
+        return valid[: rng.randint(0, len(valid))]
+    if kind == 2:  # a valid stream with flipped bytes
+        mutated = bytearray(valid)
+        for _ in range(rng.randint(1, 8)):
+            mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+        return bytes(mutated)
+    if kind == 3:  # a huge declared length
+        return struct.pack(">I", rng.randint(MAX_FUZZ_FRAME_BYTES + 1, 2**32 - 1)) + rng.randbytes(16)
+    if kind == 4:  # well-formed msgpack of the wrong shape
+        payload = msgspec.msgpack.encode(
+            rng.choice(
+                [
+                    {"type": "generate", "prompt": rng.randint(-5, 5)},
+                    {"type": "generate", "prompt": "x", "stream": "yes"},
+                    {"type": "abort", "request_id": None},
+                    {"type": rng.randbytes(4)},
+                    [[[[[]]]]] * rng.randint(1, 5),
+                    {"type": "generate", "prompt": [2**40]},
+                    rng.random(),
+                ]
+            )
+        )
+        return struct.pack(">I", len(payload)) + payload
+    # deeply nested arrays: a classic decoder stack overflow
+    depth = rng.randint(100, 5000)
+    payload = b"\x91" * depth + b"\xc0"
+    return struct.pack(">I", len(payload)) + payload if len(payload) <= MAX_FUZZ_FRAME_BYTES else payload[:64]
+
+
+def test_two_thousand_fuzzed_streams_give_messages_or_protocol_errors() -> None:
+    rng = random.Random(20240601)
+    decoded = 0
+    for _ in range(2000):
+        data = random_case(rng)
+        chunk_sizes = [rng.randint(1, 64) for _ in range(len(data) // 1 + 1)]
+        decoded += len(fuzz_one(data, chunk_sizes))
+    assert decoded > 100  # the cases include valid (and prefixes of valid) streams
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(data=st.binary(max_size=300), chunk=st.integers(1, 50))
+def test_arbitrary_bytes_give_messages_or_protocol_errors(data: bytes, chunk: int) -> None:
+    fuzz_one(data, [chunk] * (len(data) // chunk + 1))
