@@ -1,13 +1,11 @@
 """A tiny random llama checkpoint, built once per session with the project's own tool."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from make_tiny_model import make_tiny_model  # noqa: E402
+from pipeline.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="session")

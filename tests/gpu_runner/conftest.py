@@ -1,15 +1,13 @@
 """Tiny random checkpoints, built once per session with the project's own tool."""
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from make_tiny_model import make_tiny_model  # noqa: E402
+from pipeline.tiny_model import make_tiny_model
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 # A distinct seed per architecture, so two archs never share weights and outputs.

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from make_tiny_model import make_tiny_model
+from pipeline.tiny_model import make_tiny_model
 from runner_plans import PlannedRequest, run_requests
 from stages.gpu_runner.loader import load_model
 from stages.gpu_runner.model_config import ModelLoadError, load_model_config

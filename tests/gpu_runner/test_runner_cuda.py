@@ -53,7 +53,7 @@ def test_cuda_greedy_tokens_equal_cpu(tiny_checkpoint):
 
 
 def test_bfloat16_auto_dtype_runs(tiny_checkpoint, tmp_path):
-    from make_tiny_model import make_tiny_model
+    from pipeline.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "bf16", "qwen2", seed=3, dtype="bfloat16")
     runner = ModelRunner(model_dir, device="cuda", num_kv_blocks=64, max_num_seqs=4)

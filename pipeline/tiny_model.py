@@ -1,0 +1,232 @@
+"""Small random HF-format checkpoints (config, safetensors, BPE tokenizer) for tests, benchmarks
+and the daemon's embedded default model. The command line is `tools/make_tiny_model.py`.
+
+Everything is deterministic from the seed: the same command writes byte-identical weights and
+the same tokenizer on any machine (the tokenizer's corpus is generated from text embedded here,
+not read from the Python installation, whose sources differ between versions).
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+PRESETS: dict[str, dict[str, int]] = {
+    # head_dim differs from hidden_size / num_heads on purpose, so explicit head_dim is exercised.
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                 intermediate_size=128, vocab_size=1024, max_position_embeddings=2048),
+    # ~20M parameters: the benchmark model.
+    "20m": dict(hidden_size=384, num_layers=12, num_heads=6, num_kv_heads=2, head_dim=64,
+                intermediate_size=1024, vocab_size=2048, max_position_embeddings=4096),
+}
+
+BOS_TOKEN = "<s>"
+EOS_TOKEN = "</s>"
+
+_WORDS = (
+    "the a an of to in on for with by from at as is are was were be been being have has had do does did "
+    "model token request batch block cache prefix decode prefill step plan row queue ring memory device "
+    "host stream event kernel tensor layer head attention norm weight bias value key query position rotary "
+    "scheduler runner sampler tokenizer detokenizer daemon client server socket process thread lock "
+    "shared segment cursor record header payload length kind offset slot mailbox handle copy pinned "
+    "fast slow small large first last next previous new old every each some many few all none "
+    "read write send receive open close start stop wait signal wake sleep spin poll run execute "
+    "python torch numpy array index gather scatter permute reshape view stride shape dtype float int "
+    "river mountain forest ocean city village road bridge garden window door table chair lamp book "
+    "morning evening night summer winter spring autumn rain snow wind cloud sun moon star light dark "
+    "walk talk think write read sing dance build carry hold give take make find keep leave bring "
+    "quick brown fox jumps over lazy dog while happy people gather around warm fire telling stories"
+).split()
+_PUNCT = [".", ",", "!", "?", ";", ":"]
+
+
+def corpus(seed: int = 0, num_sentences: int = 4000) -> list[str]:
+    """Deterministic pseudo-English lines with digits, code and punctuation, for BPE training."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(num_sentences):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        words[0] = words[0].capitalize()
+        if i % 7 == 0:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 99999)))
+        if i % 11 == 0:
+            words.append(f"{rng.choice(_WORDS)}_{rng.choice(_WORDS)}({rng.randint(0, 9)})")
+        lines.append(" ".join(words) + rng.choice(_PUNCT))
+    return lines
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0):
+    """A byte-level BPE tokenizer with `vocab_size` entries at most; ids 0 and 1 are BOS and EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS_TOKEN, EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus(seed), trainer=trainer)
+    return tokenizer
+
+
+def _config(arch: str, sizes: dict[str, int], dtype: str, rope_scaling_llama3: bool) -> dict:
+    architecture, model_type = ARCHITECTURES[arch]
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": sizes["hidden_size"],
+        "intermediate_size": sizes["intermediate_size"],
+        "num_hidden_layers": sizes["num_layers"],
+        "num_attention_heads": sizes["num_heads"],
+        "num_key_value_heads": sizes["num_kv_heads"],
+        "head_dim": sizes["head_dim"],
+        "hidden_act": "silu",
+        "max_position_embeddings": sizes["max_position_embeddings"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "vocab_size": sizes["vocab_size"],
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": arch == "qwen2",
+        "torch_dtype": dtype,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    if arch in ("llama", "qwen3"):
+        config["attention_bias"] = False
+    if arch == "llama":
+        config["mlp_bias"] = False
+        if rope_scaling_llama3:
+            # A short original context so the scaling changes most frequencies of a tiny model.
+            config["rope_scaling"] = {
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": max(64, sizes["max_position_embeddings"] // 8),
+            }
+    if arch == "mistral":
+        config["sliding_window"] = None
+    if arch in ("qwen2", "qwen3"):
+        config["use_sliding_window"] = False
+        config["sliding_window"] = None
+        config["max_window_layers"] = sizes["num_layers"]
+    return config
+
+
+def _weights(arch: str, sizes: dict[str, int], seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float = 0.02, mean: float = 0.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std + mean).to(dtype)
+
+    hidden, inter, head_dim = sizes["hidden_size"], sizes["intermediate_size"], sizes["head_dim"]
+    q_size, kv_size = sizes["num_heads"] * head_dim, sizes["num_kv_heads"] * head_dim
+    vocab = sizes["vocab_size"]
+    # Wider spreads than a real model's 0.02: greedy decoding of a random model then has clear
+    # winners (no near-ties that rounding could flip) and strong MLPs keep it from collapsing into
+    # one repeated token, even with a tied head (which otherwise favours the current token).
+    # Norm weights are not all ones, so a skipped norm changes the output.
+    tensors = {"model.embed_tokens.weight": normal(vocab, hidden, std=0.3)}
+    for i in range(sizes["num_layers"]):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = normal(hidden, std=0.1, mean=1.0)
+        tensors[p + "post_attention_layernorm.weight"] = normal(hidden, std=0.1, mean=1.0)
+        tensors[p + "self_attn.q_proj.weight"] = normal(q_size, hidden, std=0.1)
+        tensors[p + "self_attn.k_proj.weight"] = normal(kv_size, hidden, std=0.1)
+        tensors[p + "self_attn.v_proj.weight"] = normal(kv_size, hidden, std=0.1)
+        tensors[p + "self_attn.o_proj.weight"] = normal(hidden, q_size, std=0.05)
+        if arch == "qwen2":
+            for name, size in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)):
+                tensors[p + f"self_attn.{name}.bias"] = normal(size, std=0.1)
+        if arch == "qwen3":
+            tensors[p + "self_attn.q_norm.weight"] = normal(head_dim, std=0.1, mean=1.0)
+            tensors[p + "self_attn.k_norm.weight"] = normal(head_dim, std=0.1, mean=1.0)
+        tensors[p + "mlp.gate_proj.weight"] = normal(inter, hidden, std=0.5)
+        tensors[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=0.5)
+        tensors[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=0.5)
+    tensors["model.norm.weight"] = normal(hidden, std=0.1, mean=1.0)
+    if arch != "qwen2":  # qwen2 ties the head to the embeddings
+        tensors["lm_head.weight"] = normal(vocab, hidden, std=0.1)
+    return tensors
+
+
+def _save_shards(tensors: dict[str, torch.Tensor], outdir: Path, num_shards: int) -> None:
+    if num_shards == 1:
+        save_file(tensors, str(outdir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    weight_map = {}
+    total_bytes = 0
+    for shard in range(num_shards):
+        filename = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[shard::num_shards]}
+        save_file(part, str(outdir / filename), metadata={"format": "pt"})
+        for name, tensor in part.items():
+            weight_map[name] = filename
+            total_bytes += tensor.numel() * tensor.element_size()
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    (outdir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def make_tiny_model(
+    outdir: str | Path,
+    arch: str,
+    seed: int = 0,
+    *,
+    preset: str = "tiny",
+    shards: int = 1,
+    dtype: str = "float32",
+    rope_scaling_llama3: bool = False,
+    **sizes: int,
+) -> Path:
+    """Write the checkpoint into `outdir` (created if needed) and return its path.
+
+    `sizes` overrides the preset's hidden_size, num_layers, num_heads, num_kv_heads, head_dim,
+    intermediate_size, vocab_size or max_position_embeddings.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    unknown = set(sizes) - set(PRESETS[preset])
+    if unknown:
+        raise ValueError(f"unknown size names {sorted(unknown)}; known: {sorted(PRESETS[preset])}")
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    resolved = {**PRESETS[preset], **{k: v for k, v in sizes.items() if v is not None}}
+    if resolved["num_heads"] % resolved["num_kv_heads"]:
+        raise ValueError(f"num_heads {resolved['num_heads']} is not a multiple of num_kv_heads {resolved['num_kv_heads']}")
+
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(resolved["vocab_size"], seed=0)
+    if tokenizer.get_vocab_size() > resolved["vocab_size"]:
+        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size {resolved['vocab_size']}")
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "model_max_length": resolved["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+    }, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN}, indent=2))
+    config = _config(arch, resolved, dtype, rope_scaling_llama3)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1], "do_sample": False}, indent=2))
+    _save_shards(_weights(arch, resolved, seed, getattr(torch, dtype)), out, shards)
+    return out
