@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pipeline.sampling_params import SamplingParams
+from stages.gpu_runner.step_inputs import to_device
 
 # splitmix64 constants as two's-complement int64, since torch has no uint64 arithmetic.
 _GAMMA = 0x9E3779B97F4A7C15 - 2**64
@@ -113,8 +114,8 @@ class SamplingMetadata:
             seeded_rows, np.array([params[i].seed for i in seeded_rows], dtype=np.int64),
             output_pos[seeded_rows],
         ])
-        floats_dev = _to_device(floats, device)
-        ints_dev = _to_device(ints, device)
+        floats_dev = to_device(floats, device)
+        ints_dev = to_device(ints, device)
         m = len(seeded_rows)
         cuts = np.cumsum([n, n, n, n, n, m, m])
         (greedy_dev, top_k_dev, rows_dev, num_tokens_dev, num_prompt_dev, seeded_rows_dev, seeds_dev,
@@ -150,18 +151,9 @@ class SamplingMetadata:
             seeded_rows=seeded_rows_dev,
             seeds=seeds_dev,
             seeded_output_pos=seeded_pos_dev,
-            blocked_token_ids=None if blocked is None else _to_device(blocked, device),
+            blocked_token_ids=None if blocked is None else to_device(blocked, device),
             token_table=token_table,
         )
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host → device without a host wait: through pinned memory, non-blocking. The caching
-    host allocator keeps the pinned block alive until the copy has run."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if torch.device(device).type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _min_tokens_blocked_ids(params: list[SamplingParams], output_pos: np.ndarray,

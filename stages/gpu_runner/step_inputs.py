@@ -30,11 +30,11 @@ class StepInputs:
     sampled_num_tokens: np.ndarray  # int64 [m]: known tokens before the sampled one
 
 
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
     """Host → device without a host wait. On CUDA through a fresh pinned buffer: the caching host
     allocator does not hand that buffer out again until the copy recorded on it has run."""
     tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type == "cpu":
+    if torch.device(device).type == "cpu":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
 
