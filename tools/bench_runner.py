@@ -22,8 +22,7 @@ import torch
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline.tiny_model import make_tiny_model
+from pipeline.tiny_model import make_tiny_model  # noqa: E402
 from pipeline.sampling_params import SamplingParams  # noqa: E402
 from stages.gpu_runner.runner import ModelRunner  # noqa: E402
 from stages.scheduler.plan import NewRequest, StepPlan  # noqa: E402
