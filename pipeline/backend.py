@@ -1,16 +1,50 @@
 """The daemon's handle on the stage processes: submit requests, abort them, read their output.
 
-INTERFACE STUB: the daemon codes against these signatures; the stage processes behind them
-(tokenizer workers, scheduler, runner, detokenizer, joined by shm rings and the token mailbox)
-implement them.
+`Backend` creates every ring of its instance (`/pipeline-<instance>-<link>`) and the status
+board, spawns the stages (runner, scheduler, detokenizer, `num_tokenizers` tokenizer workers),
+waits until each reports ready, and then only writes requests and aborts and reads output
+events. The runner makes the token mailbox itself, since its kind follows the runner's device.
+
+    daemon -generate{i}-> tokenizer{i} -tokenized{i}-> scheduler -plan-> runner
+    daemon -abort-> scheduler            runner -done-> scheduler, detokenizer (broadcast)
+    scheduler -manifest-> detokenizer -events-> daemon;   detokenizer -stop_strings-> scheduler
 """
 from __future__ import annotations
 
+import atexit
+import json
+import multiprocessing as mp
+import os
+import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from pipeline.errors import StageFailed
 from pipeline.sampling_params import SamplingParams
+from shm.naming import ring_name, sweep_stale, unlink_instance
+from shm.ring import RingReader, RingWriter
+from shm.segment import PeerDied, RingSegment
+from stages.gpu_runner.mailbox import unlink_mailbox
+from stages.messages import Kind, decode_events, encode_generate, encode_req_id
+from stages.process import EXIT_PEER_DIED, launch
+from stages.status import StatusBoard
+
+TOKENIZER_FILE = "tokenizer.json"
+REQUEST_RING_BYTES = 4 << 20
+PLAN_RING_BYTES = 16 << 20  # a plan carries every admitted request's whole prompt
+EVENT_RING_BYTES = 8 << 20
+CONTROL_RING_BYTES = 1 << 16
+MIN_MAILBOX_SLOTS = 3  # two steps in flight (async) plus the one being written
+MAX_TOKENIZERS = 32
+WRITE_TIMEOUT_S = 30.0  # a full request ring for this long means the pipeline is stuck
+LIVENESS_CHECK_S = 0.1  # read_events looks at the stage processes at least this often
+MAX_RECORDS_PER_READ = 64  # event batches one read_events call returns at most
+READY_POLL_S = 0.01
+KILL_GRACE_S = 1.0
+MIN_RATE_WINDOW_S = 0.5
 
 
 @dataclass(slots=True)
@@ -27,6 +61,9 @@ class EngineConfig:
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
     kv_connector: str | None = None  # None | "offload"
+    seed: int | None = None  # the runner's generator, for unseeded sampling
+    mailbox_slots: int = 8  # token mailbox slots: more than the steps that can be in flight
+    start_timeout_s: float = 300.0  # how long the stages may take to load the model and get ready
 
 
 @dataclass(slots=True)
@@ -64,26 +101,249 @@ class BackendStats:
 
 
 class Backend:
+    """The stage processes of one engine instance and the daemon's ends of their rings.
+
+    Threads: `read_events` is meant for one thread; `submit`, `abort`, `health`, `stats` may be
+    called from another (the ring ends they write are guarded by one lock). `close` from any.
+    """
+
     def __init__(self, config: EngineConfig, instance: str) -> None:
         """Creates the rings and the mailbox, spawns the stages, returns once all are ready."""
-        raise NotImplementedError
+        _check_config(config)
+        self.config = config
+        self.instance = instance
+        self._lock = threading.Lock()
+        self._closed = False
+        self._procs: list[tuple[str, mp.process.BaseProcess]] = []
+        self._live: set[int] = set()  # submitted and not yet finished: abort targets
+        self._next_tokenizer = 0
+        self._rate = _TokenRate()
+        self._writers: list[RingWriter] = []
+        self._readers: list[RingReader] = []
+        sweep_stale()
+        atexit.register(self.close)
+        try:
+            self._start()
+        except BaseException:
+            self.close(timeout_s=2.0)
+            raise
+
+    def _start(self) -> None:
+        config, instance = self.config, self.instance
+        self._board = StatusBoard.create(instance)
+        segments: dict[str, RingSegment] = {}
+
+        def ring(link: str, capacity_bytes: int, num_readers: int = 1) -> str:
+            segments[link] = RingSegment.create(instance, link, capacity_bytes, num_readers)
+            return segments[link].name
+
+        num_tok = config.num_tokenizers
+        rings = {
+            "generate": [ring(f"generate{i}", REQUEST_RING_BYTES) for i in range(num_tok)],
+            "tokenized": [ring(f"tokenized{i}", REQUEST_RING_BYTES) for i in range(num_tok)],
+            "abort": ring("abort", CONTROL_RING_BYTES),
+            "plan": ring("plan", PLAN_RING_BYTES),
+            "done": ring("done", CONTROL_RING_BYTES, num_readers=2),
+            "manifest": ring("manifest", PLAN_RING_BYTES),
+            "stop_strings": ring("stop_strings", CONTROL_RING_BYTES),
+            "events": ring("events", EVENT_RING_BYTES),
+        }
+        # The daemon's own ends; the creator's mappings of the others are not needed.
+        self._generate = [RingWriter(segments[f"generate{i}"]) for i in range(num_tok)]
+        self._abort = RingWriter(segments["abort"])
+        self._events = RingReader(segments["events"])
+        self._writers = [*self._generate, self._abort]
+        self._readers = [self._events]
+        for link, segment in segments.items():
+            if not (link.startswith("generate") or link in ("abort", "events")):
+                segment.close()
+        model_dir = Path(config.model)
+        tokenizer_file = model_dir / TOKENIZER_FILE
+        common = {
+            "instance": instance, "parent_pid": os.getpid(), "status": self._board.name,
+            "mailbox": ring_name(instance, "mailbox"), "tokenizer_path": str(tokenizer_file),
+            "start_timeout_s": config.start_timeout_s, "config": _plain(config),
+        }
+        stages = [("runner", "stages.gpu_runner.stage", {"plan": rings["plan"], "done": rings["done"]}),
+                  ("scheduler", "stages.scheduler.stage", rings),
+                  ("detokenizer", "stages.detokenizer.stage", rings)]
+        stages += [(f"tokenizer{i}", "stages.tokenizer.stage",
+                    {"generate": rings["generate"][i], "tokenized": rings["tokenized"][i]}) for i in range(num_tok)]
+        ctx = mp.get_context("spawn")
+        for index, (name, module, stage_rings) in enumerate(stages):
+            spec = dict(common, name=name, index=index, rings=stage_rings)
+            # Not daemonic, so a daemon that is itself a multiprocessing child may start stages;
+            # the atexit hook registered in __init__ stops them if the owner exits without close().
+            process = ctx.Process(target=launch, args=(module, json.dumps(spec)), name=f"pipeline-{name}")
+            process.start()
+            self._procs.append((name, process))
+        self._wait_ready()
+        # Every end has attached: the rings unlinked themselves; these two are ours to unlink.
+        unlink_mailbox(ring_name(instance, "mailbox"))
+        self._board.unlink()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while not all(self._board.is_ready(index) for index in range(len(self._procs))):
+            failed = self._failed_stage()
+            if failed is not None:
+                raise failed
+            if time.monotonic() > deadline:
+                waiting = [name for index, (name, _) in enumerate(self._procs) if not self._board.is_ready(index)]
+                raise StageFailed(f"stages {waiting} were not ready within {self.config.start_timeout_s} s")
+            time.sleep(READY_POLL_S)  # start-up only: model loading takes seconds
+
+    def _failed_stage(self) -> StageFailed | None:
+        """StageFailed naming a dead stage, if any died: one that failed on its own (killed, or
+        its own error) is named before one that ended because a peer died under it."""
+        dead = [(index, name, p.exitcode) for index, (name, p) in enumerate(self._procs) if p.exitcode is not None]
+        if not dead:
+            return None
+        dead.sort(key=lambda d: (d[2] == EXIT_PEER_DIED, d[2] >= 0))  # killed first, then own errors
+        index, name, code = dead[0]
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        error = self._board.error(index)
+        ready = "" if self._board.is_ready(index) else " while starting"
+        return StageFailed(f"stage {name!r} {how}{ready}" + (f": {error}" if error else ""))
 
     def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> None:
-        raise NotImplementedError
+        """Queue a request. Its prompt must fit a request ring record (REQUEST_RING_BYTES);
+        raises StageFailed if its tokenizer worker died."""
+        _check_req_id(req_id)
+        parts = encode_generate(req_id, prompt, params)
+        with self._lock:
+            self._check_open()
+            if req_id in self._live:
+                raise ValueError(f"req_id {req_id} is already running; ids must be unique among running requests")
+            writer = self._generate[self._next_tokenizer]
+            self._next_tokenizer = (self._next_tokenizer + 1) % len(self._generate)
+            self._write(writer, Kind.GENERATE, parts)
+            self._live.add(req_id)
 
     def abort(self, req_id: int) -> None:
-        raise NotImplementedError
+        """Stop a request; its last event has finish_reason "abort". Unknown or finished ids are ignored."""
+        with self._lock:
+            self._check_open()
+            if req_id not in self._live:
+                return  # finished already (or never submitted): nothing to stop
+            self._write(self._abort, Kind.ABORT, [encode_req_id(req_id)])
+
+    def _write(self, writer: RingWriter, kind: int, parts: list[bytes]) -> None:
+        try:
+            writer.write(kind, *parts, timeout=WRITE_TIMEOUT_S)
+        except PeerDied as exc:
+            raise self._failed_stage() or StageFailed(str(exc)) from None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the backend is closed")
 
     def read_events(self, timeout_s: float) -> list[OutputEvent]:
         """Blocks up to timeout_s for output; raises StageFailed when a stage has died."""
-        raise NotImplementedError
+        deadline = time.monotonic() + timeout_s
+        while True:
+            failed = self._failed_stage()
+            if failed is not None:
+                raise failed
+            try:
+                record = self._events.read(timeout=min(LIVENESS_CHECK_S, max(0.0, deadline - time.monotonic())))
+            except PeerDied:
+                raise self._failed_stage() or StageFailed("stage 'detokenizer' died") from None
+            if record is not None:
+                break
+            if time.monotonic() >= deadline:
+                return []
+        events: list[OutputEvent] = []
+        for _ in range(MAX_RECORDS_PER_READ):
+            events.extend(decode_events(record.payload, OutputEvent))
+            record = self._events.try_read()
+            if record is None:
+                break
+        self._events.release()
+        finished = [e.req_id for e in events if e.finish_reason is not None or e.error_code is not None]
+        if finished:
+            with self._lock:
+                self._live.difference_update(finished)
+        return events
 
     def health(self) -> list[StageHealth]:
-        raise NotImplementedError
+        return [StageHealth(name, process.pid or 0, process.is_alive(), self._board.heartbeat_age_s(index))
+                for index, (name, process) in enumerate(self._procs)]
 
     def stats(self) -> BackendStats:
-        raise NotImplementedError
+        counters = self._board.counters()
+        return BackendStats(counters.num_waiting, counters.num_running, counters.kv_blocks_used,
+                            counters.kv_blocks_free, self._rate.update(counters.tokens_generated), num_restarts=0)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops every stage and removes every shm entry of this instance."""
-        raise NotImplementedError
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.close)
+        board = getattr(self, "_board", None)
+        if board is not None:
+            board.request_stop()
+        deadline = time.monotonic() + timeout_s
+        for _, process in self._procs:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for _, process in self._procs:
+            if process.exitcode is None:
+                process.terminate()
+        for _, process in self._procs:
+            process.join(KILL_GRACE_S)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        for end in [*self._writers, *self._readers]:
+            end.close()
+        if board is not None:
+            board.close()
+        unlink_instance(self.instance)
+
+
+class _TokenRate:
+    """Tokens per second between successive stats() calls."""
+
+    def __init__(self) -> None:
+        self._last = (time.monotonic(), 0)
+        self._rate = 0.0
+
+    def update(self, tokens_generated: int) -> float:
+        now = time.monotonic()
+        last_time, last_tokens = self._last
+        if now - last_time >= MIN_RATE_WINDOW_S:
+            self._rate = (tokens_generated - last_tokens) / (now - last_time)
+            self._last = (now, tokens_generated)
+        return self._rate
+
+
+def _plain(config: EngineConfig) -> dict[str, object]:
+    """The config as JSON-able values, for the stage specs."""
+    return {name: getattr(config, name) for name in EngineConfig.__slots__}
+
+
+def _check_req_id(req_id: int) -> None:
+    if isinstance(req_id, bool) or not isinstance(req_id, int) or not 0 <= req_id < 2**63:
+        raise ValueError(f"req_id must be an integer in [0, 2**63), got {req_id!r}")
+
+
+def _check_config(config: EngineConfig) -> None:
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_tokenizers", "mailbox_slots"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if config.mailbox_slots < MIN_MAILBOX_SLOTS:
+        raise ValueError(f"mailbox_slots must be at least {MIN_MAILBOX_SLOTS} (the steps that can be in flight "
+                         f"plus one), got {config.mailbox_slots}")
+    if config.num_tokenizers > MAX_TOKENIZERS:
+        raise ValueError(f"num_tokenizers must be at most {MAX_TOKENIZERS}, got {config.num_tokenizers}")
+    if config.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {config.device!r}")
+    if config.kv_connector not in (None, "offload"):
+        raise ValueError(f"kv_connector must be None or 'offload', got {config.kv_connector!r}")
+    if not (Path(config.model) / TOKENIZER_FILE).is_file():
+        raise ValueError(f"model {config.model!r} has no {TOKENIZER_FILE}")
+    if not config.start_timeout_s > 0:
+        raise ValueError(f"start_timeout_s must be positive, got {config.start_timeout_s!r}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer
@@ -15,6 +16,10 @@ from stages.gpu_runner.offload import OffloadConnectorWorker
 from stages.scheduler.config import SchedulerConfig
 from stages.scheduler.offload import OffloadConnectorScheduler
 from stages.scheduler.scheduler import Scheduler
+from stages.tokenizer.prompt_check import check_prompt
+
+if TYPE_CHECKING:
+    from stages.gpu_runner.runner import ModelRunner
 
 Prompt = str | Sequence[int]
 KV_CONNECTORS = ("offload",)
@@ -26,6 +31,37 @@ def _resolve_device(device: str) -> str:
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
     return device
+
+
+def build_runner(model: str | Path, *, device: str, dtype: str, block_size: int, num_kv_blocks: int | None,
+                 max_num_seqs: int, max_model_len: int | None, max_num_batched_tokens: int,
+                 kv_connector: OffloadConnectorWorker | None, seed: int | None) -> ModelRunner:
+    """The model runner as LLM and the runner stage build it."""
+    from stages.gpu_runner.runner import ModelRunner  # the model stack is heavy; only when used
+
+    return ModelRunner(
+        model, device=_resolve_device(device), dtype=dtype, block_size=block_size,
+        num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens, kv_connector=kv_connector, seed=seed)
+
+
+def serving_max_model_len(runner_max_model_len: int, num_kv_blocks: int, block_size: int,
+                          max_model_len: int | None) -> int:
+    """The longest sequence served: the KV pool bounds a sequence as much as the model does."""
+    if max_model_len is not None:
+        return max_model_len
+    return min(runner_max_model_len, num_kv_blocks * block_size)
+
+
+def build_scheduler(*, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                    enable_prefix_caching: bool, num_kv_blocks: int, block_size: int, eos_token_ids: list[int],
+                    num_host_blocks: int | None) -> Scheduler:
+    """The scheduler as LLM and the scheduler stage build it; num_host_blocks set means the
+    offload KV connector is on."""
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching)
+    connector = None if num_host_blocks is None else OffloadConnectorScheduler(num_host_blocks)
+    return Scheduler(config, num_kv_blocks, block_size, eos_token_ids, connector)
 
 
 class LLM:
@@ -57,23 +93,21 @@ class LLM:
         if runner is None:
             if model is None:
                 raise ValueError("LLM needs a model directory (model=...) or a runner")
-            from stages.gpu_runner.runner import ModelRunner  # the model stack is heavy; only when used
-
-            runner = ModelRunner(
-                model, device=_resolve_device(device), dtype=dtype, block_size=block_size,
-                num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            runner = build_runner(
+                model, device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
+                max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens, kv_connector=worker, seed=seed)
         elif worker is not None:
             raise ValueError("kv_connector is set up by LLM only when it builds the runner itself")
         self.runner = runner
         self.vocab_size: int = runner.vocab_size
-        # The KV pool bounds a sequence as much as the model does.
-        capacity = runner.num_kv_blocks * block_size
-        self.max_model_len = min(runner.max_model_len, capacity) if max_model_len is None else max_model_len
-        config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                 max_model_len=self.max_model_len, enable_prefix_caching=enable_prefix_caching)
-        connector = None if worker is None else OffloadConnectorScheduler(worker.num_host_blocks)
-        self.scheduler = Scheduler(config, runner.num_kv_blocks, block_size, runner.eos_token_ids, connector)
+        self.max_model_len = serving_max_model_len(runner.max_model_len, runner.num_kv_blocks, block_size,
+                                                   max_model_len)
+        self.scheduler = build_scheduler(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_model_len, enable_prefix_caching=enable_prefix_caching,
+            num_kv_blocks=runner.num_kv_blocks, block_size=block_size, eos_token_ids=runner.eos_token_ids,
+            num_host_blocks=None if worker is None else worker.num_host_blocks)
         path = getattr(runner, "tokenizer_path", None)
         self.tokenizer = None if path is None else Tokenizer.from_file(str(path))
         self.engine = Engine(runner, self.scheduler, async_scheduling=async_scheduling,
@@ -106,12 +140,7 @@ class LLM:
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         else:
             token_ids = [int(t) for t in prompt]
-        if not token_ids:
-            raise ValueError(f"prompt {index} is empty")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {index} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt {index} has {len(token_ids)} tokens; max_model_len {self.max_model_len} "
-                             f"allows at most {self.max_model_len - 1} so one token can be generated")
+        problem = check_prompt(token_ids, self.vocab_size, self.max_model_len, f"prompt {index}")
+        if problem is not None:
+            raise ValueError(problem.message)
         return token_ids

@@ -1,0 +1,110 @@
+"""What every stage process shares: its spec, heartbeat, stop and parent watch, and exit codes.
+
+A stage's process target is `run_stage(spec_json, serve)`. The spec is JSON (names of rings and
+segments, the engine config as plain values), so nothing but strings crosses the spawn. `serve`
+builds the stage, calls `ctx.ready()`, and loops calling `ctx.tick()` at least every
+TICK_S; tick raises StageStop when the daemon asked to stop or is gone, so a stage outlives
+its parent by at most about TICK_S.
+
+Exit codes: 0 stopped when asked, EXIT_ERROR its own failure (message on the status board),
+EXIT_PEER_DIED another stage died under it, EXIT_PARENT_GONE the daemon died.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from shm.ring import RingTimeout, RingWriter
+from shm.segment import PeerDied
+from stages.status import ModelLimits, StatusBoard
+
+EXIT_ERROR = 1
+EXIT_PEER_DIED = 3
+EXIT_PARENT_GONE = 4
+TICK_S = 0.05  # the longest a stage loop blocks between ticks
+LIMITS_POLL_S = 0.005
+
+
+class StageStop(Exception):
+    """Leave the stage loop: the daemon asked us to stop, or is gone."""
+
+    def __init__(self, exit_code: int, message: str) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StageContext:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.name: str = spec["name"]
+        self.index: int = spec["index"]
+        self._parent_pid: int = spec["parent_pid"]
+        self.board = StatusBoard.open(spec["status"])
+        self.board.mark_started(self.index, os.getpid())
+
+    def tick(self) -> None:
+        """Heartbeat; raises StageStop when it is time to go."""
+        board = self.board
+        board.beat(self.index)
+        if board.stop_requested:
+            raise StageStop(0, "stop requested")
+        if os.getppid() != self._parent_pid:
+            raise StageStop(EXIT_PARENT_GONE, f"the daemon (pid {self._parent_pid}) is gone")
+
+    def write(self, writer: RingWriter, kind: int, *parts: object) -> None:
+        """Write one record, ticking while the ring stays full (a stalled reader never keeps
+        this stage from seeing a stop request or its parent's death)."""
+        while True:
+            try:
+                writer.write(kind, *parts, timeout=TICK_S)
+                return
+            except RingTimeout:
+                self.tick()
+
+    def ready(self) -> None:
+        self.board.mark_ready(self.index)
+
+    def wait_limits(self, timeout_s: float) -> ModelLimits:
+        """The model limits the runner publishes once it has loaded the model."""
+        deadline = time.monotonic() + timeout_s
+        while (limits := self.board.limits()) is None:
+            self.tick()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: the runner published no model limits within {timeout_s} s")
+            time.sleep(LIMITS_POLL_S)  # a start-up poll, once per process
+        return limits
+
+
+def run_stage(spec_json: str, serve: Callable[[StageContext], None]) -> None:
+    """Process body of one stage: run `serve` and exit with the code that says why it ended."""
+    # The daemon stops stages through the status board; a Ctrl-C meant for it must not kill
+    # a stage half-way through a record.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    spec = json.loads(spec_json)
+    ctx = StageContext(spec)
+    code = 0
+    try:
+        serve(ctx)
+    except StageStop as stop:
+        code = stop.exit_code
+    except PeerDied as exc:
+        ctx.board.set_error(ctx.index, f"{ctx.name}: {exc}")
+        code = EXIT_PEER_DIED
+    except BaseException as exc:  # noqa: BLE001 - reported to the daemon, then the process ends
+        ctx.board.set_error(ctx.index, f"{ctx.name}: {type(exc).__name__}: {exc}")
+        code = EXIT_ERROR
+    sys.stdout.flush()
+    sys.exit(code)
+
+
+def launch(module: str, spec_json: str) -> None:
+    """Process target: import stage `module` in the child and run its `main`. The daemon names
+    the module instead of passing the function, so it never imports the model stack itself."""
+    import importlib
+
+    importlib.import_module(module).main(spec_json)

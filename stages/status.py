@@ -1,0 +1,186 @@
+"""The status board: one small shared segment where every stage reports liveness and counters.
+
+Layout (int64 slots; each written by one process):
+
+    0..7            magic, stop flag (the daemon's), model limits published by the runner:
+                    limits ready, num_kv_blocks, max_model_len, vocab_size, num_host_blocks
+    8..15           eos token ids (count, then up to 7 ids)               (the runner's)
+    16..23          scheduler counters: waiting, running, kv used, kv free,
+                    tokens generated, preemptions                         (the scheduler's)
+    24 + 8*s ..     stage s: pid, heartbeat (CLOCK_MONOTONIC ns), ready   (stage s's)
+    then            an error message area of ERROR_BYTES per stage (utf-8, length-prefixed)
+
+CLOCK_MONOTONIC is one clock for every process on the machine, so heartbeat ages compare.
+"""
+from __future__ import annotations
+
+import mmap
+import time
+from dataclasses import dataclass
+
+import posix_ipc
+
+from shm.naming import ring_name
+
+MAGIC = 0x31544154535F5049  # b"IP_STAT1"
+MAX_STAGES = 64
+MAX_EOS_IDS = 7
+ERROR_BYTES = 1024
+_MAGIC, _STOP, _LIMITS_READY, _NUM_KV_BLOCKS, _MAX_MODEL_LEN, _VOCAB_SIZE, _NUM_HOST_BLOCKS = range(7)
+_EOS = 8
+_COUNTERS = 16
+_STAGES = 24
+_STAGE_SLOTS = 8
+_PID, _HEARTBEAT, _READY = range(3)
+_ERRORS_OFFSET = (_STAGES + MAX_STAGES * _STAGE_SLOTS) * 8
+SIZE_BYTES = _ERRORS_OFFSET + MAX_STAGES * ERROR_BYTES
+
+
+@dataclass(slots=True)
+class ModelLimits:
+    """What the runner learns when it loads the model, and the other stages need."""
+
+    num_kv_blocks: int
+    max_model_len: int  # bounded by the KV pool as well as the model
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_host_blocks: int  # the KV connector's host pool (0 without one)
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    tokens_generated: int
+    num_preemptions: int
+
+
+class StatusBoard:
+    """A mapping of the status segment. `create` in the daemon, `open` in each stage."""
+
+    def __init__(self, name: str, mm: mmap.mmap) -> None:
+        self.name = name
+        self._mm = mm
+        self._slots = memoryview(mm).cast("q")
+
+    @classmethod
+    def create(cls, instance: str) -> StatusBoard:
+        name = ring_name(instance, "status")
+        shared = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=SIZE_BYTES)
+        try:
+            mm = mmap.mmap(shared.fd, SIZE_BYTES)
+        finally:
+            shared.close_fd()
+        board = cls(name, mm)
+        board._slots[_MAGIC] = MAGIC
+        return board
+
+    @classmethod
+    def open(cls, name: str) -> StatusBoard:
+        shared = posix_ipc.SharedMemory(name)
+        try:
+            mm = mmap.mmap(shared.fd, SIZE_BYTES)
+        finally:
+            shared.close_fd()
+        board = cls(name, mm)
+        if board._slots[_MAGIC] != MAGIC:
+            board.close()
+            raise ValueError(f"{name!r} is not a status segment")
+        return board
+
+    def unlink(self) -> None:
+        try:
+            posix_ipc.unlink_shared_memory(self.name)
+        except posix_ipc.ExistentialError:
+            pass
+
+    def close(self) -> None:
+        self._slots.release()
+        self._mm.close()
+
+    # ---- the daemon's
+
+    def request_stop(self) -> None:
+        self._slots[_STOP] = 1
+
+    @property
+    def stop_requested(self) -> bool:
+        return bool(self._slots[_STOP])
+
+    # ---- model limits (the runner's)
+
+    def publish_limits(self, limits: ModelLimits) -> None:
+        eos = limits.eos_token_ids[:MAX_EOS_IDS]
+        slots = self._slots
+        slots[_NUM_KV_BLOCKS] = limits.num_kv_blocks
+        slots[_MAX_MODEL_LEN] = limits.max_model_len
+        slots[_VOCAB_SIZE] = limits.vocab_size
+        slots[_NUM_HOST_BLOCKS] = limits.num_host_blocks
+        slots[_EOS] = len(eos)
+        for index, token_id in enumerate(eos):
+            slots[_EOS + 1 + index] = token_id
+        slots[_LIMITS_READY] = 1  # last: a reader that sees it sees the rest (x86-64 store order)
+
+    def limits(self) -> ModelLimits | None:
+        slots = self._slots
+        if not slots[_LIMITS_READY]:
+            return None
+        eos = [slots[_EOS + 1 + i] for i in range(slots[_EOS])]
+        return ModelLimits(slots[_NUM_KV_BLOCKS], slots[_MAX_MODEL_LEN], slots[_VOCAB_SIZE], eos,
+                           slots[_NUM_HOST_BLOCKS])
+
+    # ---- scheduler counters
+
+    def publish_counters(self, counters: SchedulerCounters) -> None:
+        slots = self._slots
+        slots[_COUNTERS + 0] = counters.num_waiting
+        slots[_COUNTERS + 1] = counters.num_running
+        slots[_COUNTERS + 2] = counters.kv_blocks_used
+        slots[_COUNTERS + 3] = counters.kv_blocks_free
+        slots[_COUNTERS + 4] = counters.tokens_generated
+        slots[_COUNTERS + 5] = counters.num_preemptions
+
+    def counters(self) -> SchedulerCounters:
+        return SchedulerCounters(*(self._slots[_COUNTERS + i] for i in range(6)))
+
+    # ---- per stage
+
+    def _stage(self, index: int, field: int) -> int:
+        if not 0 <= index < MAX_STAGES:
+            raise ValueError(f"stage index must be in [0, {MAX_STAGES}), got {index}")
+        return _STAGES + index * _STAGE_SLOTS + field
+
+    def beat(self, index: int) -> None:
+        self._slots[self._stage(index, _HEARTBEAT)] = time.monotonic_ns()
+
+    def mark_started(self, index: int, pid: int) -> None:
+        self._slots[self._stage(index, _PID)] = pid
+        self.beat(index)
+
+    def mark_ready(self, index: int) -> None:
+        self.beat(index)
+        self._slots[self._stage(index, _READY)] = 1
+
+    def is_ready(self, index: int) -> bool:
+        return bool(self._slots[self._stage(index, _READY)])
+
+    def pid(self, index: int) -> int:
+        return self._slots[self._stage(index, _PID)]
+
+    def heartbeat_age_s(self, index: int) -> float:
+        beat = self._slots[self._stage(index, _HEARTBEAT)]
+        return float("inf") if beat == 0 else max(0.0, (time.monotonic_ns() - beat) / 1e9)
+
+    def set_error(self, index: int, message: str) -> None:
+        data = message.encode("utf-8")[:ERROR_BYTES - 8]
+        self._stage(index, 0)  # validates the index
+        offset = _ERRORS_OFFSET + index * ERROR_BYTES
+        self._mm[offset + 8:offset + 8 + len(data)] = data
+        self._mm[offset:offset + 8] = len(data).to_bytes(8, "little")
+
+    def error(self, index: int) -> str:
+        offset = _ERRORS_OFFSET + index * ERROR_BYTES
+        length = int.from_bytes(self._mm[offset:offset + 8], "little")
+        return self._mm[offset + 8:offset + 8 + length].decode("utf-8", "replace")

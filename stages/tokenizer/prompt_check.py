@@ -1,0 +1,29 @@
+"""Whether a tokenized prompt can be served: non-empty, in the vocabulary, short enough to generate."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.errors import ErrorCode
+
+
+@dataclass(slots=True)
+class PromptProblem:
+    code: str  # an ErrorCode value
+    field: str  # "" when the problem is not one request field's
+    message: str
+
+
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int,
+                 label: str = "prompt") -> PromptProblem | None:
+    """None if the prompt is servable, else what is wrong (the message starts with `label`)."""
+    if not token_ids:
+        return PromptProblem(ErrorCode.INVALID_PARAMS.value, "prompt", f"{label} is empty")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        return PromptProblem(ErrorCode.INVALID_PARAMS.value, "prompt",
+                             f"{label} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(token_ids) >= max_model_len:
+        return PromptProblem(ErrorCode.PROMPT_TOO_LONG.value, "",
+                             f"{label} has {len(token_ids)} tokens; max_model_len {max_model_len} "
+                             f"allows at most {max_model_len - 1} so one token can be generated")
+    return None

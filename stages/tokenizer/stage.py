@@ -1,0 +1,49 @@
+"""A tokenizer worker process: text to token ids in batches, prompt checks, on to the scheduler.
+
+Each worker reads its own ring from the daemon and writes its own ring to the scheduler. A
+prompt the model cannot serve (empty, ids outside the vocabulary, too long) goes on as a
+rejection, which reaches the daemon as an error event through the scheduler and detokenizer.
+"""
+from __future__ import annotations
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from shm.ring import RingReader, RingWriter
+from stages import messages as msg
+from stages.process import TICK_S, StageContext, run_stage
+from stages.tokenizer.prompt_check import check_prompt
+
+MAX_BATCH = 64  # requests encoded in one encode_batch call
+
+
+def main(spec_json: str) -> None:
+    run_stage(spec_json, serve)
+
+
+def serve(ctx: StageContext) -> None:
+    spec = ctx.spec
+    tokenizer = Tokenizer.from_file(spec["tokenizer_path"])
+    inbox = RingReader.attach(spec["rings"]["generate"])
+    outbox = RingWriter.attach(spec["rings"]["tokenized"])
+    limits = ctx.wait_limits(spec["start_timeout_s"])
+    ctx.ready()
+    while True:
+        ctx.tick()
+        record = inbox.read(timeout=TICK_S)
+        if record is None:
+            continue
+        batch = [msg.decode_generate(record.payload)]
+        while len(batch) < MAX_BATCH and (record := inbox.try_read()) is not None:
+            batch.append(msg.decode_generate(record.payload))
+        texts = [g.prompt for g in batch if isinstance(g.prompt, str)]
+        encoded = iter(tokenizer.encode_batch(texts, add_special_tokens=False) if texts else ())
+        for request in batch:
+            token_ids = next(encoded).ids if isinstance(request.prompt, str) else request.prompt
+            problem = check_prompt(token_ids, limits.vocab_size, limits.max_model_len)
+            if problem is not None:
+                rejection = msg.Rejection(request.req_id, problem.code, problem.field, problem.message)
+                ctx.write(outbox, msg.Kind.REJECT, msg.encode_reject(rejection))
+            else:
+                ctx.write(outbox, msg.Kind.NEW_REQUEST,
+                             *msg.encode_new_request(request.req_id, np.array(token_ids, np.int32), request.params))
