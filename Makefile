@@ -25,9 +25,9 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
 
-# Until the daemon lands, the main job is the IPC benchmark.
+# The daemon in the foreground on the embedded default model (built on first use); Ctrl-C stops it.
 run: $(VENV)/.installed
-	$(PY) tools/bench_ipc.py --quick
+	$(VENV)/bin/pipeline start
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,230 @@
+"""The `pipeline` command: start, stop, status and generate against the daemon's socket."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipeline.backend import EngineConfig
+from pipeline.client import Client
+from pipeline.errors import DaemonNotRunning, PipelineError
+from pipeline.paths import default_socket_path
+from pipeline.sampling_params import InvalidParams
+
+DETACH_READY_TIMEOUT_S = 300.0  # building the default model and spawning the stages
+STOP_TIMEOUT_S = 30.0
+POLL_S = 0.1
+RATE_SAMPLE_S = 0.5  # `status` measures tokens/s over this long
+
+
+def _socket_path(args: argparse.Namespace) -> Path:
+    return Path(args.socket) if args.socket else default_socket_path()
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The options that make an EngineConfig (shared with test launchers of the daemon)."""
+    parser.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    parser.add_argument("--max-model-len", type=_positive_int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
+    parser.add_argument("--block-size", type=_positive_int, default=16)
+    parser.add_argument("--num-kv-blocks", type=_positive_int, default=None)
+    parser.add_argument("--num-tokenizers", type=_positive_int, default=1)
+    parser.add_argument("--no-async-scheduling", action="store_true")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--kv-connector", choices=["offload"], default=None)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the options ask for; without --model, the embedded default (built once)."""
+    if args.model is None:
+        from pipeline.default_model import ensure_default_model
+
+        model = str(ensure_default_model())
+    else:
+        model = args.model
+        if not Path(model, "config.json").is_file():
+            raise PipelineError(f"--model {model!r} is not a checkpoint directory (no config.json in it)")
+    return EngineConfig(
+        model=model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, num_tokenizers=args.num_tokenizers,
+        async_scheduling=not args.no_async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
+        kv_connector=args.kv_connector)
+
+
+def _start(args: argparse.Namespace) -> int:
+    socket_path = _socket_path(args)
+    if args.detach:
+        return _start_detached(args, socket_path)
+    from pipeline.daemon import run_daemon
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = engine_config(args)
+    try:
+        return run_daemon(config, socket_path, ready=lambda: print(f"listening on {socket_path}", flush=True))
+    except PipelineError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the stages failed to come up: say why, exit non-zero
+        logging.getLogger("pipeline.daemon").exception("the daemon failed to start")
+        raise PipelineError(f"the daemon failed to start: {type(exc).__name__}: {exc}") from exc
+
+
+def _start_detached(args: argparse.Namespace, socket_path: Path) -> int:
+    """Runs `pipeline start` without --detach in its own session; returns once it serves."""
+    from pipeline.daemon import claim_socket_path
+
+    claim_socket_path(socket_path)  # fail here, with the message, if one already runs
+    argv = [arg for arg in args.argv if arg != "--detach"]
+    if "--socket" not in argv:
+        argv += ["--socket", str(socket_path)]
+    log_path = socket_path.with_name(socket_path.name + ".log")
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *argv], stdin=subprocess.DEVNULL,
+                                   stdout=log_file, stderr=log_file, start_new_session=True)
+    deadline = time.monotonic() + DETACH_READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = log_path.read_text(errors="replace").splitlines()[-20:]
+            print(f"pipeline: the daemon exited with status {process.returncode}; log {log_path}:", file=sys.stderr)
+            print("\n".join(tail), file=sys.stderr)
+            return 1
+        try:
+            with Client(socket_path, timeout_s=5.0) as client:
+                client.health()
+        except (DaemonNotRunning, OSError, PipelineError):
+            time.sleep(POLL_S)
+            continue
+        print(socket_path)
+        return 0
+    process.terminate()
+    print(f"pipeline: the daemon did not answer within {DETACH_READY_TIMEOUT_S:.0f} s; log {log_path}", file=sys.stderr)
+    return 1
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from pipeline.daemon import pid_file_for
+    from shm.naming import pid_alive
+
+    socket_path = _socket_path(args)
+    # The pid file alone could name a recycled pid: signal it only while a daemon answers.
+    with Client(socket_path, timeout_s=5.0) as client:
+        client.health()
+    pid_file = pid_file_for(socket_path)
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        raise PipelineError(f"a daemon answers on {socket_path} but its pid file {pid_file} is missing or unreadable") from None
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            raise PipelineError(f"the daemon (pid {pid}) is still running {STOP_TIMEOUT_S:.0f} s after SIGTERM")
+        time.sleep(POLL_S)
+    print(f"stopped the daemon (pid {pid})")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    with Client(_socket_path(args), timeout_s=10.0) as client:
+        health = client.health()
+        first = client.stats()
+        time.sleep(RATE_SAMPLE_S)
+        stats = client.stats()
+    elapsed_s = max(stats.uptime_s - first.uptime_s, 1e-9)
+    tokens_per_s = (stats.num_generated_tokens_total - first.num_generated_tokens_total) / elapsed_s
+    print(f"daemon: {health.status} (version {health.version}, up {health.uptime_s:.0f} s)")
+    for name, state in health.stages.items():
+        print(f"  {name}: {state}")
+    print(f"requests: {stats.num_running_requests} running, {stats.num_waiting_requests} waiting, "
+          f"{stats.num_finished_requests} finished")
+    print(f"KV blocks: {stats.kv_blocks_used} used, {stats.kv_blocks_total - stats.kv_blocks_used} free "
+          f"of {stats.kv_blocks_total}")
+    print(f"tokens/s: {tokens_per_s:.1f} generated (over the last {RATE_SAMPLE_S} s); "
+          f"{stats.num_generated_tokens_total} in all")
+    return 0 if health.status == "ok" else 1
+
+
+def _generate(args: argparse.Namespace) -> int:
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+              "top_k": args.top_k, "seed": args.seed, "stop": args.stop or [], "ignore_eos": args.ignore_eos}
+    with Client(_socket_path(args)) as client:
+        if args.stream:
+            with client.stream(args.prompt, params) as stream:
+                for delta in stream:
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+            sys.stdout.write("\n")
+        else:
+            print(client.generate(args.prompt, params).text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipeline", description="LLM serving engine daemon and client")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def with_socket(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sub.add_argument("--socket", help=f"Unix socket path (default: {default_socket_path()})")
+        return sub
+
+    start = with_socket(commands.add_parser("start", help="start the daemon (in the foreground unless --detach)"))
+    add_engine_options(start)
+    start.add_argument("--detach", action="store_true", help="run in the background; return once it serves")
+    start.set_defaults(handler=_start)
+    with_socket(commands.add_parser("stop", help="stop the daemon and wait until it is gone")).set_defaults(handler=_stop)
+    with_socket(commands.add_parser("status", help="stage health, requests, KV blocks, tokens/s")).set_defaults(
+        handler=_status)
+    generate = with_socket(commands.add_parser("generate", help="generate text for one prompt"))
+    generate.add_argument("prompt")
+    generate.add_argument("--max-tokens", type=int, default=16)
+    generate.add_argument("--temperature", type=float, default=1.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stop", action="append", help="stop string (repeatable)")
+    generate.add_argument("--ignore-eos", action="store_true")
+    generate.add_argument("--stream", action="store_true", help="print text as it is generated")
+    generate.set_defaults(handler=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv  # `start --detach` hands the same options to the daemon it spawns
+    try:
+        return args.handler(args)
+    except DaemonNotRunning as exc:
+        print(f"pipeline: {exc.message}", file=sys.stderr)
+        return 2
+    except InvalidParams as exc:
+        print(f"pipeline: invalid request: {exc}", file=sys.stderr)
+        return 1
+    except PipelineError as exc:
+        print(f"pipeline: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

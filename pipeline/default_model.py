@@ -1,0 +1,50 @@
+"""The embedded default model: a tiny random checkpoint built once into the user's cache.
+
+Its text is meaningless (random weights); it exists so that `pipeline start` runs offline,
+with nothing to download, on any machine.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_MODEL_ARCH = "llama"
+DEFAULT_MODEL_SEED = 0
+# Files whose presence marks a finished build; the build renames a complete directory into
+# place, so a directory holding them is never half-written.
+_REQUIRED_FILES = ("config.json", "tokenizer.json", "model.safetensors")
+
+
+def default_model_dir() -> Path:
+    """`$XDG_CACHE_HOME/pipeline/default-model`, else `~/.cache/pipeline/default-model`."""
+    cache_home = os.environ.get("XDG_CACHE_HOME")
+    base = Path(cache_home) if cache_home else Path.home() / ".cache"
+    return base / "pipeline" / "default-model"
+
+
+def ensure_default_model(target: Path | None = None) -> Path:
+    """The default model's directory, building it first if it is not there yet.
+
+    The build goes into a temporary directory beside the target and is renamed into place, so
+    a crash leaves no partial model and two daemons starting at once both end up with one
+    complete copy (the loser of the rename discards its own).
+    """
+    target = default_model_dir() if target is None else Path(target)
+    if all((target / name).is_file() for name in _REQUIRED_FILES):
+        return target
+    from pipeline.tiny_model import make_tiny_model  # imports torch: only when a build is needed
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".default-model-", dir=target.parent))
+    try:
+        make_tiny_model(scratch, DEFAULT_MODEL_ARCH, DEFAULT_MODEL_SEED)
+        try:
+            os.rename(scratch, target)
+        except OSError:
+            if not all((target / name).is_file() for name in _REQUIRED_FILES):
+                raise  # not a lost race: something else is in the way
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target

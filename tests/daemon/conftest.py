@@ -1,0 +1,118 @@
+"""Live daemons for end-to-end tests, each in its own process on a tiny checkpoint.
+
+The daemon runs `pipeline start` with the real stage processes, unless
+PIPELINE_TEST_BACKEND=engine-thread, which runs it over the EngineThreadBackend test double
+(the offline engine in a thread; the stage-failure test needs it to inject the fault).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pipeline.client import Client
+from pipeline.errors import DaemonNotRunning, PipelineError
+from pipeline.tiny_model import make_tiny_model
+from shm.naming import instance_of, list_entries
+
+HERE = Path(__file__).resolve().parent
+REAL_BACKEND = os.environ.get("PIPELINE_TEST_BACKEND", "real") == "real"
+START_TIMEOUT_S = 60.0
+# Small enough to start in seconds, large enough for 64 requests at once.
+ENGINE_OPTIONS = ["--device", "cpu", "--max-model-len", "2048", "--num-kv-blocks", "512", "--block-size", "16"]
+
+
+@dataclass(slots=True)
+class LiveDaemon:
+    socket_path: Path
+    process: subprocess.Popen
+    model: Path
+    log_path: Path
+
+    def stop(self) -> int:
+        """SIGTERM, then the exit status (the process is killed if it hangs)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise
+
+    def shm_entries(self) -> list[str]:
+        """/dev/shm entries whose instance id names this daemon's pid."""
+        prefix = f"{self.process.pid}_"
+        return sorted(e for e in list_entries() if (instance_of(e) or "").startswith(prefix))
+
+
+def daemon_command(model: Path, socket_path: Path, extra: list[str]) -> list[str]:
+    if REAL_BACKEND:
+        return [sys.executable, "-m", "pipeline.cli", "start", "--model", str(model), "--socket", str(socket_path),
+                *ENGINE_OPTIONS, *extra]
+    return [sys.executable, str(HERE / "serve_engine_thread.py"), "--model", str(model), "--socket",
+            str(socket_path), *ENGINE_OPTIONS, *extra]
+
+
+def wait_until_serving(socket_path: Path, process: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"daemon exited with {process.returncode}:\n{log_path.read_text()}")
+        try:
+            with Client(socket_path, timeout_s=5) as client:
+                client.health()
+            return
+        except (DaemonNotRunning, OSError, PipelineError):
+            time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"daemon did not serve within {START_TIMEOUT_S} s:\n{log_path.read_text()}")
+
+
+def start_daemon(model: Path, directory: Path, extra: list[str] | None = None) -> LiveDaemon:
+    socket_path = directory / "pipeline.sock"
+    log_path = directory.parent / "daemon.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(daemon_command(model, socket_path, extra or []), stdout=log_file,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    wait_until_serving(socket_path, process, log_path)
+    return LiveDaemon(socket_path, process, model, log_path)
+
+
+@pytest.fixture(scope="session")
+def daemon_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("daemon-tiny-llama"), "llama", seed=3)
+
+
+def short_dir() -> Path:
+    # Not tmp_path: a Unix socket path must fit in 108 bytes, and tmp_path embeds the test name.
+    directory = Path(tempfile.mkdtemp(prefix="pld-"))
+    os.chmod(directory, 0o700)
+    return directory / "run"  # made by the daemon, so its mode is the daemon's doing
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    directory = short_dir()
+    yield directory
+    shutil.rmtree(directory.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def live_daemon(daemon_model: Path) -> Iterator[LiveDaemon]:
+    directory = short_dir()
+    daemon = start_daemon(daemon_model, directory)
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        shutil.rmtree(directory.parent, ignore_errors=True)

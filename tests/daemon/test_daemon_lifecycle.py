@@ -1,0 +1,149 @@
+"""The daemon's life: one per socket, `pipeline stop` leaves nothing behind, a failed stage ends
+every request at once, the CLI round trip, and the embedded default model."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REAL_BACKEND, start_daemon
+
+from pipeline.cli import main as cli_main
+from pipeline.client import AsyncClient, Client
+from pipeline.daemon import DaemonAlreadyRunning, claim_socket_path, pid_file_for
+from pipeline.default_model import ensure_default_model
+from pipeline.errors import StageFailed
+from shm.naming import pid_alive
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def run_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def test_stop_leaves_no_process_socket_or_shared_memory(daemon_model: Path, run_dir: Path) -> None:
+    daemon = start_daemon(daemon_model, run_dir)
+    try:
+        pid_file = pid_file_for(daemon.socket_path)
+        assert int(pid_file.read_text()) == daemon.process.pid
+        with Client(daemon.socket_path) as client:
+            assert client.health().status == "ok"
+            client.generate("warm up", {"max_tokens": 4})
+        result = run_cli("stop", "--socket", str(daemon.socket_path))
+        assert result.returncode == 0, result.stderr
+        assert daemon.process.wait(timeout=5) == 0
+        assert not pid_alive(daemon.process.pid)
+        assert not daemon.socket_path.exists() and not pid_file.exists()
+        assert daemon.shm_entries() == []
+        result = run_cli("stop", "--socket", str(daemon.socket_path))
+        assert result.returncode == 2 and "no pipeline daemon is listening" in result.stderr
+    finally:
+        daemon.stop()
+
+
+def test_one_daemon_per_socket_and_stale_sockets_are_removed(daemon_model: Path, run_dir: Path) -> None:
+    daemon = start_daemon(daemon_model, run_dir)
+    try:
+        with pytest.raises(DaemonAlreadyRunning):
+            claim_socket_path(daemon.socket_path)
+        second = subprocess.run(
+            [sys.executable, "-c", "from pipeline.cli import main; import sys; sys.exit(main())", "start",
+             "--socket", str(daemon.socket_path), "--model", str(daemon_model)],
+            capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1 and "already running" in second.stderr
+        with Client(daemon.socket_path) as client:
+            assert client.health().status == "ok"  # untouched by the attempt
+    finally:
+        assert daemon.stop() == 0
+    # A socket file nobody listens on (a daemon that was killed) is removed and reused.
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(daemon.socket_path))
+    stale.close()
+    claim_socket_path(daemon.socket_path)
+    assert not daemon.socket_path.exists()
+
+
+@pytest.mark.skipif(REAL_BACKEND, reason="the failure is triggered through the engine-thread test double")
+def test_a_failed_stage_ends_every_request_at_once(daemon_model: Path, run_dir: Path) -> None:
+    from engine_thread_backend import FAIL_PROMPT
+
+    daemon = start_daemon(daemon_model, run_dir)
+    try:
+        async def run() -> list[BaseException | object]:
+            client = AsyncClient(daemon.socket_path)
+            long = {"max_tokens": 480, "ignore_eos": True, "temperature": 0.0}
+            running = [asyncio.ensure_future(client.generate(f"request {i}", long)) for i in range(4)]
+            await asyncio.sleep(0.3)
+            killer = asyncio.ensure_future(client.generate(FAIL_PROMPT, {"max_tokens": 4}))
+            return await asyncio.wait_for(asyncio.gather(*running, killer, return_exceptions=True), 10)
+
+        results = asyncio.run(run())
+        assert all(isinstance(r, StageFailed) for r in results), results
+        with Client(daemon.socket_path) as client:
+            health = client.health()
+            assert health.status == "degraded" and "failed" in health.stages["backend"]
+            with pytest.raises(StageFailed):
+                client.generate("after the failure", {"max_tokens": 2})
+    finally:
+        assert daemon.stop() == 0
+    assert not daemon.socket_path.exists()
+
+
+def test_cli_status_generate_stop(daemon_model: Path, run_dir: Path) -> None:
+    socket_arg = ["--socket", str(run_dir / "pipeline.sock")]
+    if REAL_BACKEND:
+        started = run_cli("start", "--detach", "--model", str(daemon_model), "--device", "cpu", *socket_arg,
+                          timeout_s=120)
+        assert started.returncode == 0, started.stderr
+        assert started.stdout.strip() == socket_arg[1]
+        daemon = None
+    else:
+        daemon = start_daemon(daemon_model, run_dir)
+    try:
+        status = run_cli("status", *socket_arg)
+        assert status.returncode == 0, status.stderr
+        assert "daemon: ok" in status.stdout and "KV blocks: 0 used" in status.stdout
+        assert "running" in status.stdout and "tokens/s" in status.stdout
+        generated = run_cli("generate", *socket_arg, "The model reads", "--max-tokens", "8", "--temperature", "0")
+        streamed = run_cli("generate", *socket_arg, "The model reads", "--max-tokens", "8", "--temperature", "0",
+                           "--stream")
+        assert generated.returncode == streamed.returncode == 0
+        assert generated.stdout == streamed.stdout and generated.stdout.strip()
+        bad = run_cli("generate", *socket_arg, "x", "--top-p", "2")
+        assert bad.returncode == 1 and "top_p" in bad.stderr
+        stopped = run_cli("stop", *socket_arg)
+        assert stopped.returncode == 0, stopped.stderr
+        gone = run_cli("status", *socket_arg)
+        assert gone.returncode == 2 and "pipeline start" in gone.stderr
+    finally:
+        if daemon is not None:
+            daemon.stop()
+
+
+@pytest.mark.skipif(not REAL_BACKEND, reason="`pipeline start` needs the stage-process backend")
+def test_start_refuses_a_second_detached_daemon(daemon_model: Path, run_dir: Path) -> None:
+    socket_arg = ["--socket", str(run_dir / "pipeline.sock")]
+    assert cli_main(["start", "--detach", "--model", str(daemon_model), "--device", "cpu", *socket_arg]) == 0
+    try:
+        assert cli_main(["start", "--detach", "--model", str(daemon_model), *socket_arg]) == 1
+    finally:
+        assert cli_main(["stop", *socket_arg]) == 0
+
+
+@pytest.mark.timeout(60)
+def test_default_model_is_built_once_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = ensure_default_model()
+    assert built == tmp_path / "pipeline" / "default-model"
+    weights = built / "model.safetensors"
+    first_mtime_ns = weights.stat().st_mtime_ns
+    assert ensure_default_model() == built
+    assert weights.stat().st_mtime_ns == first_mtime_ns
+    assert [p.name for p in built.parent.iterdir()] == ["default-model"]  # no scratch left over
+    assert os.stat(built / "config.json").st_size > 0
