@@ -1,0 +1,35 @@
+"""PacedDaemon: the client tests' FakeDaemon, streaming with a delay per token and counting how
+many requests it serves at once."""
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "client"))
+from fake_daemon import FakeDaemon  # noqa: E402
+
+from pipeline.protocol import Accepted, Delta, Done  # noqa: E402
+
+TOKEN_DELAY_S = 0.002
+
+
+class PacedDaemon(FakeDaemon):
+    """Sleeps before each Delta, so requests overlap; `peak_running` is the most accepted
+    requests not yet done at one time, counted on the daemon's side of the socket."""
+
+    def __init__(self, socket_path: Path, token_delay_s: float = TOKEN_DELAY_S) -> None:
+        super().__init__(socket_path)
+        self.token_delay_s = token_delay_s
+        self.running = 0
+        self.peak_running = 0
+
+    async def _send(self, writer: asyncio.StreamWriter, message: object) -> None:
+        if isinstance(message, Accepted):
+            self.running += 1
+            self.peak_running = max(self.peak_running, self.running)
+        elif isinstance(message, Delta):
+            await asyncio.sleep(self.token_delay_s)
+        elif isinstance(message, Done):
+            self.running -= 1
+        await super()._send(writer, message)
