@@ -204,11 +204,18 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument("--stream", action="store_true", help="print text as it is generated")
     generate.set_defaults(handler=_generate)
+    # Listed for --help only: main() hands `bench` and its arguments to pipeline.serve_bench.
+    commands.add_parser("bench", add_help=False, help="load a running daemon and report latency percentiles "
+                        "(see `pipeline bench --help`)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from pipeline import serve_bench
+
+        return serve_bench.main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv  # `start --detach` hands the same options to the daemon it spawns
     try:
