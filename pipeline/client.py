@@ -220,7 +220,21 @@ class Connection:
             self._sock.close()
 
 
-class Stream:
+class _StreamResult:
+    """What a finished stream tells, sync or async: the completion and its finish reason."""
+
+    _replies: RequestReplies
+
+    @property
+    def completion(self) -> Completion | None:
+        return self._replies.completion
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self._replies.completion is None else self._replies.completion.finish_reason
+
+
+class Stream(_StreamResult):
     """A streaming request: iterate for `StreamDelta`s; afterwards `finish_reason` and `completion`.
 
     Made by `Client.stream`, which has already sent the request (so `request_id` is known, and
@@ -234,14 +248,6 @@ class Stream:
     @property
     def request_id(self) -> str:
         return str(self._replies.request_id)  # set before the Stream is made
-
-    @property
-    def completion(self) -> Completion | None:
-        return self._replies.completion
-
-    @property
-    def finish_reason(self) -> str | None:
-        return None if self._replies.completion is None else self._replies.completion.finish_reason
 
     def __iter__(self) -> Iterator[StreamDelta]:
         try:
@@ -415,7 +421,7 @@ class AsyncConnection:
             self._writer.close()
 
 
-class AsyncStream:
+class AsyncStream(_StreamResult):
     """`async for delta in client.stream(...)`, or `async with client.stream(...) as s`.
 
     The request is sent on first use (entering `async with`, or the first iteration).
@@ -430,14 +436,6 @@ class AsyncStream:
     @property
     def request_id(self) -> str | None:
         return self._replies.request_id
-
-    @property
-    def completion(self) -> Completion | None:
-        return self._replies.completion
-
-    @property
-    def finish_reason(self) -> str | None:
-        return None if self._replies.completion is None else self._replies.completion.finish_reason
 
     async def start(self) -> None:
         """Sends the request and waits for the daemon to accept it (raises if it refuses)."""
