@@ -1,4 +1,4 @@
-"""Live daemons for end-to-end tests, each in its own process on a tiny checkpoint.
+"""Live daemons for end-to-end tests, each in its own process on a tiny checkpoint (helpers and fixtures).
 
 The daemon runs `pipeline start` with the real stage processes, unless
 PIPELINE_TEST_BACKEND=engine-thread, which runs it over the EngineThreadBackend test double

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import LiveDaemon
+from live_daemon import LiveDaemon
 
 from pipeline import LLM, SamplingParams
 from pipeline.client import AsyncClient, Client, Completion

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REAL_BACKEND, start_daemon
+from live_daemon import REAL_BACKEND, start_daemon
 
 from pipeline.cli import main as cli_main
 from pipeline.client import AsyncClient, Client

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.tiny_model import make_tiny_model
+from pipeline.tiny_model import ARCHITECTURES, make_tiny_model
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = tuple(ARCHITECTURES)
 # A distinct seed per architecture, so two archs never share weights and outputs.
 ARCH_SEEDS = {"llama": 11, "mistral": 12, "qwen2": 13, "qwen3": 14}
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import ARCHS
+from pipeline.tiny_model import ARCHITECTURES
 from runner_plans import PlannedRequest, run_requests
 from stages.gpu_runner.runner import ModelRunner
 
@@ -65,7 +65,7 @@ def planned(prompts: list[list[int]], block_size: int = BLOCK_SIZE) -> list[Plan
     return requests
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", tuple(ARCHITECTURES))
 def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_reuse(arch, tiny_checkpoint, reference):
     prompts, expected = reference(arch)
     runner = ModelRunner(tiny_checkpoint(arch), max_num_seqs=4, num_kv_blocks=256, block_size=BLOCK_SIZE)
