@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
 from pipeline.backend import Backend, EngineConfig  # noqa: E402
 from pipeline.llm import LLM  # noqa: E402
 from pipeline.sampling_params import SamplingParams  # noqa: E402

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
 
 import numpy as np  # noqa: E402
 

@@ -19,6 +19,7 @@ import json
 import sys
 import time
 
+import checkout_path  # noqa: F401 - first: the checkout on sys.path, not tools/ (see there)
 import numpy as np
 import torch
 

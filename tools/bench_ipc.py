@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
 
 import numpy as np  # noqa: E402
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
 from pipeline.tiny_model import make_tiny_model  # noqa: E402
 from pipeline.sampling_params import SamplingParams  # noqa: E402
 from stages.gpu_runner.runner import ModelRunner  # noqa: E402

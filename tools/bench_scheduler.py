@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
 from pipeline.sampling_params import SamplingParams  # noqa: E402
 from stages.gpu_runner.output import HostStepOutput  # noqa: E402
 from stages.scheduler.config import SchedulerConfig  # noqa: E402

@@ -8,9 +8,8 @@ See `--help`, and pipeline/serve_bench.py for the metric definitions.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
 
 from pipeline.serve_bench import main  # noqa: E402
 

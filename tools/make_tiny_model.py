@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
 
 from pipeline.tiny_model import ARCHITECTURES, PRESETS, make_tiny_model  # noqa: E402
 

@@ -1,0 +1,41 @@
+"""The scripts in tools/ run as scripts: tools/profile.py must not shadow the standard library's
+`profile`, which torch reaches through cProfile as soon as it runs a model."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+SCRIPTS = sorted(p for p in TOOLS.glob("*.py") if p.name != "checkout_path.py")
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_tool_puts_the_checkout_first_before_importing_anything_of_its_own(script: Path) -> None:
+    source = script.read_text()
+    first_own_import = re.search(r"^(from|import) (pipeline|stages|shm|bench_\w+)\b", source, re.M)
+    guard = re.search(r"^import checkout_path\b", source, re.M)
+    assert guard is not None, f"{script.name} does not import checkout_path"
+    assert first_own_import is None or guard.start() < first_own_import.start(), script.name
+
+
+def test_with_the_path_a_tool_sees_torch_imports_the_standard_profile_module() -> None:
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import checkout_path, cProfile, profile; "
+            "print(profile.__file__)")
+    run = subprocess.run([sys.executable, "-c", code, str(TOOLS)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert Path(run.stdout.strip()).parent != TOOLS
+
+
+@pytest.mark.timeout(120)
+def test_bench_e2e_quick_runs_the_model_in_process_and_reports_both_paths() -> None:
+    run = subprocess.run([sys.executable, str(TOOLS / "bench_e2e.py"), "--quick", "--json"], capture_output=True,
+                         text=True, timeout=110, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["daemon_tok_s"] > 0 and report["offline_tok_s"] > 0
+    assert report["ratio"] == pytest.approx(report["daemon_tok_s"] / report["offline_tok_s"])
