@@ -11,7 +11,7 @@ from typing import Protocol
 from tokenizers import Tokenizer
 
 from pipeline.sampling_params import SamplingParams
-from stages.detokenizer.incremental import IncrementalDetokenizer
+from stages.detokenizer.incremental import IncrementalDetokenizer, stop_token_reason
 from stages.gpu_runner.output import HostStepOutput
 from stages.scheduler.connector import KVConnectorWorker
 from stages.scheduler.plan import StepPlan
@@ -36,6 +36,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it; None for EOS
     # Per output token: {token_id: logprob}, the sampled token first, then the top `logprobs`.
     logprobs: list[dict[int, float]] | None = None
 
@@ -107,12 +108,16 @@ class Engine:
                                                 host.logprobs[index, :width].tolist())))
             if request.detokenizer is not None and request.detokenizer.add([token_id]).stopped:
                 output.finish_reason = FinishReason.STOP.value
+                output.stop_reason = request.detokenizer.stop_string
                 self.scheduler.finish(req_id, FinishReason.STOP)
                 self._finalize(request)
         for req_id, reason in update.finished:
             request = tracked[req_id]
-            if request.output.finish_reason is None:
-                request.output.finish_reason = reason.value
+            output = request.output
+            if output.finish_reason is None:
+                output.finish_reason = reason.value
+                if reason == FinishReason.STOP and output.token_ids:
+                    output.stop_reason = stop_token_reason(request.params, output.token_ids[-1])
                 self._finalize(request)
 
     def _finalize(self, request: _Tracked) -> None:

@@ -323,7 +323,7 @@ def decode_manifest(payload: memoryview) -> Manifest:
 
 EVENTS = Layout("events", [
     ("num_events", "I"), ("num_text_bytes", "I"), ("num_tokens", "I"), ("num_prompt_tokens", "I"),
-    ("num_logprob_values", "I"), ("num_error_bytes", "I"),
+    ("num_logprob_values", "I"), ("num_error_bytes", "I"), ("num_stop_bytes", "I"),
 ], [
     ("req_ids", "int64", "num_events"), ("reasons", "int8", "num_events"), ("has_prompt", "bool", "num_events"),
     ("text_ends", "int32", "num_events"), ("token_ends", "int32", "num_events"),
@@ -331,7 +331,10 @@ EVENTS = Layout("events", [
     ("error_ends", "int32", "num_events"), ("text", "uint8", "num_text_bytes"), ("token_ids", "int32", "num_tokens"),
     ("prompt_token_ids", "int32", "num_prompt_tokens"), ("logprobs", "float32", "num_logprob_values"),
     ("logprob_token_ids", "int32", "num_logprob_values"), ("errors", "uint8", "num_error_bytes"),
+    ("stop_token_ids", "int32", "num_events"), ("stop_ends", "int32", "num_events"),
+    ("stop_strings", "uint8", "num_stop_bytes"),
 ])
+NO_STOP_TOKEN = -1  # stop_token_ids entry of an event whose stop_reason is not a token id
 _ERROR_SEPARATOR = "\x00"  # joins code, field and message of an error event
 
 
@@ -340,7 +343,11 @@ def encode_events(events: list) -> bytes:
     cost per event is a few list appends rather than a message of its own."""
     texts, errors, widths, reasons = [], [], [], []
     tokens, prompts, logprobs, logprob_ids = [], [], [], []
+    stop_tokens, stop_strings = [], []
     for event in events:
+        stop = event.stop_reason
+        stop_tokens.append(stop if isinstance(stop, int) else NO_STOP_TOKEN)
+        stop_strings.append(stop.encode("utf-8") if isinstance(stop, str) else b"")
         texts.append(event.text.encode("utf-8"))
         tokens.append(event.token_ids)
         prompts.append(_EMPTY if event.prompt_token_ids is None else event.prompt_token_ids)
@@ -364,6 +371,9 @@ def encode_events(events: list) -> bytes:
         "text": np.frombuffer(b"".join(texts), np.uint8), "token_ids": _concat(tokens, np.int32),
         "prompt_token_ids": _concat(prompts, np.int32), "logprobs": _concat(logprobs, np.float32),
         "logprob_token_ids": _concat(logprob_ids, np.int32), "errors": np.frombuffer(b"".join(errors), np.uint8),
+        "stop_token_ids": np.array(stop_tokens, np.int32),
+        "stop_ends": np.cumsum([len(s) for s in stop_strings], dtype=np.int32),
+        "stop_strings": np.frombuffer(b"".join(stop_strings), np.uint8),
     })
 
 
@@ -376,12 +386,13 @@ def decode_events(payload: memoryview | bytes, make: type) -> list:
     m = EVENTS.decode(payload, copy=True)
     text = m["text"].tobytes()
     errors = m["errors"].tobytes()
+    stop_strings = m["stop_strings"].tobytes()
     events = []
-    text_start = token_start = prompt_start = logprob_start = error_start = 0
-    for req_id, reason, has_prompt, text_end, token_end, prompt_end, width, error_end in zip(
+    text_start = token_start = prompt_start = logprob_start = error_start = stop_start = 0
+    for req_id, reason, has_prompt, text_end, token_end, prompt_end, width, error_end, stop_token, stop_end in zip(
             m["req_ids"].tolist(), m["reasons"].tolist(), m["has_prompt"].tolist(), m["text_ends"].tolist(),
             m["token_ends"].tolist(), m["prompt_ends"].tolist(), m["logprob_widths"].tolist(),
-            m["error_ends"].tolist()):
+            m["error_ends"].tolist(), m["stop_token_ids"].tolist(), m["stop_ends"].tolist()):
         token_ids = m["token_ids"][token_start:token_end]
         logprobs = logprob_ids = None
         if width:
@@ -398,6 +409,9 @@ def decode_events(payload: memoryview | bytes, make: type) -> list:
             finish_reason=None if reason == NO_REASON else REASONS[reason].value,
             prompt_token_ids=m["prompt_token_ids"][prompt_start:prompt_end] if has_prompt else None,
             logprobs=logprobs, logprob_token_ids=logprob_ids, error_code=error_code,
-            error_message=error_message, error_field=error_field or None))
+            error_message=error_message, error_field=error_field or None,
+            stop_reason=stop_strings[stop_start:stop_end].decode("utf-8") if stop_end > stop_start else
+            (None if stop_token == NO_STOP_TOKEN else stop_token)))
         text_start, token_start, prompt_start, error_start = text_end, token_end, prompt_end, error_end
+        stop_start = stop_end
     return events

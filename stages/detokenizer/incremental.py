@@ -35,6 +35,14 @@ class DetokenizerDelta:
     stopped: bool  # a stop string matched; text ends where the output ends
 
 
+def stop_token_reason(params: SamplingParams, last_token_id: int) -> int | None:
+    """The stop token id that ended a request the scheduler finished with "stop", or None when
+    it was an EOS token (vLLM's `stop_reason`; a stop string is `IncrementalDetokenizer.stop_string`)."""
+    if last_token_id in params.stop_token_ids:
+        return last_token_id
+    return None
+
+
 class StopStringMatcher:
     """Finds stop strings in streamed text and says how much of it may be released.
 
@@ -54,8 +62,8 @@ class StopStringMatcher:
             for k in range(1, len(stop)):
                 self._ends_by_char.setdefault(stop[k - 1], []).append((stop, k))
 
-    def find(self, pending: str) -> int | None:
-        """End of the text to keep when a stop string occurs in `pending`, else None."""
+    def find(self, pending: str) -> tuple[int, str] | None:
+        """(end of the text to keep, the stop string) when a stop string occurs in `pending`."""
         best_start = -1
         best_stop = ""
         for stop in self._stops:
@@ -64,7 +72,7 @@ class StopStringMatcher:
                 best_start, best_stop = start, stop
         if best_start == -1:
             return None
-        return best_start + len(best_stop) if self._include_stop else best_start
+        return (best_start + len(best_stop) if self._include_stop else best_start), best_stop
 
     def held_back_chars(self, pending: str) -> int:
         """Length of the longest suffix of `pending` that is a proper prefix of a stop string."""
@@ -106,6 +114,7 @@ class IncrementalDetokenizer:
         self._emitted_text = ""  # cache of "".join(self._emitted), rebuilt on demand
         self._emitted_joined = 0
         self._stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the output
 
     def add(self, token_ids: list[int]) -> DetokenizerDelta:
         """Feed newly sampled tokens; returns the text that may be emitted now."""
@@ -155,8 +164,9 @@ class IncrementalDetokenizer:
             self._pending = ""
             return self._emit(pending, stopped=False)
         if self._num_output_tokens >= self._min_tokens:
-            stop_end = self._matcher.find(pending)
-            if stop_end is not None:
+            match = self._matcher.find(pending)
+            if match is not None:
+                stop_end, self.stop_string = match
                 self._pending = ""
                 self._stopped = True
                 return self._emit(pending[:stop_end], stopped=True)

@@ -15,8 +15,9 @@ from tokenizers import Tokenizer
 from pipeline.backend import OutputEvent
 from shm.ring import Record, RingReader, RingWriter
 from stages import messages as msg
-from stages.detokenizer.incremental import IncrementalDetokenizer
-from stages.gpu_runner.mailbox import MailboxReader
+from pipeline.sampling_params import SamplingParams
+from stages.detokenizer.incremental import IncrementalDetokenizer, stop_token_reason
+from stages.gpu_runner.mailbox import MailboxReader, SlotData
 from stages.process import TICK_S, StageContext, run_stage
 from stages.scheduler.request import FinishReason
 
@@ -48,7 +49,7 @@ def serve(ctx: StageContext) -> None:
 class _Stream:
     detokenizer: IncrementalDetokenizer
     prompt_token_ids: np.ndarray | None  # sent with the request's first event, then None
-    logprobs: int | None
+    params: SamplingParams
 
 
 class DetokenizerLoop:
@@ -66,6 +67,8 @@ class DetokenizerLoop:
         self.streams: dict[int, _Stream] = {}
         self.done_slots: dict[int, int] = {}
         self.last_done_step = -1
+        self.manifest_range, self.detokenize_range, self.emit_range = (
+            ctx.range(name) for name in ("manifest", "detokenize", "emit"))
 
     def run(self) -> None:
         while True:
@@ -77,7 +80,8 @@ class DetokenizerLoop:
             self.handle(record, out)
             while len(out) < MAX_EVENTS_PER_SEND and (record := self.inbox.try_read()) is not None:
                 self.handle(record, out)
-            self.send(out)
+            with self.emit_range:
+                self.send(out)
 
     def handle(self, record: Record, out: list[OutputEvent]) -> None:
         kind = record.kind
@@ -86,7 +90,7 @@ class DetokenizerLoop:
         elif kind == msg.Kind.NEW_REQUEST:
             new = msg.decode_new_request(record.payload)
             detokenizer = IncrementalDetokenizer(self.tokenizer, new.prompt_ids.tolist(), new.params)
-            self.streams[new.req_id] = _Stream(detokenizer, new.prompt_ids, new.params.logprobs)
+            self.streams[new.req_id] = _Stream(detokenizer, new.prompt_ids, new.params)
         elif kind == msg.Kind.FINISHED:
             req_id, reason = msg.decode_req_id(record.payload)
             stream = self.streams.pop(req_id, None)
@@ -109,8 +113,13 @@ class DetokenizerLoop:
 
     def on_step(self, manifest: msg.Manifest, out: list[OutputEvent]) -> None:
         step = manifest.step
-        data = self.mailbox.read(step, self.await_done(step))
-        self.mailbox.release(step)
+        with self.manifest_range:
+            data = self.mailbox.read(step, self.await_done(step))
+            self.mailbox.release(step)
+        with self.detokenize_range:
+            self.detokenize(manifest, data, out)
+
+    def detokenize(self, manifest: msg.Manifest, data: SlotData, out: list[OutputEvent]) -> None:
         by_request: dict[int, OutputEvent] = {}
         for req_id, index in zip(manifest.req_ids.tolist(), manifest.output_index.tolist()):
             stream = self.streams.get(req_id)
@@ -119,8 +128,8 @@ class DetokenizerLoop:
             token_id = int(data.token_ids[index])
             event = self.event(req_id, stream)
             event.token_ids = np.array([token_id], np.int32)
-            if stream.logprobs is not None and data.logprobs is not None:
-                width = 1 + stream.logprobs
+            if stream.params.logprobs is not None and data.logprobs is not None:
+                width = 1 + stream.params.logprobs
                 event.logprobs = data.logprobs[index:index + 1, :width].copy()
                 event.logprob_token_ids = data.logprob_token_ids[index:index + 1, :width].copy()
             delta = stream.detokenizer.add([token_id])
@@ -129,6 +138,7 @@ class DetokenizerLoop:
             out.append(event)
             if delta.stopped:
                 event.finish_reason = FinishReason.STOP.value
+                event.stop_reason = stream.detokenizer.stop_string
                 del self.streams[req_id]
                 self.ctx.write(self.stop_strings, msg.Kind.STOP_STRING, msg.encode_req_id(req_id))
         for req_id, reason in manifest.finished:
@@ -141,6 +151,8 @@ class DetokenizerLoop:
                 out.append(event)
             event.text += stream.detokenizer.flush()
             event.finish_reason = reason.value
+            if reason == FinishReason.STOP and len(event.token_ids):
+                event.stop_reason = stop_token_reason(stream.params, int(event.token_ids[-1]))
 
     def await_done(self, step: int) -> int:
         """The mailbox slot of `step`, once the runner's done record for it has been read."""
@@ -177,4 +189,6 @@ def _event_bytes(event: OutputEvent) -> int:
         size += 8 * event.logprobs.size
     if event.error_message is not None:
         size += 4 * len(event.error_message) + 64
+    if isinstance(event.stop_reason, str):
+        size += 4 * len(event.stop_reason) + 8
     return size

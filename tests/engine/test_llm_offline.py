@@ -74,16 +74,16 @@ def test_stop_string_and_stop_token_finish_with_stop(tiny_llama: Path, async_sch
     engine = llm(tiny_llama, async_scheduling=async_scheduling)
     prompt = "the quick brown fox"
     full = engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0]
-    assert full.finish_reason == "length" and len(full.token_ids) == 16
+    assert full.finish_reason == "length" and len(full.token_ids) == 16 and full.stop_reason is None
     stop = full.text[len(full.text) // 2:][:3]
     cut = full.text.index(stop)
     stopped = engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0, stop=[stop]))[0]
-    assert stopped.finish_reason == "stop"
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop)
     assert stopped.text == full.text[:cut]
     assert stopped.token_ids == full.token_ids[:len(stopped.token_ids)] and len(stopped.token_ids) < 16
     stop_id = full.token_ids[5]
     by_token = engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop_id]))[0]
-    assert by_token.finish_reason == "stop"
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", stop_id)
     assert by_token.token_ids == full.token_ids[:full.token_ids.index(stop_id) + 1]
     assert engine.scheduler.stats().num_free_blocks == engine.runner.num_kv_blocks
 

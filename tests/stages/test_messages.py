@@ -25,7 +25,7 @@ params_strategy = st.builds(
     top_k=st.integers(-1, 1000), min_p=st.floats(0, 1), seed=st.none() | st.integers(0, 2**63 - 1),
     presence_penalty=st.floats(-2, 2), repetition_penalty=st.floats(0.01, 10), min_tokens=st.just(0),
     stop=st.lists(st.text(min_size=1, max_size=8), max_size=3),
-    stop_token_ids=st.lists(st.integers(0, 2**40), max_size=4), ignore_eos=st.booleans(),
+    stop_token_ids=st.lists(st.integers(0, 2**31 - 1), max_size=4), ignore_eos=st.booleans(),
     logprobs=st.none() | st.integers(0, 20), skip_special_tokens=st.booleans(),
     include_stop_str_in_output=st.booleans())
 
@@ -106,11 +106,13 @@ def test_manifest_event_and_reject_round_trip() -> None:
         OutputEvent(7, "", np.zeros(0, np.int32), error_code="prompt_too_long", error_message="prompt has 9 tokens"),
         OutputEvent(8, " x", np.array([9], np.int32), finish_reason="stop",
                     logprobs=np.array([[-0.25]], np.float32), logprob_token_ids=np.array([[9]], np.int32)),
+        OutputEvent(9, "ab", np.array([3], np.int32), finish_reason="stop", stop_reason="ç\n"),
+        OutputEvent(10, "", np.array([0], np.int32), finish_reason="stop", stop_reason=0),
     ]
     back = msg.decode_events(msg.encode_events(events), OutputEvent)
     assert len(back) == len(events)
     for got, sent in zip(back, events):
-        for name in ("req_id", "text", "finish_reason", "error_code", "error_message", "error_field"):
+        for name in ("req_id", "text", "finish_reason", "error_code", "error_message", "error_field", "stop_reason"):
             assert getattr(got, name) == getattr(sent, name), name
         for name in ("token_ids", "prompt_token_ids", "logprobs", "logprob_token_ids"):
             x, y = getattr(got, name), getattr(sent, name)
