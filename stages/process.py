@@ -4,7 +4,8 @@ A stage's process target is `run_stage(spec_json, serve)`. The spec is JSON (nam
 segments, the engine config as plain values), so nothing but strings crosses the spawn. `serve`
 builds the stage, calls `ctx.ready()`, and loops calling `ctx.tick()` at least every
 TICK_S; tick raises StageStop when the daemon asked to stop or is gone, so a stage outlives
-its parent by at most about TICK_S.
+its parent by at most about TICK_S. Tick also answers the daemon's profile requests, and
+`ctx.range(name)` marks a loop phase (stages/profiling.py).
 
 Exit codes: 0 stopped when asked, EXIT_ERROR its own failure (message on the status board),
 EXIT_PEER_DIED another stage died under it, EXIT_PARENT_GONE the daemon died.
@@ -21,6 +22,7 @@ from typing import Any
 
 from shm.ring import RingTimeout, RingWriter
 from shm.segment import PeerDied
+from stages.profiling import PhaseRange, StageProfiler
 from stages.status import ModelLimits, StatusBoard
 
 EXIT_ERROR = 1
@@ -46,15 +48,28 @@ class StageContext:
         self._parent_pid: int = spec["parent_pid"]
         self.board = StatusBoard.open(spec["status"])
         self.board.mark_started(self.index, os.getpid())
+        self.profiler = StageProfiler(self.name)
+        # A stage (re)started after a capture began joins at the next one; a stop finds it idle.
+        self._profile_generation = self.board.profile_generation()
 
     def tick(self) -> None:
-        """Heartbeat; raises StageStop when it is time to go."""
+        """Heartbeat; answers a new profile request; raises StageStop when it is time to go."""
         board = self.board
         board.beat(self.index)
         if board.stop_requested:
             raise StageStop(0, "stop requested")
         if os.getppid() != self._parent_pid:
             raise StageStop(EXIT_PARENT_GONE, f"the daemon (pid {self._parent_pid}) is gone")
+        if board.profile_generation() != self._profile_generation:
+            request = board.profile_request()
+            self._profile_generation = request.generation
+            board.answer_profile(self.index, self.profiler.answer(request))
+            board.beat(self.index)  # starting or writing a capture may take a while
+
+    def range(self, name: str) -> PhaseRange:
+        """The loop phase `name`, for `with`: an NVTX range, and a torch.profiler range while the
+        daemon has a capture running. Fetch it once, outside the loop."""
+        return self.profiler.range(name)
 
     def write(self, writer: RingWriter, kind: int, *parts: object) -> None:
         """Write one record, ticking while the ring stays full (a stalled reader never keeps

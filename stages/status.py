@@ -7,16 +7,25 @@ Layout (int64 slots; each written by one process):
     8..15           eos token ids (count, then up to 7 ids)               (the runner's)
     16..23          scheduler counters: waiting, running, kv used, kv free,
                     tokens generated, preemptions                         (the scheduler's)
-    24 + 8*s ..     stage s: pid, heartbeat (CLOCK_MONOTONIC ns), ready   (stage s's)
+    24 + 8*s ..     stage s: pid, heartbeat (CLOCK_MONOTONIC ns), ready,
+                    profile answer: generation answered, outcome          (stage s's)
     then            an error message area of ERROR_BYTES per stage (utf-8, length-prefixed)
+    then            the profile request: generation, active, directory
+                    (PROFILE_DIRECTORY_BYTES, utf-8, length-prefixed)     (the daemon's)
+    then            a profile answer message area of PROFILE_MESSAGE_BYTES per stage: the
+                    trace file written, or why not                        (stage s's)
 
 CLOCK_MONOTONIC is one clock for every process on the machine, so heartbeat ages compare.
+A profile request is posted by writing the directory and the active flag, then bumping the
+generation; a stage that sees a new generation on its tick answers with its outcome and message,
+then the generation it answered (last, so the daemon that sees it sees the rest).
 """
 from __future__ import annotations
 
 import mmap
 import time
 from dataclasses import dataclass
+from enum import IntEnum
 
 import posix_ipc
 
@@ -31,9 +40,16 @@ _EOS = 8
 _COUNTERS = 16
 _STAGES = 24
 _STAGE_SLOTS = 8
-_PID, _HEARTBEAT, _READY = range(3)
+_PID, _HEARTBEAT, _READY, _PROFILE_ANSWERED, _PROFILE_OUTCOME = range(5)
 _ERRORS_OFFSET = (_STAGES + MAX_STAGES * _STAGE_SLOTS) * 8
-SIZE_BYTES = _ERRORS_OFFSET + MAX_STAGES * ERROR_BYTES
+PROFILE_DIRECTORY_BYTES = 8 + 4096  # a length, then up to PATH_MAX bytes
+PROFILE_MESSAGE_BYTES = 1024
+_PROFILE_OFFSET = _ERRORS_OFFSET + MAX_STAGES * ERROR_BYTES
+_PROFILE_GENERATION = _PROFILE_OFFSET // 8
+_PROFILE_ACTIVE = _PROFILE_GENERATION + 1
+_PROFILE_DIRECTORY_OFFSET = _PROFILE_OFFSET + 16
+_PROFILE_MESSAGES_OFFSET = _PROFILE_DIRECTORY_OFFSET + PROFILE_DIRECTORY_BYTES
+SIZE_BYTES = _PROFILE_MESSAGES_OFFSET + MAX_STAGES * PROFILE_MESSAGE_BYTES
 
 
 @dataclass(slots=True)
@@ -55,6 +71,29 @@ class SchedulerCounters:
     kv_blocks_free: int
     tokens_generated: int
     num_preemptions: int
+
+
+class ProfileOutcome(IntEnum):
+    """A stage's answer to a profile request."""
+
+    NONE = 0  # not answered yet
+    STARTED = 1
+    WRITTEN = 2  # the message is the trace file's path
+    NOT_CAPTURING = 3  # a stop that found no capture (the stage started after the start request)
+    FAILED = 4  # the message says why
+
+
+@dataclass(slots=True)
+class ProfileRequest:
+    generation: int
+    directory: str | None  # where to write traces while a capture is wanted; None: stop
+
+
+@dataclass(slots=True)
+class ProfileAnswer:
+    generation: int  # the request this answers
+    outcome: ProfileOutcome
+    message: str
 
 
 class StatusBoard:
@@ -174,13 +213,66 @@ class StatusBoard:
         return float("inf") if beat == 0 else max(0.0, (time.monotonic_ns() - beat) / 1e9)
 
     def set_error(self, index: int, message: str) -> None:
-        data = message.encode("utf-8")[:ERROR_BYTES - 8]
         self._stage(index, 0)  # validates the index
-        offset = _ERRORS_OFFSET + index * ERROR_BYTES
+        self._write_text(_ERRORS_OFFSET + index * ERROR_BYTES, ERROR_BYTES, message)
+
+    def error(self, index: int) -> str:
+        self._stage(index, 0)
+        return self._read_text(_ERRORS_OFFSET + index * ERROR_BYTES)
+
+    def _write_text(self, offset: int, area_bytes: int, text: str) -> None:
+        """A length-prefixed utf-8 area, cut to fit (never inside a character)."""
+        data = text.encode("utf-8")[:area_bytes - 8].decode("utf-8", "ignore").encode("utf-8")
         self._mm[offset + 8:offset + 8 + len(data)] = data
         self._mm[offset:offset + 8] = len(data).to_bytes(8, "little")
 
-    def error(self, index: int) -> str:
-        offset = _ERRORS_OFFSET + index * ERROR_BYTES
+    def _read_text(self, offset: int) -> str:
         length = int.from_bytes(self._mm[offset:offset + 8], "little")
         return self._mm[offset + 8:offset + 8 + length].decode("utf-8", "replace")
+
+    # ---- profile requests (the daemon's) and answers (each stage's own)
+
+    def request_profile(self, directory: str | None) -> int:
+        """Asks every stage to capture into `directory`, or (None) to stop; returns the request's
+        generation. Raises ValueError for a directory whose utf-8 path does not fit the area."""
+        if directory is not None:
+            data = directory.encode("utf-8")
+            if len(data) > PROFILE_DIRECTORY_BYTES - 8:
+                raise ValueError(f"profile directory {directory!r} is {len(data)} bytes; at most "
+                                 f"{PROFILE_DIRECTORY_BYTES - 8} fit")
+            self._write_text(_PROFILE_DIRECTORY_OFFSET, PROFILE_DIRECTORY_BYTES, directory)
+        slots = self._slots
+        slots[_PROFILE_ACTIVE] = int(directory is not None)
+        generation = slots[_PROFILE_GENERATION] + 1
+        slots[_PROFILE_GENERATION] = generation  # last: a stage that sees it sees the request
+        return generation
+
+    def profile_generation(self) -> int:
+        """The latest request's generation: what a stage reads on every tick."""
+        return self._slots[_PROFILE_GENERATION]
+
+    @property
+    def profile_active(self) -> bool:
+        return bool(self._slots[_PROFILE_ACTIVE])
+
+    def profile_request(self) -> ProfileRequest:
+        slots = self._slots
+        while True:
+            generation = slots[_PROFILE_GENERATION]
+            active = slots[_PROFILE_ACTIVE]
+            directory = self._read_text(_PROFILE_DIRECTORY_OFFSET) if active else None
+            if slots[_PROFILE_GENERATION] == generation:  # else a newer request came in while reading
+                return ProfileRequest(generation, directory)
+
+    def answer_profile(self, index: int, answer: ProfileAnswer) -> None:
+        outcome_slot = self._stage(index, _PROFILE_OUTCOME)
+        self._write_text(_PROFILE_MESSAGES_OFFSET + index * PROFILE_MESSAGE_BYTES, PROFILE_MESSAGE_BYTES,
+                         answer.message)
+        self._slots[outcome_slot] = answer.outcome
+        self._slots[self._stage(index, _PROFILE_ANSWERED)] = answer.generation  # last
+
+    def profile_answer(self, index: int) -> ProfileAnswer:
+        generation = self._slots[self._stage(index, _PROFILE_ANSWERED)]
+        outcome = ProfileOutcome(self._slots[self._stage(index, _PROFILE_OUTCOME)])
+        message = self._read_text(_PROFILE_MESSAGES_OFFSET + index * PROFILE_MESSAGE_BYTES)
+        return ProfileAnswer(generation, outcome, message)

@@ -8,6 +8,8 @@ for the device: every size and index comes from the plan and host-side mirrors.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +94,8 @@ class ModelRunner:
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.bind(self.kv_caches, self.block_size)
+        # Marks the phases of a step (a stage process sets its NVTX/profiler ranges here).
+        self.phase: Callable[[str], AbstractContextManager] = nullcontext
 
     @property
     def vocab_size(self) -> int:
@@ -111,17 +115,21 @@ class ModelRunner:
         if plan.num_tokens > self.max_num_batched_tokens:
             raise ValueError(f"step {plan.step} schedules {plan.num_tokens} tokens, "
                              f"more than max_num_batched_tokens {self.max_num_batched_tokens}")
-        writes = self.batch.apply(plan)
-        inputs = build_step_inputs(plan, self.batch, writes, self.device)
+        with self.phase("prepare_inputs"):
+            writes = self.batch.apply(plan)
+            inputs = build_step_inputs(plan, self.batch, writes, self.device)
         connector_meta = plan.connector_meta if self.kv_connector is not None else None
         if connector_meta is not None:
             self.kv_connector.load(connector_meta)
         sampled = None
         if plan.num_rows:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
+            with self.phase("forward"):
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
             if len(inputs.sampled_rows):
-                sampled = self._sample(hidden[inputs.logits_index], inputs.sampled_rows, inputs.sampled_num_tokens)
-                self.batch.token_table.view(-1).index_copy_(0, inputs.sampled_token_index, sampled.token_ids)
+                with self.phase("sample"):
+                    sampled = self._sample(hidden[inputs.logits_index], inputs.sampled_rows,
+                                           inputs.sampled_num_tokens)
+                    self.batch.token_table.view(-1).index_copy_(0, inputs.sampled_token_index, sampled.token_ids)
         if connector_meta is not None:
             self.kv_connector.save(connector_meta)
         if sampled is None:

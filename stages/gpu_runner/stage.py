@@ -42,17 +42,22 @@ def serve(ctx: StageContext) -> None:
                                             config["max_model_len"]),
         vocab_size=runner.vocab_size, eos_token_ids=runner.eos_token_ids,
         num_host_blocks=0 if worker is None else worker.num_host_blocks))
+    step_range, execute_range, publish_range = ctx.range("step"), ctx.range("execute"), ctx.range("publish")
+    runner.phase = ctx.range  # prepare_inputs, forward and sample inside execute
     ctx.ready()
     while True:
         ctx.tick()
         record = plans.read(timeout=TICK_S)
         if record is None:
             continue
-        plan = msg.decode_plan(record.payload)
-        if record.kind == msg.Kind.CONNECTOR_FLUSH:
-            runner.kv_connector.save(plan.connector_meta)
-            continue
-        output = runner.execute(plan)
-        slot = mailbox.write(plan.step, output.token_ids, output.logprobs, output.logprob_token_ids,
-                             timeout_s=MAILBOX_WAIT_S, check=ctx.tick)
-        ctx.write(done, msg.Kind.DONE, msg.encode_done(plan.step, slot, int(output.token_ids.shape[0])))
+        with step_range:
+            plan = msg.decode_plan(record.payload)
+            if record.kind == msg.Kind.CONNECTOR_FLUSH:
+                runner.kv_connector.save(plan.connector_meta)
+                continue
+            with execute_range:
+                output = runner.execute(plan)
+            with publish_range:
+                slot = mailbox.write(plan.step, output.token_ids, output.logprobs, output.logprob_token_ids,
+                                     timeout_s=MAILBOX_WAIT_S, check=ctx.tick)
+                ctx.write(done, msg.Kind.DONE, msg.encode_done(plan.step, slot, int(output.token_ids.shape[0])))

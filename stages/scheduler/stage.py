@@ -78,13 +78,18 @@ class SchedulerLoop:
         self.idle_wait_s = max(TICK_S / len(inboxes), 0.005)
 
     def run(self) -> None:
+        drain_range, schedule_range = self.ctx.range("drain_inputs"), self.ctx.range("schedule")
+        write_plan_range, apply_range = self.ctx.range("write_plan"), self.ctx.range("apply_step")
         while True:
             self.ctx.tick()
-            took_input = self.drain_inputs()
+            with drain_range:
+                took_input = self.drain_inputs()
             if len(self.in_flight) < self.max_in_flight:
-                plan = self.scheduler.schedule()
+                with schedule_range:
+                    plan = self.scheduler.schedule()
                 if plan is not None:
-                    self.ctx.write(self.plans, msg.Kind.PLAN, *msg.encode_plan(plan))
+                    with write_plan_range:
+                        self.ctx.write(self.plans, msg.Kind.PLAN, *msg.encode_plan(plan))
                     self.in_flight.append(plan)
                     continue
                 if not self.in_flight:
@@ -92,7 +97,8 @@ class SchedulerLoop:
             if self.in_flight:
                 record = self.done.read(timeout=TICK_S)
                 if record is not None:
-                    self.apply_step(record)
+                    with apply_range:
+                        self.apply_step(record)
             elif not took_input:
                 self.wait_for_input()
             self.publish_counters()

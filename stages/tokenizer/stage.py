@@ -27,6 +27,7 @@ def serve(ctx: StageContext) -> None:
     inbox = RingReader.attach(spec["rings"]["generate"])
     outbox = RingWriter.attach(spec["rings"]["tokenized"])
     limits = ctx.wait_limits(spec["start_timeout_s"])
+    tokenize_range = ctx.range("tokenize")
     ctx.ready()
     while True:
         ctx.tick()
@@ -37,7 +38,8 @@ def serve(ctx: StageContext) -> None:
         while len(batch) < MAX_BATCH and (record := inbox.try_read()) is not None:
             batch.append(msg.decode_generate(record.payload))
         texts = [g.prompt for g in batch if isinstance(g.prompt, str)]
-        encoded = iter(tokenizer.encode_batch(texts, add_special_tokens=False) if texts else ())
+        with tokenize_range:
+            encoded = iter(tokenizer.encode_batch(texts, add_special_tokens=False) if texts else ())
         for request in batch:
             token_ids = next(encoded).ids if isinstance(request.prompt, str) else request.prompt
             problem = check_prompt(token_ids, limits.vocab_size, limits.max_model_len)
