@@ -1,16 +1,21 @@
 """Client library for the daemon's Unix socket: `Client` (blocking) and `AsyncClient` (asyncio).
 
-Connections: a `Client` keeps one connection for `generate`, `abort`, `health` and `stats`; a
-call made while another thread is using it opens a connection of its own for that call, and
-every `stream` has its own connection. An `AsyncClient` opens one connection per call or stream.
-One request is in flight per connection at a time, so replies need no routing.
+Connections: a `Client` keeps one connection for `generate`, `health` and `stats`; a call made
+while another thread is using it opens a connection of its own for that call, and every
+`stream` has its own connection. An `AsyncClient` opens one connection per call or stream.
+One request is in flight per connection at a time, so its replies need no routing; only the
+reply to an `Abort` is set aside for the caller that sent it.
 
-Ending a request early (leaving a stream's `for` loop, `close()`, closing the client, an
-exception or cancellation while waiting) closes the request's connection, and the daemon aborts
-every request of a connection that closes. That is the one way a client aborts its own
-requests: an `Abort` message sent just before closing could be lost, because a socket closed
-with unread replies in it is reset, and the daemon may see the reset before the message.
-`abort(request_id)` sends `Abort`, for requests running elsewhere.
+A client can abort only its own requests, because the daemon honours an `Abort` only on the
+connection that sent the request. So each client remembers the connection of every request it
+has running (streams, and `generate` calls blocked in other threads or tasks), and `abort`
+sends the Abort on that connection: the request then ends with `RequestAborted` where it is
+being waited for. Any thread may call `abort` while another reads the same connection: writes
+are serialised by a lock, and whichever caller is reading routes each reply to its owner.
+
+Ending a request early in other ways (leaving a stream's `for` loop, `close()`, closing the
+client, an exception or cancellation while waiting) closes the request's connection, and the
+daemon aborts every request of a connection that closes.
 
 Sampling params are validated here (by building `SamplingParams`) before anything is sent.
 """
@@ -22,10 +27,11 @@ import select
 import socket as socket_module
 import threading
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pipeline.errors import ConnectionLost, DaemonNotRunning, ErrorCode, InvalidRequest, ProtocolError, error_from_wire
 from pipeline.paths import default_socket_path
@@ -40,6 +46,8 @@ from pipeline.protocol import (
     Generate,
     Health,
     HealthReply,
+    Profile,
+    ProfileReply,
     ServerMessage,
     Stats,
     StatsReply,
@@ -48,14 +56,15 @@ from pipeline.protocol import (
     WireSamplingParams,
     encode_frame,
 )
-from pipeline.sampling_params import InvalidParams, SamplingParams
+from pipeline.sampling_params import MAX_TOKEN_ID, InvalidParams, SamplingParams
 
 RECV_BYTES = 64 * 1024
-MAX_TOKEN_ID = 2**31 - 1
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 Prompt = str | list[int]
 Params = SamplingParams | dict[str, Any] | None
+T = TypeVar("T")
+C = TypeVar("C")
 
 
 @dataclass(slots=True)
@@ -158,6 +167,12 @@ class RequestReplies:
         raise ProtocolError(f"unexpected {type(message).__name__} for request {self.request_id}")
 
 
+def _profile_message(action: str, directory: str | Path | None) -> Profile:
+    if action not in ("start", "stop"):
+        raise InvalidRequest("action", f"must be 'start' or 'stop', got {action!r}")
+    return Profile(action, None if directory is None else str(directory))
+
+
 def _unary_reply(message: ServerMessage, expected: type) -> Any:
     if isinstance(message, Error):
         raise error_from_wire(message.code, message.message, message.field, message.request_id)
@@ -166,19 +181,51 @@ def _unary_reply(message: ServerMessage, expected: type) -> Any:
     return message
 
 
-def _abort_result(message: ServerMessage) -> bool:
-    """abort(): True if the request was running, False if the daemon did not know it."""
-    if isinstance(message, Error) and message.code == ErrorCode.NOT_FOUND.value:
-        return False
-    _unary_reply(message, Aborted)
-    return True
+class _Inbox:
+    """What one connection received and its owner has not taken yet, sorted: the verdict on the
+    pending Abort goes to the caller that sent it, everything else waits in order for the
+    request's reader. The daemon answers an Abort with Error(aborted) (the request's end, which
+    its reader must see too) and then Aborted, or with Error(not_found). The verdict is taken
+    from the first of these, since a stream closes its connection as soon as it has ended."""
+
+    __slots__ = ("messages", "abort_due", "abort_result")
+
+    def __init__(self) -> None:
+        self.messages: deque[ServerMessage] = deque()
+        self.abort_due: str | None = None  # the request id of the Abort awaiting its verdict
+        self.abort_result: bool | None = None  # True: aborted; False: not_found
+
+    def expect_abort_reply(self, request_id: str) -> None:
+        self.abort_due = request_id
+        self.abort_result = None
+
+    def put(self, message: ServerMessage) -> None:
+        if isinstance(message, Aborted):  # only ever a reply to an Abort: no request reader wants it
+            if message.request_id == self.abort_due:
+                self.abort_result, self.abort_due = True, None
+            return
+        if isinstance(message, Error) and message.request_id is not None and message.request_id == self.abort_due:
+            if message.code == ErrorCode.NOT_FOUND.value:
+                self.abort_result, self.abort_due = False, None
+                return
+            if message.code == ErrorCode.ABORTED.value:
+                self.abort_result, self.abort_due = True, None
+        self.messages.append(message)
+
+    def next_message(self) -> ServerMessage | None:
+        return self.messages.popleft() if self.messages else None
 
 
 # --- blocking ---
 
 
 class Connection:
-    """One blocking connection to the daemon, sending and receiving whole messages."""
+    """One blocking connection to the daemon, sending and receiving whole messages.
+
+    Safe for two threads at once, as `abort` needs: one waiting for its request's replies and
+    one aborting that request. Sends are serialised; one thread at a time reads the socket and
+    files each message in the inbox, where the thread it belongs to takes it.
+    """
 
     def __init__(self, socket_path: Path, timeout_s: float | None) -> None:
         self._sock = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
@@ -192,21 +239,76 @@ class Connection:
             self._sock.close()
             raise
         self._decoder: FrameDecoder[ServerMessage] = FrameDecoder(ServerMessage)
+        self._send_lock = threading.Lock()
+        self._abort_lock = threading.Lock()  # one Abort in flight per connection
+        self._state = threading.Condition()  # guards _inbox and _reading
+        self._inbox = _Inbox()
+        self._reading = False  # a thread is reading the socket and will file what it gets
         self.closed = False
 
     def is_usable(self) -> bool:
         """False once the daemon has closed its end (it restarted, say) or we closed ours."""
         if self.closed:
             return False
+        with self._state:
+            if self._inbox.abort_due is not None:
+                return True  # what is readable may be that reply, which the abort caller awaits
         # Idle, nothing may be unread: readable means end of file, or bytes nobody asked for.
         poller = select.poll()
         poller.register(self._sock, select.POLLIN)
         return not poller.poll(0)
 
     def send(self, message: Any) -> None:
-        self._sock.sendall(encode_frame(message))
+        frame = encode_frame(message)
+        with self._send_lock:
+            self._sock.sendall(frame)
 
     def receive(self) -> ServerMessage:
+        """The next message for this connection's request (an Abort's reply goes to `abort`)."""
+        return self._wait_for(self._inbox.next_message)
+
+    def abort(self, request_id: str) -> bool:
+        """Sends Abort for a request running on this connection and waits for the verdict: True
+        if the daemon aborted it, False if it was no longer running (or this end was closed)."""
+        with self._abort_lock:
+            with self._state:
+                self._inbox.expect_abort_reply(request_id)
+            try:
+                self.send(Abort(request_id))
+                return self._wait_for(lambda: self._inbox.abort_result)
+            except (ConnectionLost, OSError):
+                if self.closed:  # closed here meanwhile, which aborts the request just the same
+                    return False
+                raise
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:  # wakes a thread blocked reading this socket, which close alone would not
+                self._sock.shutdown(socket_module.SHUT_RDWR)
+            except OSError:
+                pass  # not connected any more
+            self._sock.close()
+
+    def _wait_for(self, take: Callable[[], T | None]) -> T:
+        """What `take` returns once it is not None, reading the socket while no other thread does."""
+        with self._state:
+            while (item := take()) is None:
+                if self._reading:
+                    self._state.wait()
+                    continue
+                self._reading = True
+                self._state.release()
+                try:
+                    message = self._read_message()
+                finally:
+                    self._state.acquire()
+                    self._reading = False
+                    self._state.notify_all()
+                self._inbox.put(message)
+            return item
+
+    def _read_message(self) -> ServerMessage:
         while (message := self._decoder.next_message()) is None:
             data = self._sock.recv(RECV_BYTES)
             if not data:
@@ -214,10 +316,34 @@ class Connection:
             self._decoder.feed(data)
         return message
 
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._sock.close()
+
+class _RunningRequests(Generic[C]):
+    """The connection of each request a client has running, by request id: where its Abort goes.
+
+    Connections are held weakly, so a stream dropped without closing still closes its socket
+    (and so aborts its request) when it is collected.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._connections: weakref.WeakValueDictionary[str, C] = weakref.WeakValueDictionary()
+
+    def add(self, request_id: str, connection: C) -> None:
+        with self._lock:
+            self._connections[request_id] = connection
+
+    def discard(self, request_id: str | None) -> None:
+        if request_id is not None:
+            with self._lock:
+                self._connections.pop(request_id, None)
+
+    def get(self, request_id: str) -> C | None:
+        with self._lock:
+            return self._connections.get(request_id)
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._connections)
 
 
 class _StreamResult:
@@ -238,12 +364,15 @@ class Stream(_StreamResult):
     """A streaming request: iterate for `StreamDelta`s; afterwards `finish_reason` and `completion`.
 
     Made by `Client.stream`, which has already sent the request (so `request_id` is known, and
-    a request the daemon refuses raises there). Leaving the loop early aborts the request.
+    a request the daemon refuses raises there). Leaving the loop early aborts the request, and
+    so does `abort()`, from any thread: the loop then raises RequestAborted.
     """
 
-    def __init__(self, connection: Connection, replies: RequestReplies) -> None:
+    def __init__(self, connection: Connection, replies: RequestReplies,
+                 running: _RunningRequests[Connection]) -> None:
         self._connection = connection
         self._replies = replies
+        self._running = running
 
     @property
     def request_id(self) -> str:
@@ -258,8 +387,16 @@ class Stream(_StreamResult):
         finally:
             self.close()
 
+    def abort(self) -> bool:
+        """Aborts the request, keeping the connection open so the loop sees RequestAborted;
+        False if it had already ended."""
+        if self._replies.done:
+            return False
+        return self._connection.abort(self.request_id)
+
     def close(self) -> None:
         """Closes the stream's connection, which aborts the request if it is still running."""
+        self._running.discard(self._replies.request_id)
         self._connection.close()
 
     def __enter__(self) -> Stream:
@@ -279,6 +416,7 @@ class Client:
         self._connection: Connection | None = None
         self._lock = threading.Lock()
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
+        self._running: _RunningRequests[Connection] = _RunningRequests()
 
     def generate(self, prompt: Prompt, params: Params = None) -> Completion:
         generate = make_generate(prompt, params, stream=False)
@@ -286,12 +424,17 @@ class Client:
             replies = RequestReplies()
             try:
                 connection.send(generate)
+                while replies.request_id is None:
+                    replies.on_message(connection.receive())
+                self._running.add(replies.request_id, connection)  # abort() may come from another thread now
                 while not replies.done:
                     replies.on_message(connection.receive())
             except BaseException:
                 if not replies.done:  # interrupted or broken: closing aborts the request
                     connection.close()
                 raise
+            finally:
+                self._running.discard(replies.request_id)
         return replies.result()
 
     def stream(self, prompt: Prompt, params: Params = None) -> Stream:
@@ -305,19 +448,35 @@ class Client:
         except BaseException:
             connection.close()
             raise
-        stream = Stream(connection, replies)
+        stream = Stream(connection, replies, self._running)
+        self._running.add(stream.request_id, connection)
         self._streams.add(stream)
         return stream
 
     def abort(self, request_id: str) -> bool:
-        """Aborts a running request; False if the daemon knows no running request by that id."""
-        return _abort_result(self._round_trip(Abort(request_id)))
+        """Aborts one of this client's running requests (a stream, or a `generate` waiting in
+        another thread), which then raises RequestAborted. True once the daemon has aborted it;
+        False if this client has no running request by that id: it finished, or it is another
+        client's (a client can abort only its own requests)."""
+        connection = self._running.get(request_id)
+        if connection is None:
+            return False
+        return connection.abort(request_id)
+
+    def running_request_ids(self) -> list[str]:
+        """Ids of this client's requests that the daemon has accepted and not yet finished."""
+        return self._running.ids()
 
     def health(self) -> HealthReply:
         return _unary_reply(self._round_trip(Health()), HealthReply)
 
     def stats(self) -> StatsReply:
         return _unary_reply(self._round_trip(Stats()), StatsReply)
+
+    def profile(self, action: str, directory: str | Path | None = None) -> list[str]:
+        """Starts (into `directory`) or stops a torch.profiler capture in every stage; a stop returns
+        the Chrome-trace files written. See `Profile`; tools/profile.py is the command for it."""
+        return _unary_reply(self._round_trip(_profile_message(action, directory)), ProfileReply).paths
 
     def close(self) -> None:
         """Closes the connection and every open stream (aborting their requests)."""
@@ -381,12 +540,21 @@ class _Lease:
 
 
 class AsyncConnection:
-    """One asyncio connection to the daemon, sending and receiving whole messages."""
+    """One asyncio connection to the daemon, sending and receiving whole messages.
+
+    Like `Connection`, two tasks may use it at once (one waiting for its request's replies, one
+    aborting that request): one task at a time reads, and files each message for its owner.
+    """
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
         self._decoder: FrameDecoder[ServerMessage] = FrameDecoder(ServerMessage)
+        self._inbox = _Inbox()
+        self._reading = False
+        self._num_waiting = 0
+        self._changed = asyncio.Event()  # set (and replaced) after each message is filed
+        self._abort_lock = asyncio.Lock()
 
     @classmethod
     async def open(cls, socket_path: Path) -> AsyncConnection:
@@ -396,17 +564,16 @@ class AsyncConnection:
             raise DaemonNotRunning(socket_path) from None
         return cls(reader, writer)
 
+    @property
+    def closed(self) -> bool:
+        return self._writer.is_closing()
+
     async def send(self, message: Any) -> None:
-        self._writer.write(encode_frame(message))
+        self._writer.write(encode_frame(message))  # one whole frame per write: never interleaved
         await self._writer.drain()
 
     async def receive(self) -> ServerMessage:
-        while (message := self._decoder.next_message()) is None:
-            data = await self._reader.read(RECV_BYTES)
-            if not data:
-                raise ConnectionLost("the daemon closed the connection before replying")
-            self._decoder.feed(data)
-        return message
+        return await self._wait_for(self._inbox.next_message)
 
     async def round_trip(self, message: Any) -> ServerMessage:
         try:
@@ -415,16 +582,56 @@ class AsyncConnection:
         finally:
             self.close()
 
+    async def abort(self, request_id: str) -> bool:
+        """As `Connection.abort`."""
+        async with self._abort_lock:
+            self._inbox.expect_abort_reply(request_id)
+            try:
+                await self.send(Abort(request_id))
+                return await self._wait_for(lambda: self._inbox.abort_result)
+            except (ConnectionLost, OSError):
+                if self.closed:
+                    return False
+                raise
+
     def close(self) -> None:
         """Synchronous, so `finally` blocks and generator finalisers can abort with it."""
         if not self._writer.is_closing():
             self._writer.close()
+
+    async def _wait_for(self, take: Callable[[], T | None]) -> T:
+        while (item := take()) is None:
+            if self._reading:
+                self._num_waiting += 1
+                try:
+                    await self._changed.wait()
+                finally:
+                    self._num_waiting -= 1
+                continue
+            self._reading = True
+            try:
+                self._inbox.put(await self._read_message())
+            finally:
+                self._reading = False
+                if self._num_waiting:
+                    changed, self._changed = self._changed, asyncio.Event()
+                    changed.set()
+        return item
+
+    async def _read_message(self) -> ServerMessage:
+        while (message := self._decoder.next_message()) is None:
+            data = await self._reader.read(RECV_BYTES)
+            if not data:
+                raise ConnectionLost("the daemon closed the connection before replying")
+            self._decoder.feed(data)
+        return message
 
 
 class AsyncStream(_StreamResult):
     """`async for delta in client.stream(...)`, or `async with client.stream(...) as s`.
 
     The request is sent on first use (entering `async with`, or the first iteration).
+    `await abort()` (from any task) aborts it; the loop then raises RequestAborted.
     """
 
     def __init__(self, client: AsyncClient, generate: Generate) -> None:
@@ -450,6 +657,7 @@ class AsyncStream(_StreamResult):
         except BaseException:
             self.close()
             raise
+        self._client._running.add(self._replies.request_id, self._connection)
 
     def __aiter__(self) -> AsyncIterator[StreamDelta]:
         return self._iterate()
@@ -468,8 +676,15 @@ class AsyncStream(_StreamResult):
         finally:
             self.close()
 
+    async def abort(self) -> bool:
+        """Aborts the request (see `AsyncClient.abort`); False if it is not running."""
+        if self._connection is None or self._replies.done or self._replies.request_id is None:
+            return False
+        return await self._connection.abort(self._replies.request_id)
+
     def close(self) -> None:
         """Closes the stream's connection, which aborts the request if it is still running."""
+        self._client._running.discard(self._replies.request_id)
         if self._connection is not None:
             self._connection.close()
 
@@ -490,6 +705,7 @@ class AsyncClient:
     def __init__(self, socket: str | Path | None = None) -> None:
         self.socket_path = Path(socket) if socket is not None else default_socket_path()
         self._streams: weakref.WeakSet[AsyncStream] = weakref.WeakSet()
+        self._running: _RunningRequests[AsyncConnection] = _RunningRequests()
 
     async def generate(self, prompt: Prompt, params: Params = None) -> Completion:
         generate = make_generate(prompt, params, stream=False)
@@ -497,9 +713,13 @@ class AsyncClient:
         replies = RequestReplies()
         try:
             await connection.send(generate)
+            while replies.request_id is None:
+                replies.on_message(await connection.receive())
+            self._running.add(replies.request_id, connection)  # abort() may come from another task now
             while not replies.done:
                 replies.on_message(await connection.receive())
         finally:  # also on cancellation: closing aborts a request nobody waits for
+            self._running.discard(replies.request_id)
             connection.close()
         return replies.result()
 
@@ -508,9 +728,17 @@ class AsyncClient:
         return AsyncStream(self, make_generate(prompt, params, stream=True))
 
     async def abort(self, request_id: str) -> bool:
-        """Aborts a running request; False if the daemon knows no running request by that id."""
-        connection = await AsyncConnection.open(self.socket_path)
-        return _abort_result(await connection.round_trip(Abort(request_id)))
+        """As `Client.abort`: True once the daemon has aborted one of this client's running
+        requests (its stream or generate then raises RequestAborted); False if this client has
+        none by that id (a client can abort only its own requests)."""
+        connection = self._running.get(request_id)
+        if connection is None:
+            return False
+        return await connection.abort(request_id)
+
+    def running_request_ids(self) -> list[str]:
+        """Ids of this client's requests that the daemon has accepted and not yet finished."""
+        return self._running.ids()
 
     async def health(self) -> HealthReply:
         connection = await AsyncConnection.open(self.socket_path)
@@ -519,6 +747,12 @@ class AsyncClient:
     async def stats(self) -> StatsReply:
         connection = await AsyncConnection.open(self.socket_path)
         return _unary_reply(await connection.round_trip(Stats()), StatsReply)
+
+    async def profile(self, action: str, directory: str | Path | None = None) -> list[str]:
+        """Starts (into `directory`) or stops a torch.profiler capture in every stage (see Client.profile)."""
+        message = _profile_message(action, directory)
+        connection = await AsyncConnection.open(self.socket_path)
+        return _unary_reply(await connection.round_trip(message), ProfileReply).paths
 
     async def close(self) -> None:
         """Closes every open stream, aborting their requests."""

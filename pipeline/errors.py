@@ -83,7 +83,8 @@ class RequestAborted(PipelineError):
 
 
 class RequestNotFound(PipelineError):
-    """No running request has that id: it finished, or never existed."""
+    """No running request of this connection has that id: it finished, never existed, or is
+    another client's (a client can abort only its own requests)."""
 
     code = ErrorCode.NOT_FOUND
 

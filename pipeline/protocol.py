@@ -6,15 +6,20 @@ runs code from the peer (no pickle, no eval): msgspec builds only the types belo
 every field's type. A frame may hold at most `max_frame_bytes` (16 MiB unless configured).
 
 Conversation, per connection (the daemon serves requests from one connection concurrently;
-the client library sends one request per connection at a time):
+the client library sends one request per connection at a time, and that request's Abort):
 - `Generate` -> `Accepted(request_id)`, then `Delta`* (only when `stream`), then `Done`, or
   `Error` at any point (before `Accepted` its `request_id` is None).
-- `Abort(request_id)` -> `Aborted`, or `Error(not_found)` for an id that is not running; the
-  aborted request itself ends with `Error(aborted)` on its own connection. Any connection may
-  abort any request: request ids are random (`secrets`), so knowing one is the permission.
-- `Health` -> `HealthReply`; `Stats` -> `StatsReply`.
+- `Abort(request_id)` -> `Error(aborted)` for that request (how the request itself ends), then
+  `Aborted`. A client can abort only its own requests: an Abort counts only on the connection
+  that sent the request's Generate, and any other id (another connection's request, one that
+  has finished, one never issued) gets `Error(not_found)` and changes nothing. Request ids
+  are random (`secrets`, 64 bits), so they tell nothing about other requests either.
+- `Health` -> `HealthReply`; `Stats` -> `StatsReply`; `Profile` -> `ProfileReply` (a stop
+  replies once every stage has written its trace, which may take seconds).
 - Closing the connection aborts every request still running on it.
-- After an `Error(protocol)` the daemon closes the connection: the byte stream cannot be trusted.
+- A request-level error (`invalid_params`, `prompt_too_long`, ...) ends only that request; the
+  connection stays open. After an `Error(protocol)` (a frame or message that does not decode)
+  the daemon closes the connection: the byte stream cannot be trusted.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from pipeline.errors import ErrorCode, PipelineError, ProtocolError
-from pipeline.sampling_params import InvalidParams, SamplingParams
+from pipeline.sampling_params import MAX_TOKEN_ID, InvalidParams, SamplingParams
 
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES_LIMIT = 2**32 - 1  # what the 4-byte header can express
@@ -34,7 +39,7 @@ DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 REQUEST_ID_BYTES = 8
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=64)]
-TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 FinishReason = Literal["stop", "length"]
 
 
@@ -97,7 +102,16 @@ class Stats(Struct, tag="stats", forbid_unknown_fields=True):
     pass
 
 
-ClientMessage = Union[Generate, Abort, Health, Stats]
+class Profile(Struct, tag="profile", forbid_unknown_fields=True):
+    """Start or stop a torch.profiler capture in every stage (where nsys is not used): `start`
+    needs `directory`, an absolute path to a directory only its owner may write; each stage
+    writes `<directory>/<stage>.json` at `stop`."""
+
+    action: Literal["start", "stop"]
+    directory: str | None = None
+
+
+ClientMessage = Union[Generate, Abort, Health, Stats, Profile]
 
 # --- daemon -> client (unknown fields are ignored, so a newer daemon may add some) ---
 
@@ -156,6 +170,12 @@ class HealthReply(Struct, tag="health_reply"):
     version: str
     uptime_s: float
     stages: dict[str, str] = msgspec.field(default_factory=dict)  # stage name -> state
+    reason: str | None = None  # why the status is "degraded"
+    instance: str | None = None  # the running stages' instance id (a restart makes a new one)
+    stage_pids: dict[str, int] = msgspec.field(default_factory=dict)  # stage name -> process id
+    num_restarts: int = 0  # stage restarts since the daemon started
+    last_failure: str | None = None  # why the stages last died
+    shutdown_grace_s: float = 0.0  # how long a SIGTERM lets requests in flight finish
 
 
 class StatsReply(Struct, tag="stats_reply"):
@@ -168,9 +188,18 @@ class StatsReply(Struct, tag="stats_reply"):
     kv_blocks_total: int = 0
     prefix_cache_hit_rate: float = 0.0
     uptime_s: float = 0.0
+    generated_tokens_per_s: float = 0.0  # over the last second or so
+    num_restarts: int = 0
+    num_overloaded_requests: int = 0  # refused with `overloaded` since the daemon started
+    max_in_flight_requests: int = 0  # the admission limit: max_num_seqs + max_waiting
 
 
-ServerMessage = Union[Accepted, Delta, Done, Error, Aborted, HealthReply, StatsReply]
+class ProfileReply(Struct, tag="profile_reply"):
+    action: str
+    paths: list[str] = msgspec.field(default_factory=list)  # stop: the Chrome trace each stage wrote
+
+
+ServerMessage = Union[Accepted, Delta, Done, Error, Aborted, HealthReply, StatsReply, ProfileReply]
 
 
 def error_for(exc: PipelineError | InvalidParams, request_id: str | None = None) -> Error:

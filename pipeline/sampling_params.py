@@ -4,9 +4,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Limits on what one request may ask for. Each bounds work or memory a client could otherwise
+# make the daemon spend, and each value must fit the stages' binary layouts (int32 token ids).
+MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 on every ring and on the device
+MAX_MAX_TOKENS = 2**31 - 1  # the model's max_model_len caps output far below this anyway
+MAX_TOP_K = 2**31 - 1  # larger than any vocabulary: the same as top_k 0
+MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
-MAX_STOP_STRING_CHARS = 256
+MAX_STOP_STRING_CHARS = 256  # at most 1 KiB of UTF-8: the detokenizer holds back up to one stop string's text
 MAX_STOP_TOKEN_IDS = 256
 
 
@@ -64,13 +70,13 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("max_tokens", self.max_tokens, 1, MAX_MAX_TOKENS)
         _check_range("temperature", self.temperature, 0.0, 100.0)
         _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _check_int("top_k", self.top_k, -1)
+        _check_int("top_k", self.top_k, -1, MAX_TOP_K)
         _check_range("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, 0, 2**63 - 1)
+            _check_int("seed", self.seed, 0, MAX_SEED)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
@@ -81,14 +87,15 @@ class SamplingParams:
             raise InvalidParams("stop", "must be a list of non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidParams("stop", f"at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
-        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
-            raise InvalidParams("stop", f"each string at most {MAX_STOP_STRING_CHARS} characters")
+        longest = max(map(len, self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise InvalidParams("stop", f"each string at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
         if not isinstance(self.stop_token_ids, list):
             raise InvalidParams("stop_token_ids", "must be a list of integers")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidParams("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids", token_id, 0)
+            _check_int("stop_token_ids", token_id, 0, MAX_TOKEN_ID)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
 

@@ -18,12 +18,13 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int,
     """None if the prompt is servable, else what is wrong (the message starts with `label`)."""
     if not token_ids:
         return PromptProblem(ErrorCode.INVALID_PARAMS.value, "prompt", f"{label} is empty")
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        return PromptProblem(ErrorCode.INVALID_PARAMS.value, "prompt",
-                             f"{label} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    # Length first: it is O(1), and a prompt too long to serve need not be scanned.
     if len(token_ids) >= max_model_len:
         return PromptProblem(ErrorCode.PROMPT_TOO_LONG.value, "",
                              f"{label} has {len(token_ids)} tokens; max_model_len {max_model_len} "
                              f"allows at most {max_model_len - 1} so one token can be generated")
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:  # in C; the list below only when needed
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        return PromptProblem(ErrorCode.INVALID_PARAMS.value, "prompt",
+                             f"{label} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
     return None

@@ -8,6 +8,8 @@ cuts the echo short (finish "length"). Special prompts:
 - "endless": streams until max_tokens, which tests set huge; the socket's backpressure keeps it
   running until the client aborts or disconnects (not streamed, it never replies);
 - "garbage": Accepted, then bytes that are not a frame.
+An Abort counts only on the connection that made the request, as in the daemon: it gets
+Error(aborted) for the request, then Aborted; any other id gets Error(not_found).
 It records what clients did, so tests can wait for an abort to arrive.
 """
 from __future__ import annotations
@@ -50,7 +52,6 @@ class FakeDaemon:
         self._changed = threading.Condition()
         self._running: dict[str, tuple[asyncio.Task[None], asyncio.StreamWriter]] = {}
         self._writers: set[asyncio.StreamWriter] = set()
-        self._background: set[asyncio.Future[None]] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fake-daemon", daemon=True)
         self._server: asyncio.AbstractServer | None = None
@@ -131,19 +132,17 @@ class FakeDaemon:
             self._running[request_id] = (task, writer)
             task.add_done_callback(lambda _, r=request_id: self._running.pop(r, None))
         elif isinstance(message, Abort):
-            entry = self._running.pop(message.request_id, None)
+            # Like the daemon: only the connection that made a request may abort it.
+            entry = self._running.get(message.request_id) if message.request_id in mine else None
             if entry is None:
-                reply = Error(ErrorCode.NOT_FOUND.value, f"no running request {message.request_id}", None, message.request_id)
+                reply = Error(ErrorCode.NOT_FOUND.value, f"no running request {message.request_id} on this connection",
+                              None, message.request_id)
                 await self._send(writer, reply)
                 return
-            task, owner = entry
-            task.cancel()
+            del self._running[message.request_id]
+            entry[0].cancel()
             self._record(lambda: self.aborted_by_message.add(message.request_id))
-            # The owner may not be reading (its socket full of deltas): tell it in the background.
-            error = Error(ErrorCode.ABORTED.value, "aborted by the client", None, message.request_id)
-            notify = asyncio.ensure_future(self._send_quietly(owner, error))
-            self._background.add(notify)
-            notify.add_done_callback(self._background.discard)
+            await self._send(writer, Error(ErrorCode.ABORTED.value, "aborted by the client", None, message.request_id))
             await self._send(writer, Aborted(message.request_id))
         elif isinstance(message, Health):
             await self._send(writer, HealthReply("ok", "fake", 1.5, {"scheduler": "running"}))
@@ -206,12 +205,6 @@ class FakeDaemon:
         )
         await self._send(writer, done)
         self._record(lambda: self.finished.add(request_id))
-
-    async def _send_quietly(self, writer: asyncio.StreamWriter, message: object) -> None:
-        try:
-            await self._send(writer, message)
-        except ConnectionError:
-            pass  # the client has gone
 
     async def _send(self, writer: asyncio.StreamWriter, message: object) -> None:
         """Raises ConnectionError once the client has gone, which ends a generating task."""

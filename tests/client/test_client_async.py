@@ -9,7 +9,7 @@ from fake_daemon import FakeDaemon
 
 from pipeline.client import AsyncClient
 from pipeline.errors import DaemonNotRunning, InvalidRequest, Overloaded, PromptTooLong, RequestAborted
-from pipeline.protocol import Generate
+from pipeline.protocol import Abort, Generate
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -99,5 +99,58 @@ def test_async_errors(daemon: FakeDaemon, socket_dir: Path) -> None:
         missing = socket_dir / "missing.sock"
         with pytest.raises(DaemonNotRunning, match=str(missing)):
             await AsyncClient(missing).health()
+
+    asyncio.run(main())
+
+
+def test_abort_by_id_from_another_task_ends_the_stream_with_request_aborted(daemon: FakeDaemon) -> None:
+    async def main() -> None:
+        client = AsyncClient(daemon.socket_path)
+        other = AsyncClient(daemon.socket_path)
+        stream = client.stream("endless", ENDLESS)
+        first_delta = asyncio.Event()
+
+        async def read_all() -> int:
+            count = 0
+            async for _ in stream:
+                count += 1
+                first_delta.set()
+            return count
+
+        reader = asyncio.ensure_future(read_all())
+        await first_delta.wait()
+        assert stream.request_id is not None
+        assert client.running_request_ids() == [stream.request_id]
+        assert await other.abort(stream.request_id) is False  # not its request: nothing is sent
+        assert await client.abort(stream.request_id) is True  # while the reader task reads on
+        with pytest.raises(RequestAborted):
+            await reader
+        assert daemon.aborted_by_message == {stream.request_id}
+        assert client.running_request_ids() == []
+        assert await client.abort(stream.request_id) is False
+
+    asyncio.run(main())
+    assert len(daemon.messages_of(Abort)) == 1
+
+
+def test_abort_of_a_generate_waiting_in_another_task_and_stream_abort(daemon: FakeDaemon) -> None:
+    async def main() -> None:
+        client = AsyncClient(daemon.socket_path)
+        task = asyncio.ensure_future(client.generate("endless", ENDLESS))  # never answered
+        while not client.running_request_ids():
+            await asyncio.sleep(0.001)
+        [request_id] = client.running_request_ids()
+        assert await client.abort(request_id) is True
+        with pytest.raises(RequestAborted):
+            await task
+        # AsyncStream.abort from the task that owns the stream, before reading anything.
+        async with client.stream("endless", ENDLESS) as stream:
+            assert await stream.abort() is True
+            with pytest.raises(RequestAborted):
+                async for delta in stream:
+                    assert delta.text == "e"
+            assert await stream.abort() is False
+        assert daemon.aborted_by_message == {request_id, stream.request_id}
+        assert not daemon.aborted_by_disconnect
 
     asyncio.run(main())

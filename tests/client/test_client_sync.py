@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from fake_daemon import FakeDaemon
 
-from pipeline.client import Client
+from pipeline.client import Client, Connection, RequestReplies, make_generate
 from pipeline.errors import (
     ConnectionLost,
     DaemonNotRunning,
@@ -21,7 +22,7 @@ from pipeline.errors import (
     RequestNotFound,
     StageFailed,
 )
-from pipeline.protocol import Abort, Generate
+from pipeline.protocol import Abort, Accepted, Delta, Error, FrameDecoder, Generate, ServerMessage, encode_frame
 from pipeline.sampling_params import InvalidParams, SamplingParams
 
 pytestmark = pytest.mark.timeout(20)
@@ -90,18 +91,93 @@ def test_closing_the_client_aborts_its_open_streams(daemon: FakeDaemon) -> None:
     assert not daemon.finished
 
 
-def test_abort_from_another_client_ends_the_stream_with_request_aborted(daemon: FakeDaemon) -> None:
-    with Client(daemon.socket_path) as client, Client(daemon.socket_path) as other:
+def wait_for_running_request(client: Client, timeout_s: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not (ids := client.running_request_ids()):
+        assert time.monotonic() < deadline, "the request was never accepted"
+        time.sleep(0.001)
+    return ids[0]
+
+
+def test_abort_by_id_from_another_thread_ends_the_stream_with_request_aborted(daemon: FakeDaemon) -> None:
+    with Client(daemon.socket_path) as client:
         stream = client.stream("endless", ENDLESS)
-        iterator = iter(stream)
-        next(iterator)
-        assert other.abort(stream.request_id) is True
+        assert client.running_request_ids() == [stream.request_id]
+        results: list[bool] = []
+        aborter = threading.Thread(target=lambda: results.append(client.abort(stream.request_id)))
         with pytest.raises(RequestAborted) as excinfo:
-            for _ in iterator:
-                pass
+            for i, _ in enumerate(stream):
+                if i == 2:
+                    aborter.start()  # this thread goes on reading while the other aborts
+        aborter.join(timeout=10)
+        assert results == [True]
         assert excinfo.value.request_id == stream.request_id
-        assert other.abort(stream.request_id) is False  # no longer running
-        assert other.abort("0123456789abcdef") is False
+        assert daemon.aborted_by_message == {stream.request_id}  # by the Abort, not a disconnect
+        assert client.running_request_ids() == []
+        assert client.abort(stream.request_id) is False  # no longer running: not even sent
+        assert client.abort("0123456789abcdef") is False
+    assert len(daemon.messages_of(Abort)) == 1
+
+
+def test_abort_of_a_generate_blocked_in_another_thread(daemon: FakeDaemon) -> None:
+    errors: list[BaseException] = []
+    with Client(daemon.socket_path) as client:
+
+        def blocked_generate() -> None:
+            try:
+                client.generate("endless", ENDLESS)  # the fake never answers this one
+            except BaseException as exc:  # noqa: BLE001 - the test inspects it
+                errors.append(exc)
+
+        worker = threading.Thread(target=blocked_generate)
+        worker.start()
+        request_id = wait_for_running_request(client)
+        assert client.abort(request_id) is True
+        worker.join(timeout=10)
+        assert [type(e) for e in errors] == [RequestAborted]
+        assert daemon.aborted_by_message == {request_id} and not daemon.aborted_by_disconnect
+        # The generate ran on the client's shared connection, which still works.
+        assert client.generate("after the abort").text == "after the abort"
+
+
+def test_a_client_cannot_abort_another_clients_request(daemon: FakeDaemon) -> None:
+    with Client(daemon.socket_path) as client, Client(daemon.socket_path) as other:
+        stream = client.stream("endless", {"max_tokens": 50})
+        assert other.abort(stream.request_id) is False  # not its request: nothing is sent
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:  # past the client library
+            raw.connect(str(daemon.socket_path))
+            raw.sendall(encode_frame(Abort(stream.request_id)))
+            decoder: FrameDecoder[ServerMessage] = FrameDecoder(ServerMessage)
+            while (reply := decoder.next_message()) is None:
+                decoder.feed(raw.recv(4096))
+        assert isinstance(reply, Error) and (reply.code, reply.request_id) == ("not_found", stream.request_id)
+        assert len(list(stream)) == 50 and stream.finish_reason == "length"  # ran to completion
+        assert not daemon.aborted_by_message
+
+
+def test_stream_abort_before_reading_keeps_what_had_arrived(daemon: FakeDaemon) -> None:
+    with Client(daemon.socket_path) as client:
+        stream = client.stream("endless", ENDLESS)
+        assert stream.abort() is True  # from the thread that owns the stream, before any read
+        with pytest.raises(RequestAborted):
+            for delta in stream:
+                assert delta.text == "e"
+        assert stream.abort() is False
+
+
+def test_an_abort_reply_that_arrives_after_the_request_does_not_confuse_the_next(daemon: FakeDaemon) -> None:
+    connection = Connection(daemon.socket_path, timeout_s=10)
+    try:
+        replies = RequestReplies()
+        connection.send(make_generate("first", None, stream=False))
+        while not replies.done:
+            replies.on_message(connection.receive())
+        assert connection.abort(str(replies.request_id)) is False  # finished: not_found, set aside
+        connection.send(make_generate("second", None, stream=True))
+        assert isinstance(connection.receive(), Accepted)
+        assert isinstance(connection.receive(), Delta)
+    finally:
+        connection.close()
 
 
 @pytest.mark.parametrize("code", sorted(ERROR_CLASSES))

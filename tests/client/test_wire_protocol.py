@@ -42,7 +42,19 @@ from pipeline.protocol import (
     error_for,
     new_request_id,
 )
-from pipeline.sampling_params import InvalidParams, SamplingParams
+from pipeline.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_MAX_TOKENS,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID,
+    MAX_TOP_K,
+    InvalidParams,
+    SamplingParams,
+)
+from stages.messages import decode_params, encode_params
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -118,6 +130,31 @@ def test_params_ranges_are_checked_on_arrival() -> None:
     mapped = error_from_wire(error.code, error.message, error.field, error.request_id)
     assert isinstance(mapped, InvalidRequest) and mapped.field == "top_p"
     assert str(mapped) == "top_p: must be in (0.0, 1.0], got 2.0"
+
+
+LARGEST_PARAMS = dict(max_tokens=MAX_MAX_TOKENS, top_k=MAX_TOP_K, seed=MAX_SEED, logprobs=MAX_LOGPROBS,
+                      min_tokens=MAX_MAX_TOKENS, stop=["é" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+                      stop_token_ids=[MAX_TOKEN_ID] * MAX_STOP_TOKEN_IDS)
+ONE_TOO_MANY = dict(max_tokens=MAX_MAX_TOKENS + 1, top_k=MAX_TOP_K + 1, seed=MAX_SEED + 1,
+                    logprobs=MAX_LOGPROBS + 1, stop=["x"] * (MAX_STOP_STRINGS + 1),
+                    stop_token_ids=[MAX_TOKEN_ID + 1])
+
+
+def test_the_largest_params_allowed_fit_the_stages_binary_layout() -> None:
+    params = SamplingParams(**LARGEST_PARAMS)
+    assert decode_params(encode_params(params)) == params
+
+
+@pytest.mark.parametrize("name", sorted(ONE_TOO_MANY))
+def test_one_past_each_limit_is_refused_naming_the_field(name: str) -> None:
+    with pytest.raises(InvalidParams, match=rf"^{name}: (must be in|at most)") as excinfo:
+        SamplingParams(**{name: ONE_TOO_MANY[name]})
+    assert excinfo.value.field == name
+
+
+def test_a_stop_string_one_character_too_long_is_refused() -> None:
+    with pytest.raises(InvalidParams, match=rf"^stop: each string at most {MAX_STOP_STRING_CHARS} characters"):
+        SamplingParams(stop=["ok", "x" * (MAX_STOP_STRING_CHARS + 1)])
 
 
 @pytest.mark.parametrize(
