@@ -13,24 +13,31 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
+import traceback
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from pipeline.errors import StageFailed
+from pipeline.errors import Overloaded, StageFailed
 from pipeline.sampling_params import SamplingParams
-from shm.naming import ring_name, sweep_stale, unlink_instance
-from shm.ring import RingReader, RingWriter
+from shm.naming import pid_alive, ring_name, sweep_stale, unlink_instance
+from shm.ring import RingReader, RingTimeout, RingWriter
 from shm.segment import PeerDied, RingSegment
 from stages.gpu_runner.mailbox import unlink_mailbox
 from stages.messages import Kind, decode_events, encode_generate, encode_req_id
 from stages.process import EXIT_PEER_DIED, launch
+from stages.profiling import ProfileControl
 from stages.status import StatusBoard
+
+log = logging.getLogger("pipeline.backend")
 
 TOKENIZER_FILE = "tokenizer.json"
 REQUEST_RING_BYTES = 4 << 20
@@ -39,11 +46,11 @@ EVENT_RING_BYTES = 8 << 20
 CONTROL_RING_BYTES = 1 << 16
 MIN_MAILBOX_SLOTS = 3  # two steps in flight (async) plus the one being written
 MAX_TOKENIZERS = 32
-WRITE_TIMEOUT_S = 30.0  # a full request ring for this long means the pipeline is stuck
 LIVENESS_CHECK_S = 0.1  # read_events looks at the stage processes at least this often
 MAX_RECORDS_PER_READ = 64  # event batches one read_events call returns at most
 READY_POLL_S = 0.01
 KILL_GRACE_S = 1.0
+REAP_WAIT_S = 1.0  # how long a stage seen dead may take to become reapable (its threads exiting)
 MIN_RATE_WINDOW_S = 0.5
 
 
@@ -80,6 +87,7 @@ class OutputEvent:
     error_code: str | None = None  # wire error code when the request was refused
     error_message: str | None = None
     error_field: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it; None for EOS
 
 
 @dataclass(slots=True)
@@ -116,11 +124,14 @@ class Backend:
         self._closed = False
         self._procs: list[tuple[str, mp.process.BaseProcess]] = []
         self._live: set[int] = set()  # submitted and not yet finished: abort targets
+        self._pending_aborts: deque[int] = deque()  # aborts that found the abort ring full
         self._next_tokenizer = 0
         self._rate = _TokenRate()
         self._writers: list[RingWriter] = []
         self._readers: list[RingReader] = []
-        sweep_stale()
+        swept = sweep_stale()
+        if swept:
+            log.info("removed %d /dev/shm entries left by dead instances", len(swept))
         atexit.register(self.close)
         try:
             self._start()
@@ -131,6 +142,8 @@ class Backend:
     def _start(self) -> None:
         config, instance = self.config, self.instance
         self._board = StatusBoard.create(instance)
+        self._profile = ProfileControl(
+            self._board, lambda: {index: name for index, (name, p) in enumerate(self._procs) if p.is_alive()})
         segments: dict[str, RingSegment] = {}
 
         def ring(link: str, capacity_bytes: int, num_readers: int = 1) -> str:
@@ -174,7 +187,7 @@ class Backend:
             spec = dict(common, name=name, index=index, rings=stage_rings)
             # Not daemonic, so a daemon that is itself a multiprocessing child may start stages;
             # the atexit hook registered in __init__ stops them if the owner exits without close().
-            process = ctx.Process(target=launch, args=(module, json.dumps(spec)), name=f"pipeline-{name}")
+            process = ctx.Process(target=_stage_process, args=(module, json.dumps(spec)), name=f"pipeline-{name}")
             process.start()
             self._procs.append((name, process))
         self._wait_ready()
@@ -199,6 +212,8 @@ class Backend:
         dead = [(index, name, p.exitcode) for index, (name, p) in enumerate(self._procs) if p.exitcode is not None]
         if not dead:
             return None
+        if all(code == EXIT_PEER_DIED for _, _, code in dead) and self._reap_dead_peers():
+            return self._failed_stage()
         dead.sort(key=lambda d: (d[2] == EXIT_PEER_DIED, d[2] >= 0))  # killed first, then own errors
         index, name, code = dead[0]
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -206,33 +221,63 @@ class Backend:
         ready = "" if self._board.is_ready(index) else " while starting"
         return StageFailed(f"stage {name!r} {how}{ready}" + (f": {error}" if error else ""))
 
+    def _reap_dead_peers(self) -> bool:
+        """Waits (briefly) for the exit status of stages that are dead but not yet reapable; True
+        if one came. A stage that ended because a peer died can be reaped before that peer: a
+        killed process with many threads is seen dead (a zombie leader) while its threads exit."""
+        reaped = False
+        for _, process in self._procs:
+            if process.exitcode is None and not pid_alive(process.pid or 0):
+                process.join(REAP_WAIT_S)
+                reaped = reaped or process.exitcode is not None
+        return reaped
+
     def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> None:
-        """Queue a request. Its prompt must fit a request ring record (REQUEST_RING_BYTES);
-        raises StageFailed if its tokenizer worker died."""
+        """Queue a request without ever waiting (the daemon calls this on its event loop).
+
+        Raises Overloaded when the tokenizer worker's request ring is full (it is that far behind),
+        RecordTooLarge when the prompt cannot fit a record (REQUEST_RING_BYTES), StageFailed if
+        the tokenizer worker died.
+        """
         _check_req_id(req_id)
         parts = encode_generate(req_id, prompt, params)
         with self._lock:
             self._check_open()
             if req_id in self._live:
                 raise ValueError(f"req_id {req_id} is already running; ids must be unique among running requests")
-            writer = self._generate[self._next_tokenizer]
-            self._next_tokenizer = (self._next_tokenizer + 1) % len(self._generate)
-            self._write(writer, Kind.GENERATE, parts)
+            index = self._next_tokenizer
+            self._next_tokenizer = (index + 1) % len(self._generate)
+            if not self._write(self._generate[index], Kind.GENERATE, parts):
+                raise Overloaded(f"the request ring of tokenizer{index} is full ({REQUEST_RING_BYTES} bytes of "
+                                 "requests not yet tokenized); retry later")
             self._live.add(req_id)
 
     def abort(self, req_id: int) -> None:
-        """Stop a request; its last event has finish_reason "abort". Unknown or finished ids are ignored."""
+        """Stop a request; its last event has finish_reason "abort". Unknown or finished ids are
+        ignored. Never waits: an abort that finds the abort ring full is sent later."""
         with self._lock:
             self._check_open()
             if req_id not in self._live:
                 return  # finished already (or never submitted): nothing to stop
-            self._write(self._abort, Kind.ABORT, [encode_req_id(req_id)])
+            self._pending_aborts.append(req_id)
+            self._send_pending_aborts()
 
-    def _write(self, writer: RingWriter, kind: int, parts: list[bytes]) -> None:
+    def _send_pending_aborts(self) -> None:
+        """Writes the aborts that fit, oldest first. Call with the lock held."""
+        while self._pending_aborts:
+            if not self._write(self._abort, Kind.ABORT, [encode_req_id(self._pending_aborts[0])]):
+                return  # the scheduler drains the ring every step; read_events tries again
+            self._pending_aborts.popleft()
+
+    def _write(self, writer: RingWriter, kind: int, parts: list[bytes]) -> bool:
+        """Writes one record if there is room now; False if the ring is full."""
         try:
-            writer.write(kind, *parts, timeout=WRITE_TIMEOUT_S)
+            writer.write(kind, *parts, timeout=0.0)
+        except RingTimeout:
+            return False
         except PeerDied as exc:
             raise self._failed_stage() or StageFailed(str(exc)) from None
+        return True
 
     def _check_open(self) -> None:
         if self._closed:
@@ -241,6 +286,10 @@ class Backend:
     def read_events(self, timeout_s: float) -> list[OutputEvent]:
         """Blocks up to timeout_s for output; raises StageFailed when a stage has died."""
         deadline = time.monotonic() + timeout_s
+        self._rate.update(self._board.counters().tokens_generated)
+        if self._pending_aborts:
+            with self._lock:
+                self._send_pending_aborts()
         while True:
             failed = self._failed_stage()
             if failed is not None:
@@ -266,6 +315,17 @@ class Backend:
                 self._live.difference_update(finished)
         return events
 
+    def start_profile(self, directory: str) -> None:
+        """Every live stage starts a torch.profiler capture (stages/profiling.py) for `directory`, an
+        absolute path to a directory only its owner may write; returns once all have started.
+        Raises InvalidRequest (bad directory, a capture already running) or StageFailed."""
+        self._profile.start(directory)
+
+    def stop_profile(self) -> list[str]:
+        """Ends the capture; returns the Chrome-trace file each live stage wrote
+        (`<directory>/<stage>.json`). Raises InvalidRequest when none runs, or StageFailed."""
+        return self._profile.stop()
+
     def health(self) -> list[StageHealth]:
         return [StageHealth(name, process.pid or 0, process.is_alive(), self._board.heartbeat_age_s(index))
                 for index, (name, process) in enumerate(self._procs)]
@@ -273,7 +333,7 @@ class Backend:
     def stats(self) -> BackendStats:
         counters = self._board.counters()
         return BackendStats(counters.num_waiting, counters.num_running, counters.kv_blocks_used,
-                            counters.kv_blocks_free, self._rate.update(counters.tokens_generated), num_restarts=0)
+                            counters.kv_blocks_free, self._rate.tokens_per_s, num_restarts=0)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops every stage and removes every shm entry of this instance."""
@@ -304,19 +364,41 @@ class Backend:
 
 
 class _TokenRate:
-    """Tokens per second between successive stats() calls."""
+    """Tokens per second over the last window of at least MIN_RATE_WINDOW_S. `update` is called by
+    the thread in read_events (at least every call's timeout); `tokens_per_s` may be read by any."""
 
     def __init__(self) -> None:
         self._last = (time.monotonic(), 0)
-        self._rate = 0.0
+        self.tokens_per_s = 0.0
 
-    def update(self, tokens_generated: int) -> float:
+    def update(self, tokens_generated: int) -> None:
         now = time.monotonic()
         last_time, last_tokens = self._last
         if now - last_time >= MIN_RATE_WINDOW_S:
-            self._rate = (tokens_generated - last_tokens) / (now - last_time)
+            self.tokens_per_s = (tokens_generated - last_tokens) / (now - last_time)
             self._last = (now, tokens_generated)
-        return self._rate
+
+
+def _stage_process(module: str, spec_json: str) -> None:
+    """Process target of a stage: runs it, then ends the process at once with its exit code.
+
+    Skipping the interpreter's teardown is safe, since a stage leaves nothing to finalize (its
+    rings are shared memory, its own cleanup ran before it returned), and needed: with torch
+    loaded the teardown takes a second or more, which a stage following a dead daemon or a
+    restart waiting for the old stages to go should not spend.
+    """
+    code = 1
+    try:
+        launch(module, spec_json)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - the stage could not even start: say why before leaving
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _plain(config: EngineConfig) -> dict[str, object]:

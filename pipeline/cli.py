@@ -13,14 +13,14 @@ from pathlib import Path
 
 from pipeline.backend import EngineConfig
 from pipeline.client import Client
+from pipeline.daemon import DaemonConfig
 from pipeline.errors import DaemonNotRunning, PipelineError
 from pipeline.paths import default_socket_path
 from pipeline.sampling_params import InvalidParams
 
 DETACH_READY_TIMEOUT_S = 300.0  # building the default model and spawning the stages
-STOP_TIMEOUT_S = 30.0
+STOP_MARGIN_S = 30.0  # `stop` waits the daemon's grace period and this much more for it to exit
 POLL_S = 0.1
-RATE_SAMPLE_S = 0.5  # `status` measures tokens/s over this long
 
 
 def _socket_path(args: argparse.Namespace) -> Path:
@@ -35,6 +35,53 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
+def add_daemon_options(parser: argparse.ArgumentParser) -> None:
+    """How the daemon serves: shutdown grace, stall detection, admission, restarts."""
+    defaults = DaemonConfig()
+    parser.add_argument("--grace-seconds", type=_seconds, default=defaults.grace_s,
+                        help="on SIGTERM or `pipeline stop`, how long requests in flight may take to finish "
+                             "before they are aborted (default %(default)s)")
+    parser.add_argument("--stall-seconds", type=_seconds, default=defaults.stall_s,
+                        help="`status` reports degraded when a stage's loop has not gone round for this long "
+                             "(default %(default)s)")
+    parser.add_argument("--max-waiting", type=_non_negative_int, default=defaults.max_waiting,
+                        help="requests admitted beyond --max-num-seqs; more in flight get `overloaded` "
+                             "(default %(default)s)")
+    parser.add_argument("--max-restarts", type=_non_negative_int, default=defaults.max_restarts,
+                        help=f"stage restarts allowed within {defaults.restart_window_s:g} s; beyond that, or when "
+                             "a restart fails, the daemon stays degraded (default %(default)s)")
+
+
+def daemon_config(args: argparse.Namespace) -> DaemonConfig:
+    config = DaemonConfig(grace_s=args.grace_seconds, stall_s=args.stall_seconds, max_waiting=args.max_waiting,
+                          max_restarts=args.max_restarts)
+    try:
+        config.check()
+    except ValueError as exc:
+        raise PipelineError(f"invalid daemon option: {exc}") from None
+    return config
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +120,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def _start(args: argparse.Namespace) -> int:
     socket_path = _socket_path(args)
+    settings = daemon_config(args)  # refuse a bad option here, detached or not
+    if args.nsys:
+        from pipeline.nsys import start_under_nsys
+
+        start_under_nsys(args.argv, socket_path, detach=args.detach)
     if args.detach:
         return _start_detached(args, socket_path)
     from pipeline.daemon import run_daemon
@@ -80,7 +132,8 @@ def _start(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = engine_config(args)
     try:
-        return run_daemon(config, socket_path, ready=lambda: print(f"listening on {socket_path}", flush=True))
+        return run_daemon(config, socket_path, ready=lambda: print(f"listening on {socket_path}", flush=True),
+                          settings=settings)
     except PipelineError:
         raise
     except Exception as exc:  # noqa: BLE001 - the stages failed to come up: say why, exit non-zero
@@ -127,17 +180,17 @@ def _stop(args: argparse.Namespace) -> int:
     socket_path = _socket_path(args)
     # The pid file alone could name a recycled pid: signal it only while a daemon answers.
     with Client(socket_path, timeout_s=5.0) as client:
-        client.health()
+        stop_timeout_s = client.health().shutdown_grace_s + STOP_MARGIN_S
     pid_file = pid_file_for(socket_path)
     try:
         pid = int(pid_file.read_text().strip())
     except (FileNotFoundError, ValueError):
         raise PipelineError(f"a daemon answers on {socket_path} but its pid file {pid_file} is missing or unreadable") from None
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
+    deadline = time.monotonic() + stop_timeout_s
     while pid_alive(pid):
         if time.monotonic() > deadline:
-            raise PipelineError(f"the daemon (pid {pid}) is still running {STOP_TIMEOUT_S:.0f} s after SIGTERM")
+            raise PipelineError(f"the daemon (pid {pid}) is still running {stop_timeout_s:.0f} s after SIGTERM")
         time.sleep(POLL_S)
     print(f"stopped the daemon (pid {pid})")
     return 0
@@ -146,20 +199,20 @@ def _stop(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     with Client(_socket_path(args), timeout_s=10.0) as client:
         health = client.health()
-        first = client.stats()
-        time.sleep(RATE_SAMPLE_S)
         stats = client.stats()
-    elapsed_s = max(stats.uptime_s - first.uptime_s, 1e-9)
-    tokens_per_s = (stats.num_generated_tokens_total - first.num_generated_tokens_total) / elapsed_s
     print(f"daemon: {health.status} (version {health.version}, up {health.uptime_s:.0f} s)")
+    if health.reason:
+        print(f"  why: {health.reason}")
+    print(f"stages: instance {health.instance or '-'}, {health.num_restarts} restarts"
+          + (f"; last failure: {health.last_failure}" if health.last_failure else ""))
     for name, state in health.stages.items():
         print(f"  {name}: {state}")
     print(f"requests: {stats.num_running_requests} running, {stats.num_waiting_requests} waiting, "
-          f"{stats.num_finished_requests} finished")
+          f"{stats.num_finished_requests} finished, {stats.num_overloaded_requests} refused as overloaded "
+          f"(limit {stats.max_in_flight_requests} in flight)")
     print(f"KV blocks: {stats.kv_blocks_used} used, {stats.kv_blocks_total - stats.kv_blocks_used} free "
           f"of {stats.kv_blocks_total}")
-    print(f"tokens/s: {tokens_per_s:.1f} generated (over the last {RATE_SAMPLE_S} s); "
-          f"{stats.num_generated_tokens_total} in all")
+    print(f"tokens/s: {stats.generated_tokens_per_s:.1f} generated; {stats.num_generated_tokens_total} in all")
     return 0 if health.status == "ok" else 1
 
 
@@ -188,7 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     start = with_socket(commands.add_parser("start", help="start the daemon (in the foreground unless --detach)"))
     add_engine_options(start)
+    add_daemon_options(start)
     start.add_argument("--detach", action="store_true", help="run in the background; return once it serves")
+    start.add_argument("--nsys", action="store_true",
+                       help="run under `nsys launch` (Nsight Systems must be on PATH) so that tools/profile.py can "
+                            "record an .nsys-rep of the running daemon: nsys cannot attach to one started without it")
     start.set_defaults(handler=_start)
     with_socket(commands.add_parser("stop", help="stop the daemon and wait until it is gone")).set_defaults(handler=_stop)
     with_socket(commands.add_parser("status", help="stage health, requests, KV blocks, tokens/s")).set_defaults(

@@ -1,31 +1,39 @@
 """The daemon: an asyncio (uvloop) Unix-socket server that owns a Backend and routes requests.
 
 Each `Generate` gets a small integer `req_id` (the backend's name for it) and a public request
-id nobody can guess (what clients see). One thread blocks in `backend.read_events` and hands
-each batch of events to the event loop, which fans them out to the connections. Writes to a
-connection never wait: a client that stops reading only grows its own transport buffer, and
-once that holds more than `max_unread_bytes` the daemon drops the connection (aborting its
-requests) rather than let one slow reader hold memory or stall the others.
+id nobody can guess (what clients see). The stage supervisor's thread (pipeline/supervisor.py)
+blocks in `backend.read_events` and hands each batch of events to the event loop, which fans
+them out to the connections; when a stage dies it ends every request in flight with
+`stage_failed` and restarts the stages. Nothing on the event loop waits: a write to a connection
+only grows that client's transport buffer (past `max_unread_bytes` the daemon drops the
+connection, aborting its requests, rather than let one slow reader hold memory or stall the
+others), and a request that finds no room (`max_num_seqs + max_waiting` requests in flight, or
+a full request ring) is refused with `overloaded` at once.
+
+SIGTERM (`pipeline stop`) or SIGINT: stop accepting, let the requests in flight finish for up to
+`grace_s`, end the rest with `aborted`, close the stages, exit. A second signal ends the wait.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from importlib import metadata
 from pathlib import Path
 
 import uvloop
 
 from pipeline.backend import Backend, EngineConfig, OutputEvent
-from pipeline.errors import ErrorCode, PipelineError, ProtocolError, StageFailed
+from pipeline.errors import ErrorCode, Overloaded, PipelineError, ProtocolError
 from pipeline.paths import ensure_socket_dir
 from pipeline.protocol import (
     Abort,
@@ -39,6 +47,8 @@ from pipeline.protocol import (
     Generate,
     Health,
     HealthReply,
+    Profile,
+    ProfileReply,
     ServerMessage,
     Stats,
     StatsReply,
@@ -49,16 +59,20 @@ from pipeline.protocol import (
     new_request_id,
 )
 from pipeline.sampling_params import InvalidParams
+from pipeline.supervisor import BackendFactory, RestartPolicy, StageSupervisor
 from shm.naming import new_instance_id
+from shm.ring import RecordTooLarge
 
 log = logging.getLogger("pipeline.daemon")
 
 SOCKET_MODE = 0o600
 DEFAULT_MAX_UNREAD_BYTES = 64 * 1024 * 1024
 SHUTDOWN_FLUSH_S = 1.0
-EVENT_POLL_S = 0.1  # how long the reader thread blocks per call: bounds how late it sees shutdown
-
-BackendFactory = Callable[[EngineConfig, str], Backend]
+LISTEN_BACKLOG = 1024  # connections the kernel queues before the loop accepts them: bursts of clients
+SUPERVISOR_STOP_S = 60.0  # how long shutting down waits for a restart in progress
+DEFAULT_GRACE_S = 30.0
+DEFAULT_STALL_S = 30.0  # generous: one CPU step of a large batch can take seconds
+DEFAULT_MAX_WAITING = 1024
 
 
 class DaemonAlreadyRunning(PipelineError):
@@ -75,6 +89,40 @@ def _version() -> str:
         return metadata.version("pipeline")
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+@dataclass(slots=True)
+class DaemonConfig:
+    """How the daemon serves, as opposed to how the engine runs (EngineConfig)."""
+
+    grace_s: float = DEFAULT_GRACE_S  # on SIGTERM, how long requests in flight may take to finish
+    stall_s: float = DEFAULT_STALL_S  # a stage whose loop has not gone round for this long is stuck
+    max_waiting: int = DEFAULT_MAX_WAITING  # requests admitted beyond max_num_seqs
+    max_restarts: int = 5  # stage restarts allowed within restart_window_s
+    restart_window_s: float = 600.0
+    max_unread_bytes: int = DEFAULT_MAX_UNREAD_BYTES  # per connection, before it is dropped
+
+    def check(self) -> None:
+        """Raises ValueError naming the first bad value."""
+        if not self.grace_s >= 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s!r}")
+        if not self.stall_s > 0:
+            raise ValueError(f"stall_s must be positive, got {self.stall_s!r}")
+        for name in ("max_waiting", "max_unread_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "max_unread_bytes" else 0):
+                raise ValueError(f"{name} must be a {'positive' if name == 'max_unread_bytes' else 'non-negative'} "
+                                 f"integer, got {value!r}")
+        self.restart_policy().check()
+
+    def restart_policy(self) -> RestartPolicy:
+        return RestartPolicy(self.max_restarts, self.restart_window_s)
+
+
+class BackendState(Enum):
+    SERVING = "serving"
+    RESTARTING = "restarting"  # a stage died; the supervisor is starting fresh ones
+    DOWN = "down"  # a stage died and the supervisor gave up restarting
 
 
 @dataclass(slots=True)
@@ -150,17 +198,27 @@ class _Connection(asyncio.Protocol):
 class DaemonServer:
     """Routing between connections and the backend. Runs on the event loop's thread only."""
 
-    def __init__(self, backend: Backend, *, max_unread_bytes: int = DEFAULT_MAX_UNREAD_BYTES) -> None:
-        if isinstance(max_unread_bytes, bool) or not isinstance(max_unread_bytes, int) or max_unread_bytes < 1:
-            raise ValueError(f"max_unread_bytes must be a positive integer, got {max_unread_bytes!r}")
-        self.backend = backend
-        self.max_unread_bytes = max_unread_bytes
+    def __init__(self, backend: Backend, max_num_seqs: int, config: DaemonConfig | None = None) -> None:
+        config = config or DaemonConfig()
+        config.check()
+        self.config = config
+        self.backend: Backend | None = backend  # None while the stages restart or stay down
+        self.max_unread_bytes = config.max_unread_bytes
+        self.max_num_seqs = max_num_seqs
+        self.max_in_flight_requests = max_num_seqs + config.max_waiting
         self.connections: set[_Connection] = set()
         self.started_at = time.monotonic()
-        self.failure: str | None = None  # why the backend stopped working
-        self._requests: dict[int, _Request] = {}  # by backend req_id
+        self.state = BackendState.SERVING
+        self.last_failure: str | None = None  # why the stages last died
+        self.down_reason: str | None = None  # why they were not restarted (state DOWN)
+        self.num_restarts = 0
+        self.shutting_down = False
+        self._requests: dict[int, _Request] = {}  # by backend req_id: accepted and not finished
+        self._idle = asyncio.Event()  # no request in flight
+        self._idle.set()
         self._next_req_id = 0
         self._num_finished = 0
+        self._num_overloaded = 0
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
 
@@ -175,6 +233,25 @@ class DaemonServer:
             connection.send(self._health())
         elif isinstance(message, Stats):
             connection.send(self._stats())
+        elif isinstance(message, Profile):
+            self._profile(connection, message)
+
+    def _profile(self, connection: _Connection, message: Profile) -> None:
+        """A capture's start or stop waits on every stage (a stop writes their traces: seconds), so
+        it runs on a worker thread; the reply goes out when it is done."""
+        backend = self.backend
+        if backend is None:
+            connection.send(Error(ErrorCode.STAGE_FAILED.value, "no stages to profile: they are restarting or down"))
+            return
+
+        def call() -> list[str]:
+            if message.action == "start":
+                backend.start_profile(message.directory)
+                return []
+            return backend.stop_profile()
+
+        future = asyncio.get_running_loop().run_in_executor(None, call)
+        future.add_done_callback(lambda done: connection.send(_profile_reply(message.action, done)))
 
     def _generate(self, connection: _Connection, message: Generate) -> None:
         try:
@@ -182,8 +259,9 @@ class DaemonServer:
         except InvalidParams as exc:
             connection.send(error_for(exc))
             return
-        if self.failure is not None:
-            connection.send(Error(ErrorCode.STAGE_FAILED.value, self.failure))
+        refusal = self._unavailable() or self._overloaded()
+        if refusal is not None:
+            connection.send(refusal)
             return
         request_id = new_request_id()
         req_id = self._next_req_id
@@ -193,12 +271,42 @@ class DaemonServer:
             request.prompt_token_ids = list(message.prompt)
         try:
             self.backend.submit(req_id, message.prompt, params)
+        except Overloaded as exc:
+            self._num_overloaded += 1
+            connection.send(error_for(exc))
+            return
         except (PipelineError, InvalidParams) as exc:
             connection.send(error_for(exc))
             return
+        except RecordTooLarge:  # far longer than any max_model_len: refused before tokenizing
+            unit = "characters" if isinstance(message.prompt, str) else "token ids"
+            connection.send(Error(ErrorCode.PROMPT_TOO_LONG.value,
+                                  f"prompt of {len(message.prompt)} {unit} is too large to queue"))
+            return
         self._requests[req_id] = request
+        self._idle.clear()
         connection.requests[request_id] = request
         connection.send(Accepted(request_id))
+
+    def _unavailable(self) -> Error | None:
+        """The error for a new request when the daemon cannot take one at all, or None."""
+        if self.shutting_down:
+            return Error(ErrorCode.ABORTED.value, "the daemon is shutting down and accepts no new requests")
+        if self.state is BackendState.RESTARTING:
+            return Error(ErrorCode.STAGE_FAILED.value, f"stages are restarting after: {self.last_failure}; retry")
+        if self.state is BackendState.DOWN:
+            return Error(ErrorCode.STAGE_FAILED.value,
+                         f"stages failed ({self.last_failure}) and are not restarted: {self.down_reason}")
+        return None
+
+    def _overloaded(self) -> Error | None:
+        """Error(overloaded) when as many requests are in flight as admission allows, else None."""
+        if len(self._requests) < self.max_in_flight_requests:
+            return None
+        self._num_overloaded += 1
+        return Error(ErrorCode.OVERLOADED.value,
+                     f"the daemon is at its limit of {self.max_in_flight_requests} requests in flight "
+                     f"(max_num_seqs {self.max_num_seqs} + max_waiting {self.config.max_waiting}); retry later")
 
     def _abort(self, connection: _Connection, request_id: str) -> None:
         # Only the connection that made a request may abort it by message.
@@ -208,7 +316,7 @@ class DaemonServer:
                                   None, request_id))
             return
         self._forget(request)
-        self.backend.abort(request.req_id)
+        self._abort_in_backend(request.req_id)
         connection.send(Error(ErrorCode.ABORTED.value, "aborted by the client", None, request_id))
         connection.send(Aborted(request_id))
 
@@ -217,12 +325,21 @@ class DaemonServer:
         self.connections.discard(connection)
         for request in list(connection.requests.values()):
             self._forget(request)
-            if self.failure is None:
-                self.backend.abort(request.req_id)
+            self._abort_in_backend(request.req_id)
+
+    def _abort_in_backend(self, req_id: int) -> None:
+        if self.backend is None:
+            return  # the stages died: nothing runs there any more
+        try:
+            self.backend.abort(req_id)
+        except PipelineError as exc:  # a stage died; the supervisor ends every request in a moment
+            log.warning("could not abort request %d: %s", req_id, exc.message)
 
     def _forget(self, request: _Request) -> None:
         self._requests.pop(request.req_id, None)
         request.connection.requests.pop(request.request_id, None)
+        if not self._requests:
+            self._idle.set()
 
     # ---- backend output
 
@@ -265,46 +382,95 @@ class DaemonServer:
         self._num_prompt_tokens += len(request.prompt_token_ids)
         usage = Usage(len(request.prompt_token_ids), request.num_output_tokens)
         if request.stream:
-            done = Done(request.request_id, event.finish_reason, request.prompt_token_ids, usage)
+            done = Done(request.request_id, event.finish_reason, request.prompt_token_ids, usage,
+                        stop_reason=event.stop_reason)
         else:
             done = Done(request.request_id, event.finish_reason, request.prompt_token_ids, usage,
                         text="".join(request.texts), token_ids=request.token_ids,
-                        logprobs=request.logprobs if request.num_logprobs is not None else None)
+                        logprobs=request.logprobs if request.num_logprobs is not None else None,
+                        stop_reason=event.stop_reason)
         connection.send(done)
 
+    # ---- the supervisor's (called on the loop; see pipeline/supervisor.py)
+
     def on_backend_failed(self, reason: str) -> None:
-        """Every request in flight ends with stage_failed at once; new ones are refused."""
-        self.failure = reason
-        log.error("backend failed: %s", reason)
+        """A stage died: every request in flight ends with stage_failed at once, new ones are
+        refused until a restart, and the backend is no longer touched (the supervisor closes it)."""
+        log.error("stages failed: %s", reason)
+        self.backend = None
+        self.state = BackendState.RESTARTING
+        self.last_failure = reason
         for request in list(self._requests.values()):
             self._forget(request)
             request.connection.send(Error(ErrorCode.STAGE_FAILED.value, reason, None, request.request_id))
 
+    def on_backend_restarted(self, backend: Backend) -> None:
+        self.backend = backend
+        self.state = BackendState.SERVING
+        self.num_restarts += 1
+
+    def on_restarts_stopped(self, reason: str) -> None:
+        self.state = BackendState.DOWN
+        self.down_reason = reason
+
+    # ---- shutting down
+
+    def begin_shutdown(self) -> None:
+        """New requests are refused from now on; those in flight go on."""
+        self.shutting_down = True
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    async def wait_idle(self) -> None:
+        """Returns once no request is in flight."""
+        await self._idle.wait()
+
     def shut_down(self) -> None:
-        """Tells every request still running that it ends, then closes every connection."""
+        """Ends every request still running with `aborted`, then closes every connection."""
         for request in list(self._requests.values()):
             self._forget(request)
-            request.connection.send(Error(ErrorCode.ABORTED.value, "the daemon is shutting down", None,
-                                          request.request_id))
+            request.connection.send(Error(
+                ErrorCode.ABORTED.value,
+                f"the daemon shut down before the request finished (grace period {self.config.grace_s:g} s)",
+                None, request.request_id))
         for connection in list(self.connections):
             connection.close()
 
     # ---- health and stats
 
     def _health(self) -> HealthReply:
-        uptime_s = time.monotonic() - self.started_at
-        try:
-            stages = self.backend.health()
-        except Exception as exc:  # noqa: BLE001 - a broken backend is what health must report
-            return HealthReply("degraded", _version(), uptime_s, {"backend": f"unavailable: {exc}"})
-        states = {
-            stage.name: f"{'alive' if stage.alive else 'dead'} pid {stage.pid} heartbeat {stage.heartbeat_age_s:.2f}s"
-            for stage in stages
-        }
-        if self.failure is not None:
-            states["backend"] = f"failed: {self.failure}"
-        healthy = self.failure is None and all(stage.alive for stage in stages)
-        return HealthReply("ok" if healthy else "degraded", _version(), uptime_s, states)
+        """"ok" only while every stage lives and none has stalled, with no restart under way."""
+        reply = HealthReply("ok", _version(), time.monotonic() - self.started_at, num_restarts=self.num_restarts,
+                            last_failure=self.last_failure, shutdown_grace_s=self.config.grace_s)
+        problems = ["the daemon is shutting down"] if self.shutting_down else []
+        if self.state is BackendState.RESTARTING:
+            problems.append(f"stages are restarting after: {self.last_failure}")
+        elif self.state is BackendState.DOWN:
+            problems.append(f"stages failed ({self.last_failure}) and are not restarted: {self.down_reason}")
+        if self.backend is not None:
+            reply.instance = getattr(self.backend, "instance", None)
+            try:
+                stages = self.backend.health()
+            except Exception as exc:  # noqa: BLE001 - a broken backend is what health must report
+                stages = []
+                problems.append(f"the stages' health is unreadable: {exc}")
+            for stage in stages:
+                reply.stages[stage.name] = (f"{'alive' if stage.alive else 'dead'} pid {stage.pid} "
+                                            f"heartbeat {stage.heartbeat_age_s:.2f}s")
+                reply.stage_pids[stage.name] = stage.pid
+                if not stage.alive:
+                    problems.append(f"stage {stage.name!r} is dead")
+                elif stage.heartbeat_age_s > self.config.stall_s:
+                    problems.append(f"stage {stage.name!r} has not gone round its loop for "
+                                    f"{stage.heartbeat_age_s:.1f} s (stall limit {self.config.stall_s:g} s)")
+        if problems:
+            reply.status = "degraded"
+            reply.reason = "; ".join(problems)
+            if self.state is not BackendState.SERVING:
+                reply.stages["backend"] = f"failed: {self.last_failure}; {self.state.value}"
+        return reply
 
     def _stats(self) -> StatsReply:
         uptime_s = time.monotonic() - self.started_at
@@ -313,7 +479,12 @@ class DaemonServer:
             num_prompt_tokens_total=self._num_prompt_tokens,
             num_generated_tokens_total=self._num_generated_tokens,
             uptime_s=uptime_s,
+            num_restarts=self.num_restarts,
+            num_overloaded_requests=self._num_overloaded,
+            max_in_flight_requests=self.max_in_flight_requests,
         )
+        if self.backend is None:
+            return reply
         try:
             stats = self.backend.stats()
         except Exception:  # noqa: BLE001 - the daemon's own counters still answer
@@ -322,39 +493,19 @@ class DaemonServer:
         reply.num_waiting_requests = stats.num_waiting
         reply.kv_blocks_used = stats.kv_blocks_used
         reply.kv_blocks_total = stats.kv_blocks_used + stats.kv_blocks_free
+        reply.generated_tokens_per_s = stats.generated_tokens_per_s
         return reply
 
 
-class _EventPump:
-    """The thread that blocks in `backend.read_events` and hands each batch to the loop."""
-
-    def __init__(self, backend: Backend, server: DaemonServer, loop: asyncio.AbstractEventLoop) -> None:
-        self._backend = backend
-        self._server = server
-        self._loop = loop
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pipeline-events", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                events = self._backend.read_events(EVENT_POLL_S)
-            except StageFailed as exc:
-                self._loop.call_soon_threadsafe(self._server.on_backend_failed, exc.message)
-                return
-            except Exception as exc:  # noqa: BLE001 - any reader failure leaves the requests unserved
-                log.exception("reading backend events failed")
-                self._loop.call_soon_threadsafe(self._server.on_backend_failed, f"{type(exc).__name__}: {exc}")
-                return
-            if events:
-                self._loop.call_soon_threadsafe(self._server.on_events, events)
+def _profile_reply(action: str, done: asyncio.Future) -> ServerMessage:
+    if done.cancelled():
+        return Error(ErrorCode.STAGE_FAILED.value, f"profile {action} was cancelled: the daemon is shutting down")
+    exc = done.exception()
+    if exc is None:
+        return ProfileReply(action, done.result())
+    if isinstance(exc, (PipelineError, InvalidParams)):
+        return error_for(exc)
+    return Error(ErrorCode.STAGE_FAILED.value, f"profile {action} failed: {type(exc).__name__}: {exc}")
 
 
 def claim_socket_path(socket_path: Path) -> None:
@@ -367,6 +518,7 @@ def claim_socket_path(socket_path: Path) -> None:
     try:
         info = os.lstat(socket_path)
     except FileNotFoundError:
+        pid_file_for(socket_path).unlink(missing_ok=True)  # no socket: any pid file there is stale
         return
     if not stat.S_ISSOCK(info.st_mode):
         raise PipelineError(f"{socket_path} exists and is not a socket; remove it or choose another --socket")
@@ -374,36 +526,95 @@ def claim_socket_path(socket_path: Path) -> None:
     try:
         probe.connect(str(socket_path))
     except (ConnectionRefusedError, FileNotFoundError):
-        socket_path.unlink(missing_ok=True)  # left by a daemon that died
+        socket_path.unlink(missing_ok=True)  # left by a daemon that died, with its pid file
+        pid_file_for(socket_path).unlink(missing_ok=True)
         return
     finally:
         probe.close()
     raise DaemonAlreadyRunning(f"a pipeline daemon is already running on {socket_path} (stop it with `pipeline stop`)")
 
 
-async def _serve(backend: Backend, socket_path: Path, ready: Callable[[], None] | None) -> None:
+def raise_open_file_limit() -> int:
+    """Lifts the soft limit on open files to the hard one, since every client connection holds a
+    descriptor; returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):  # an unlimited hard limit may exceed what the kernel allows
+        return soft
+    return hard
+
+
+@contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """Until the event loop handles signals, SIGTERM raises SystemExit: the stages starting then
+    are stopped and their /dev/shm entries removed, instead of the daemon dying with them live."""
+
+    def exit_now(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+async def _wait_first(*waits: Awaitable[object], timeout_s: float) -> None:
+    """Returns when the first of `waits` is done, or after timeout_s."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    try:
+        await asyncio.wait(tasks, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _unlink_if_ours(path: Path, inode: int) -> None:
+    """Removes `path` unless it is no longer the file we made (a daemon started after us made it)."""
+    try:
+        if os.lstat(path).st_ino == inode:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+async def _serve(server: DaemonServer, supervisor: StageSupervisor, socket_path: Path,
+                 ready: Callable[[], None] | None) -> None:
     loop = asyncio.get_running_loop()
-    server = DaemonServer(backend)
     old_umask = os.umask(0o177)  # the socket is born 0600: no window in which others may connect
     try:
-        listener = await loop.create_unix_server(lambda: _Connection(server), path=str(socket_path))
+        listener = await loop.create_unix_server(lambda: _Connection(server), path=str(socket_path),
+                                                 backlog=LISTEN_BACKLOG)
     finally:
         os.umask(old_umask)
     os.chmod(socket_path, SOCKET_MODE)
     pid_file = pid_file_for(socket_path)
     pid_file.write_text(f"{os.getpid()}\n")
-    stop = asyncio.Event()
+    ours = {socket_path: os.lstat(socket_path).st_ino, pid_file: os.lstat(pid_file).st_ino}
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()  # a second signal cuts the grace period short
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    pump = _EventPump(backend, server, loop)
-    pump.start()
+        loop.add_signal_handler(signum, on_signal)
+    supervisor.start()
     log.info("pipeline daemon (pid %d) listening on %s", os.getpid(), socket_path)
     if ready is not None:
         ready()
     try:
         await stop.wait()
+        grace_s = server.config.grace_s
+        log.info("pipeline daemon shutting down: %d requests in flight get up to %g s to finish",
+                 server.num_in_flight, grace_s)
+        listener.close()
+        server.begin_shutdown()
+        supervisor.stop_restarting()
+        await _wait_first(server.wait_idle(), hurry.wait(), timeout_s=grace_s)
     finally:
-        log.info("pipeline daemon shutting down")
         listener.close()
         server.shut_down()
         # Closing transports flush their last replies first; a client that reads nothing
@@ -413,32 +624,38 @@ async def _serve(backend: Backend, socket_path: Path, ready: Callable[[], None] 
             await asyncio.sleep(0.01)
         for connection in list(server.connections):
             connection.abort()
-        await loop.run_in_executor(None, pump.stop)
+        await loop.run_in_executor(None, supervisor.stop, SUPERVISOR_STOP_S)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
-        socket_path.unlink(missing_ok=True)
-        pid_file.unlink(missing_ok=True)
+        for path, inode in ours.items():
+            _unlink_if_ours(path, inode)
 
 
 def run_daemon(config: EngineConfig, socket_path: Path | str, backend_factory: BackendFactory = Backend,
-               ready: Callable[[], None] | None = None) -> int:
-    """Serves until SIGTERM or SIGINT, then closes the backend and removes the socket; returns 0.
+               ready: Callable[[], None] | None = None, settings: DaemonConfig | None = None) -> int:
+    """Serves until SIGTERM or SIGINT, then shuts down as DaemonConfig says (grace period),
+    closes the stages and removes the socket; returns 0.
 
     `ready` is called once the socket answers. Raises DaemonAlreadyRunning when another daemon
-    serves `socket_path`.
+    serves `socket_path`, ValueError naming a bad setting.
     """
+    settings = settings or DaemonConfig()
+    settings.check()
     socket_path = Path(socket_path)
     claim_socket_path(socket_path)
-    backend = backend_factory(config, new_instance_id())
+    raise_open_file_limit()
+    with _exit_on_sigterm():
+        backend = backend_factory(config, new_instance_id())  # sweeps what dead instances left in /dev/shm
+    loop = uvloop.new_event_loop()
+    server = DaemonServer(backend, config.max_num_seqs, settings)
+    supervisor = StageSupervisor(backend, backend_factory, config, settings.restart_policy(), server, loop)
     try:
-        loop = uvloop.new_event_loop()
-        try:
-            loop.run_until_complete(_serve(backend, socket_path, ready))
-        finally:
-            loop.close()
+        loop.run_until_complete(_serve(server, supervisor, socket_path, ready))
     finally:
-        backend.close()
+        supervisor.stop(SUPERVISOR_STOP_S)  # closes the stages, if _serve did not get that far
+        loop.close()
     return 0
 
 
-__all__ = ["DaemonAlreadyRunning", "DaemonServer", "claim_socket_path", "pid_file_for", "run_daemon"]
+__all__ = ["BackendState", "DaemonAlreadyRunning", "DaemonConfig", "DaemonServer", "claim_socket_path", "pid_file_for",
+           "raise_open_file_limit", "run_daemon"]

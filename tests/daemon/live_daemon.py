@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +21,7 @@ import pytest
 
 from pipeline.client import Client
 from pipeline.errors import DaemonNotRunning, PipelineError
+from pipeline.protocol import HealthReply
 from pipeline.tiny_model import make_tiny_model
 from shm.naming import instance_of, list_entries
 
@@ -76,6 +77,19 @@ def wait_until_serving(socket_path: Path, process: subprocess.Popen, log_path: P
             time.sleep(0.05)
     process.kill()
     raise RuntimeError(f"daemon did not serve within {START_TIMEOUT_S} s:\n{log_path.read_text()}")
+
+
+def wait_for_health(socket_path: Path, accept: Callable[[HealthReply], bool], timeout_s: float) -> HealthReply:
+    """Polls the daemon's health until `accept` takes a reply; fails the test after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    with Client(socket_path, timeout_s=5) as client:
+        while True:
+            health = client.health()
+            if accept(health):
+                return health
+            if time.monotonic() > deadline:
+                pytest.fail(f"no accepted health reply within {timeout_s} s; the last: {health}")
+            time.sleep(0.05)
 
 
 def start_daemon(model: Path, directory: Path, extra: list[str] | None = None) -> LiveDaemon:

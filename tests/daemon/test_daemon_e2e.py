@@ -152,7 +152,7 @@ def test_abort_and_disconnect_free_the_request(live_daemon: LiveDaemon) -> None:
         stream = client.stream(prompt + " elsewhere", LONG)
         await stream.start()
         assert stream.request_id is not None
-        aborted = await client.abort(stream.request_id)  # another connection: not its request
+        aborted = await AsyncClient(live_daemon.socket_path).abort(stream.request_id)  # not its request
         stream.close()
         return aborted
 
@@ -212,8 +212,18 @@ def test_stop_strings_across_token_boundaries_and_multibyte_characters(live_daem
         prompt, stop, before = straddling
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])
         completion = client.generate(prompt, params)
-        assert (completion.text, completion.finish_reason) == (before, "stop")
-        assert completion.token_ids == offline.generate(prompt, params)[0].token_ids
+        assert (completion.text, completion.finish_reason, completion.stop_reason) == (before, "stop", stop)
+        reference = offline.generate(prompt, params)[0]
+        assert completion.token_ids == reference.token_ids
+        # A stop token id ends the request with that id as its stop reason, in both paths.
+        stop_id = reference.token_ids[3]
+        by_token = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id])
+        completion = client.generate(prompt, by_token)
+        assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_id)
+        assert completion.token_ids == offline.generate(prompt, by_token)[0].token_ids
+        with client.stream(prompt, by_token) as stream:
+            list(stream)
+        assert stream.completion.stop_reason == stop_id
         with client.stream(prompt, params) as stream:
             assert "".join(d.text for d in stream) == before
 

@@ -1,0 +1,174 @@
+"""Keeps the daemon's stages serving: pumps their output to the event loop, restarts them when one dies.
+
+One thread does it all, in order: read events from the backend until a stage fails; hand the
+failure to the event loop, which ends every request in flight and lets go of the backend; close
+the dead backend (its processes and /dev/shm entries); start a fresh one under a new instance
+id; hand that to the loop. Restarts are bounded, so a broken model does not loop for ever: a
+failure while the new stages start, or more than `max_restarts` restarts within `window_s`,
+leaves the daemon degraded with the reason.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipeline.backend import Backend, EngineConfig
+from pipeline.errors import StageFailed
+from shm.naming import new_instance_id
+
+if TYPE_CHECKING:
+    from pipeline.daemon import DaemonServer
+
+log = logging.getLogger("pipeline.supervisor")
+
+EVENT_POLL_S = 0.1  # how long one read_events call blocks: bounds how late the thread sees a stop
+LOOP_CALL_POLL_S = 0.1
+
+BackendFactory = Callable[[EngineConfig, str], Backend]
+
+
+@dataclass(slots=True)
+class RestartPolicy:
+    max_restarts: int = 5  # restarts allowed within window_s; 0 never restarts
+    window_s: float = 600.0
+
+    def check(self) -> None:
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
+        if not self.window_s > 0:
+            raise ValueError(f"restart window_s must be positive, got {self.window_s!r}")
+
+
+class RestartBudget:
+    """The restarts a RestartPolicy still allows, counted over a sliding window."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        policy.check()
+        self._policy = policy
+        self._restart_times_s: deque[float] = deque()
+
+    def take(self, now_s: float) -> str | None:
+        """Counts a restart at `now_s` and returns None, or returns why none is allowed now."""
+        policy = self._policy
+        while self._restart_times_s and now_s - self._restart_times_s[0] >= policy.window_s:
+            self._restart_times_s.popleft()
+        if len(self._restart_times_s) >= policy.max_restarts:
+            return (f"{len(self._restart_times_s)} restarts within {policy.window_s:g} s already "
+                    f"(the limit is {policy.max_restarts})")
+        self._restart_times_s.append(now_s)
+        return None
+
+
+class StageSupervisor:
+    """Owns the daemon's backends from the first one on: pumps, restarts, and finally closes them."""
+
+    def __init__(self, backend: Backend, factory: BackendFactory, config: EngineConfig, policy: RestartPolicy,
+                 server: DaemonServer, loop: asyncio.AbstractEventLoop) -> None:
+        self._backend: Backend | None = backend
+        self._factory = factory
+        self._config = config
+        self._budget = RestartBudget(policy)
+        self._server = server
+        self._loop = loop
+        self._stopping = threading.Event()
+        self._no_restarts = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pipeline-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop_restarting(self) -> None:
+        """From now on a failed backend stays down (the daemon is shutting down)."""
+        self._no_restarts.set()
+
+    def stop(self, timeout_s: float) -> None:
+        """Stops the thread and closes the current backend. Blocks: call it off the event loop.
+
+        A restart in progress is waited for up to `timeout_s`; if it takes longer, the thread
+        closes that backend itself once its start returns.
+        """
+        self._stopping.set()
+        self._no_restarts.set()
+        if self._thread.ident is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("stages still starting %.0f s after the stop; leaving them to close themselves", timeout_s)
+                return
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            backend.close()
+
+    def _run(self) -> None:
+        while (backend := self._backend) is not None:
+            reason = self._pump(backend)
+            if reason is None:
+                return  # stopping: stop() closes the backend
+            self._call_on_loop(self._server.on_backend_failed, reason)  # the loop lets go of it
+            self._backend = None
+            backend.close()
+            self._backend = self._restart(reason)
+
+    def _pump(self, backend: Backend) -> str | None:
+        """Hands events to the loop until a stage fails (returns why) or the daemon stops (None)."""
+        while not self._stopping.is_set():
+            try:
+                events = backend.read_events(EVENT_POLL_S)
+            except StageFailed as exc:
+                return exc.message
+            except Exception as exc:  # noqa: BLE001 - any reader failure leaves the requests unserved
+                log.exception("reading backend events failed")
+                return f"{type(exc).__name__}: {exc}"
+            if events:
+                self._loop.call_soon_threadsafe(self._server.on_events, events)
+        return None
+
+    def _restart(self, reason: str) -> Backend | None:
+        """A fresh backend, or None (with the loop told why) when no restart is allowed or it fails."""
+        if self._no_restarts.is_set():
+            return None
+        refusal = self._budget.take(time.monotonic())
+        if refusal is not None:
+            self._give_up(f"not restarting after {refusal}")
+            return None
+        instance = new_instance_id()
+        log.warning("restarting the stages as instance %s after: %s", instance, reason)
+        try:
+            backend = self._factory(self._config, instance)
+        except Exception as exc:  # noqa: BLE001 - a model that cannot start would fail every time
+            message = exc.message if isinstance(exc, StageFailed) else f"{type(exc).__name__}: {exc}"
+            self._give_up(f"the restart failed: {message}")
+            return None
+        if self._no_restarts.is_set():  # the daemon began to stop while the stages started
+            backend.close()
+            return None
+        self._call_on_loop(self._server.on_backend_restarted, backend)
+        log.warning("stages restarted as instance %s", instance)
+        return backend
+
+    def _give_up(self, reason: str) -> None:
+        log.error("stages stay down: %s", reason)
+        self._call_on_loop(self._server.on_restarts_stopped, reason)
+
+    def _call_on_loop(self, function: Callable[..., None], *args: object) -> None:
+        """Runs `function(*args)` on the event loop and waits until it has run (or a stop)."""
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                function(*args)
+            finally:
+                done.set()
+
+        try:
+            self._loop.call_soon_threadsafe(call)
+        except RuntimeError:  # the loop is closed: the daemon is exiting
+            return
+        while not done.wait(LOOP_CALL_POLL_S):
+            if self._stopping.is_set():
+                return

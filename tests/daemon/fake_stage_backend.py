@@ -1,0 +1,79 @@
+"""FakeBackend: a TEST DOUBLE of `pipeline.backend.Backend` with no processes, for the supervisor's tests.
+
+It serves nothing: submitted requests stay in flight until the test makes the "stages" fail
+with `fail(reason)`, which read_events then raises as StageFailed, as a real backend does when
+a stage dies. `FakeFactory` makes them, or raises what the test lines up (a restart that fails).
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from pipeline.backend import BackendStats, EngineConfig, OutputEvent, StageHealth
+from pipeline.errors import StageFailed
+from pipeline.sampling_params import SamplingParams
+
+
+class FakeBackend:
+    def __init__(self, config: EngineConfig, instance: str) -> None:
+        self.instance = instance
+        self.submitted: list[int] = []
+        self.aborted: list[int] = []
+        self.closed = False
+        self._failure: str | None = None
+        self._failed = threading.Event()
+
+    def fail(self, reason: str) -> None:
+        self._failure = reason
+        self._failed.set()
+
+    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> None:
+        self.submitted.append(req_id)
+
+    def abort(self, req_id: int) -> None:
+        self.aborted.append(req_id)
+
+    def read_events(self, timeout_s: float) -> list[OutputEvent]:
+        if self._failed.wait(timeout_s):
+            raise StageFailed(str(self._failure))
+        return []
+
+    def health(self) -> list[StageHealth]:
+        return [StageHealth("fake", os.getpid(), not self._failed.is_set(), 0.0)]
+
+    def stats(self) -> BackendStats:
+        return BackendStats(0, len(self.submitted), 0, 16, 0.0, 0)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.closed = True
+
+
+class FakeFactory:
+    """Makes FakeBackends; each call first waits for `allow_start`, then raises the next queued
+    exception, if any."""
+
+    def __init__(self) -> None:
+        self.made: list[FakeBackend] = []
+        self.failures: list[Exception] = []
+        self.allow_start = threading.Event()
+        self.allow_start.set()
+
+    def __call__(self, config: EngineConfig, instance: str) -> FakeBackend:
+        if not self.allow_start.wait(10):
+            raise TimeoutError("the test never let the fake stages start")
+        if self.failures:
+            raise self.failures.pop(0)
+        backend = FakeBackend(config, instance)
+        self.made.append(backend)
+        return backend
+
+
+class RecordingConnection:
+    """Stands in for a client connection of DaemonServer: records what the daemon sends it."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, object] = {}
+        self.sent: list[object] = []
+
+    def send(self, message: object) -> None:
+        self.sent.append(message)
