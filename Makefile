@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test run bench clean
+.PHONY: test run bench soak clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
+
+# The long soak (10,000 random requests, 128 at once, against one live daemon); `make test`
+# runs the short one. Prints the resident memory growth it measured.
+soak: $(VENV)/.installed-test
+	PIPELINE_SOAK_REQUESTS=10000 PIPELINE_SOAK_CONCURRENCY=128 PIPELINE_SOAK_TIMEOUT_S=3600 \
+		$(PY) -m pytest -q -s -m soak tests/daemon/test_soak.py
 
 # The daemon in the foreground on the embedded default model (built on first use); Ctrl-C stops it.
 run: $(VENV)/.installed
