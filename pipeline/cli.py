@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pipeline.backend import EngineConfig
@@ -27,24 +27,22 @@ def _socket_path(args: argparse.Namespace) -> Path:
     return Path(args.socket) if args.socket else default_socket_path()
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _int_at_least(minimum: int, kind: str) -> Callable[[str], int]:
+    """An argparse type for an integer >= minimum; its error says `must be a <kind> integer`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a {kind} integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be a {kind} integer, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
-    return value
+positive_int = _int_at_least(1, "positive")
+_non_negative_int = _int_at_least(0, "non-negative")
 
 
 def _seconds(text: str) -> float:
@@ -89,12 +87,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    parser.add_argument("--max-model-len", type=_positive_int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
-    parser.add_argument("--block-size", type=_positive_int, default=16)
-    parser.add_argument("--num-kv-blocks", type=_positive_int, default=None)
-    parser.add_argument("--num-tokenizers", type=_positive_int, default=1)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=256)
+    parser.add_argument("--max-model-len", type=positive_int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--num-kv-blocks", type=positive_int, default=None)
+    parser.add_argument("--num-tokenizers", type=positive_int, default=1)
     parser.add_argument("--no-async-scheduling", action="store_true")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--kv-connector", choices=["offload"], default=None)

@@ -539,7 +539,7 @@ def compare_sync(model_dir: Path | str, requests: Sequence[BenchRequest], *, req
 # --- command line ---
 
 
-def _range_arg(name: str) -> Callable[[str], tuple[int, int]]:
+def range_arg(name: str) -> Callable[[str], tuple[int, int]]:
     """An argparse type for MIN[:MAX], whose error names the option."""
     def parse(text: str) -> tuple[int, int]:
         try:
@@ -557,9 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --dataset, its whole length)")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals in req/s; inf sends all at once")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
-    parser.add_argument("--input-len", type=_range_arg("--input-len"), default=(128, 128), metavar="MIN[:MAX]",
+    parser.add_argument("--input-len", type=range_arg("--input-len"), default=(128, 128), metavar="MIN[:MAX]",
                         help="prompt length in tokens, uniform in the range (default 128)")
-    parser.add_argument("--output-len", type=_range_arg("--output-len"), default=(64, 64), metavar="MIN[:MAX]",
+    parser.add_argument("--output-len", type=range_arg("--output-len"), default=(64, 64), metavar="MIN[:MAX]",
                         help="max_tokens, uniform in the range (default 64)")
     parser.add_argument("--vocab-size", type=int, default=1024, help="random prompt token ids are below this")
     parser.add_argument("--min-token-id", type=int, default=2, help="and at least this (skips BOS/EOS)")

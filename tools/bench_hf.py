@@ -43,7 +43,8 @@ from bench_e2e import engine_options, start_daemon  # noqa: E402
 
 from pipeline.client import AsyncClient  # noqa: E402
 from pipeline.sampling_params import SamplingParams  # noqa: E402
-from pipeline.serve_bench import BenchRequest, parse_range, random_requests  # noqa: E402
+from pipeline.cli import positive_int  # noqa: E402
+from pipeline.serve_bench import BenchRequest, random_requests, range_arg  # noqa: E402
 from pipeline.tiny_model import make_tiny_model  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -211,42 +212,22 @@ def format_table(result: Comparison, workload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _range_arg(name: str) -> Any:
-    def parse(text: str) -> tuple[int, int]:
-        try:
-            return parse_range(text, name)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return parse
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout (the table goes to stderr)")
     parser.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: a random 20m llama)")
-    parser.add_argument("--num-prompts", type=_positive_int, default=None,
+    parser.add_argument("--num-prompts", type=positive_int, default=None,
                         help=f"requests (default {DEFAULT_WORKLOAD['num_prompts']})")
-    parser.add_argument("--batch-size", type=_positive_int, default=None,
+    parser.add_argument("--batch-size", type=positive_int, default=None,
                         help=f"transformers static batch size (default {DEFAULT_WORKLOAD['batch_size']})")
-    parser.add_argument("--input-len", type=_range_arg("--input-len"), default=None, metavar="A[:B]",
+    parser.add_argument("--input-len", type=range_arg("--input-len"), default=None, metavar="A[:B]",
                         help="prompt tokens, uniform in [A, B] (default {}:{})".format(*DEFAULT_WORKLOAD["input_len"]))
-    parser.add_argument("--output-len", type=_range_arg("--output-len"), default=None, metavar="A[:B]",
+    parser.add_argument("--output-len", type=range_arg("--output-len"), default=None, metavar="A[:B]",
                         help="output tokens, uniform in [A, B] (default {}:{})".format(*DEFAULT_WORKLOAD["output_len"]))
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts, lengths and the random checkpoint")
-    parser.add_argument("--threads", type=_positive_int, default=torch.get_num_threads(),
+    parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads(),
                         help="torch threads of transformers and of the daemon's runner (default %(default)s)")
-    parser.add_argument("--max-num-seqs", type=_positive_int, default=None,
+    parser.add_argument("--max-num-seqs", type=positive_int, default=None,
                         help="the daemon's most sequences at once (default: --batch-size)")
     parser.add_argument("--quick", action="store_true",
                         help="a few short requests on the tiny preset, for a smoke test")

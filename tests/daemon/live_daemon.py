@@ -21,7 +21,7 @@ import pytest
 
 from pipeline.client import Client
 from pipeline.errors import DaemonNotRunning, PipelineError
-from pipeline.protocol import HealthReply
+from pipeline.protocol import HealthReply, StatsReply
 from pipeline.tiny_model import make_tiny_model
 from shm.naming import instance_of, list_entries
 
@@ -130,3 +130,25 @@ def live_daemon(daemon_model: Path) -> Iterator[LiveDaemon]:
     finally:
         daemon.stop()
         shutil.rmtree(directory.parent, ignore_errors=True)
+
+
+def wait_idle(socket_path: Path, timeout_s: float = 1.0) -> StatsReply:
+    """Stats once no request runs or waits and no KV block is held (or fails after timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    with Client(socket_path, timeout_s=5) as client:
+        while True:
+            stats = client.stats()
+            if stats.num_running_requests == stats.num_waiting_requests == stats.kv_blocks_used == 0:
+                return stats
+            if time.monotonic() > deadline:
+                pytest.fail(f"requests still hold resources {timeout_s} s after ending: {stats}")
+            time.sleep(0.01)
+
+
+def memory_kib(pid: int) -> tuple[int, int]:
+    """(resident, private) KiB of a process: VmRSS, and RssAnon (its heaps, no shared memory)."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        fields = dict(line.split(":", 1) for line in status if line.startswith(("VmRSS:", "RssAnon:")))
+    if len(fields) != 2:
+        raise RuntimeError(f"/proc/{pid}/status lacks VmRSS or RssAnon: {fields}")
+    return int(fields["VmRSS"].split()[0]), int(fields["RssAnon"].split()[0])

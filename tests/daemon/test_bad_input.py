@@ -17,7 +17,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from live_daemon import LiveDaemon
+from live_daemon import LiveDaemon, memory_kib, wait_idle
 
 from pipeline.client import AsyncClient, Client, Completion
 from pipeline.protocol import (
@@ -357,21 +357,6 @@ def stage_pids(client: Client) -> dict[str, str]:
     return {name: state.split(" pid ")[1].split()[0] for name, state in client.health().stages.items()}
 
 
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-    return kib * 1024
-
-
-def wait_until_idle(socket_path: Path, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    with Client(socket_path, timeout_s=5) as client:
-        while (stats := client.stats()).num_running_requests or stats.num_waiting_requests or stats.kv_blocks_used:
-            if time.monotonic() > deadline:
-                pytest.fail(f"requests still hold resources {timeout_s} s after the fuzzing: {stats}")
-            time.sleep(0.01)
-
-
 GOOD_PROMPTS: list[str | list[int]] = [
     "The scheduler plans the next step", "Rings carry token ids between stages", [5, 17, 300, 42, 9],
     "A daemon that survives bad input", [900, 3, 3, 3, 77, 1000, 12], "Stop strings may straddle tokens",
@@ -398,7 +383,7 @@ def test_fuzzing_gets_clear_errors_and_leaves_good_requests_unharmed(live_daemon
     reference = asyncio.run(good_round(client))  # the same requests without the fuzzing
     with Client(socket_path, timeout_s=10) as sync_client:
         pids_before = stage_pids(sync_client)
-    rss_before = rss_bytes(live_daemon.process.pid)
+    rss_before = memory_kib(live_daemon.process.pid)[0] * 1024
 
     fuzzing_done = threading.Event()
     rounds: list[list[list[int]]] = []
@@ -438,8 +423,8 @@ def test_fuzzing_gets_clear_errors_and_leaves_good_requests_unharmed(live_daemon
     with Client(socket_path, timeout_s=10) as sync_client:
         assert sync_client.health().status == "ok"
         assert stage_pids(sync_client) == pids_before  # no stage died and was restarted
-    assert rss_bytes(live_daemon.process.pid) - rss_before < MAX_RSS_GROWTH_BYTES
-    wait_until_idle(socket_path)
+    assert memory_kib(live_daemon.process.pid)[0] * 1024 - rss_before < MAX_RSS_GROWTH_BYTES
+    wait_idle(socket_path, timeout_s=5.0)
     assert "Traceback" not in live_daemon.log_path.read_text()
 
 

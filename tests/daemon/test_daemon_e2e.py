@@ -6,12 +6,11 @@ import asyncio
 import os
 import socket
 import stat
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from live_daemon import LiveDaemon
+from live_daemon import LiveDaemon, wait_idle
 
 from pipeline import LLM, SamplingParams
 from pipeline.client import AsyncClient, Client, Completion
@@ -25,7 +24,6 @@ from pipeline.protocol import (
     FrameDecoder,
     Generate,
     ServerMessage,
-    StatsReply,
     WireSamplingParams,
     encode_frame,
 )
@@ -68,19 +66,6 @@ def offline(daemon_model: Path) -> LLM:
 def text_prompts(count: int, seed: int) -> list[str]:
     lines = corpus(seed, count)
     return [f"{line} {i}" for i, line in enumerate(lines)]
-
-
-def wait_idle(socket_path: Path, timeout_s: float = 1.0) -> StatsReply:
-    """Stats once no request runs or waits and no KV block is held (or fails after timeout_s)."""
-    deadline = time.monotonic() + timeout_s
-    with Client(socket_path, timeout_s=5) as client:
-        while True:
-            stats = client.stats()
-            if stats.num_running_requests == stats.num_waiting_requests == stats.kv_blocks_used == 0:
-                return stats
-            if time.monotonic() > deadline:
-                pytest.fail(f"requests still hold resources {timeout_s} s after ending: {stats}")
-            time.sleep(0.01)
 
 
 def test_64_concurrent_clients_match_the_offline_engine(live_daemon: LiveDaemon, offline: LLM) -> None:

@@ -26,11 +26,16 @@ from pipeline.daemon import BackendState, DaemonConfig, DaemonServer, pid_file_f
 from pipeline.errors import DaemonNotRunning, PipelineError, RequestAborted, StageFailed
 from pipeline.protocol import Error, FrameDecoder, Generate, Health, HealthReply, ServerMessage, encode_frame
 from pipeline.supervisor import RestartBudget, RestartPolicy, StageSupervisor
+from pipeline.tiny_model import make_tiny_model
 from shm.naming import list_entries, pid_alive, ring_name
 
 GRACE_S = 3.0
-DAEMON_OPTIONS = ["--stall-seconds", "1", "--grace-seconds", str(GRACE_S), "--max-restarts", "5"]
-LONG = dict(max_tokens=1500, ignore_eos=True, temperature=0.0)  # tens of seconds on CPU: runs until the fault
+# A long context, so that a long request outlasts the grace period and the faults on any CPU: a
+# single sequence of the tiny model decodes ~1,000 tokens a second when it runs alone.
+MAX_MODEL_LEN = 16384
+DAEMON_OPTIONS = ["--stall-seconds", "1", "--grace-seconds", str(GRACE_S), "--max-restarts", "5",
+                  "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", str(4 * MAX_MODEL_LEN // 16)]
+LONG = dict(max_tokens=MAX_MODEL_LEN - 64, ignore_eos=True, temperature=0.0)  # runs until the fault
 SHORT = dict(max_tokens=12, ignore_eos=True, temperature=0.0)
 QUICK = dict(max_tokens=6, ignore_eos=True, temperature=0.0)  # finishes well within the grace period
 PROMPT = "After the fault the daemon"
@@ -156,11 +161,13 @@ class DaemonSlot:
 
 
 @pytest.fixture(scope="module")
-def slot(daemon_model: Path) -> Iterator[DaemonSlot]:
+def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
     if not REAL_BACKEND:
         pytest.skip("faults are injected into real stage processes")
+    model = make_tiny_model(tmp_path_factory.mktemp("long-context-llama"), "llama", seed=3,
+                            max_position_embeddings=MAX_MODEL_LEN)
     directory = short_dir()
-    slot = DaemonSlot(start_daemon(daemon_model, directory, DAEMON_OPTIONS), directory, daemon_model)
+    slot = DaemonSlot(start_daemon(model, directory, DAEMON_OPTIONS), directory, model)
     try:
         yield slot
     finally:

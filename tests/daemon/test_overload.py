@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from live_daemon import REAL_BACKEND, LiveDaemon, short_dir, start_daemon
+from live_daemon import REAL_BACKEND, LiveDaemon, memory_kib, short_dir, start_daemon, wait_idle
 
 from pipeline.client import AsyncClient, Client
 from pipeline.daemon import raise_open_file_limit
@@ -59,21 +59,6 @@ def daemon(daemon_model: Path) -> Iterator[LiveDaemon]:
 def _stats(socket_path: Path) -> StatsReply:
     with Client(socket_path, timeout_s=5) as client:
         return client.stats()
-
-
-def _wait_idle(socket_path: Path, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (stats := _stats(socket_path)).num_running_requests or stats.num_waiting_requests or stats.kv_blocks_used:
-        assert time.monotonic() < deadline, f"the daemon did not drain: {stats}"
-        time.sleep(0.05)
-
-
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def _soft_open_file_limit(pid: int) -> tuple[int, int]:
@@ -135,7 +120,7 @@ def test_requests_beyond_the_admission_limit_are_refused_at_once(daemon: LiveDae
     assert refused_after_s < 1.0
     stats = _stats(daemon.socket_path)
     assert stats.num_overloaded_requests >= 1 and stats.max_in_flight_requests == LIMIT
-    _wait_idle(daemon.socket_path)  # the holders' disconnects freed their places
+    wait_idle(daemon.socket_path, timeout_s=20.0)  # the holders' disconnects freed their places
     with Client(daemon.socket_path) as client:
         assert client.generate("room again", QUICK).usage.completion_tokens == 4
 
@@ -184,7 +169,7 @@ def test_a_full_request_ring_is_refused_without_blocking_the_daemon(daemon: Live
     assert slowest_reply_s < 1.0, f"a reply took {slowest_reply_s:.2f} s while the ring was full"
     # Once the tokenizer runs again, the queued prompts are judged (far over max_model_len).
     assert all(isinstance(end, Error) and end.code == PromptTooLong.code.value for end in ends), ends
-    _wait_idle(daemon.socket_path)
+    wait_idle(daemon.socket_path, timeout_s=20.0)
 
 
 def test_a_thousand_concurrent_connections_get_a_completion_or_overloaded(daemon: LiveDaemon) -> None:
@@ -196,7 +181,7 @@ def test_a_thousand_concurrent_connections_get_a_completion_or_overloaded(daemon
     with Client(daemon.socket_path) as client:
         expected = {prompt: client.generate(prompt, QUICK).text for prompt in prompts}
     overloaded_before = _stats(daemon.socket_path).num_overloaded_requests
-    rss_before = _rss_bytes(daemon.process.pid)
+    rss_before = memory_kib(daemon.process.pid)[0] * 1024
 
     async def burst() -> list[tuple[str, Done | Error, float]]:
         opened = 0
@@ -221,7 +206,7 @@ def test_a_thousand_concurrent_connections_get_a_completion_or_overloaded(daemon
         return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(NUM_CONNECTIONS))), 60)
 
     results = asyncio.run(burst())
-    rss_growth = _rss_bytes(daemon.process.pid) - rss_before
+    rss_growth = memory_kib(daemon.process.pid)[0] * 1024 - rss_before
     done = [(prompt, end) for prompt, end, _ in results if isinstance(end, Done)]
     refused = [(end, after_s) for _, end, after_s in results if isinstance(end, Error)]
     assert all(end.code == "overloaded" and f"limit of {LIMIT} requests in flight" in end.message
@@ -237,4 +222,4 @@ def test_a_thousand_concurrent_connections_get_a_completion_or_overloaded(daemon
     assert max(refusal_times_s) < 5.0
     assert rss_growth < MAX_RSS_GROWTH_BYTES
     assert _stats(daemon.socket_path).num_overloaded_requests - overloaded_before == len(refused)
-    _wait_idle(daemon.socket_path)
+    wait_idle(daemon.socket_path, timeout_s=20.0)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from live_daemon import LiveDaemon
-from test_bad_input import framed, read_replies, wait_until_idle
+from live_daemon import LiveDaemon, wait_idle
+from test_bad_input import framed, read_replies
 
 from pipeline.client import AsyncClient, Client
 from pipeline.errors import RequestAborted
@@ -251,7 +251,7 @@ def test_abort_by_id_from_another_thread_frees_the_request(live_daemon: LiveDaem
         worker.join(timeout=10)
         assert [type(e) for e in errors] == [RequestAborted]
         assert client.generate("still serving", {"max_tokens": 2}).usage.completion_tokens >= 1
-    wait_until_idle(live_daemon.socket_path, timeout_s=2.0)
+    wait_idle(live_daemon.socket_path, timeout_s=2.0)
 
 
 def test_abort_by_id_from_another_task_frees_the_request(live_daemon: LiveDaemon) -> None:
@@ -278,4 +278,4 @@ def test_abort_by_id_from_another_task_frees_the_request(live_daemon: LiveDaemon
 
     aborted, received = asyncio.run(main())
     assert aborted is True and received >= 3
-    wait_until_idle(live_daemon.socket_path, timeout_s=2.0)
+    wait_idle(live_daemon.socket_path, timeout_s=2.0)
