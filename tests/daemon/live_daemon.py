@@ -6,9 +6,11 @@ PIPELINE_TEST_BACKEND=engine-thread, which runs it over the EngineThreadBackend 
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +23,7 @@ import pytest
 
 from pipeline.client import Client
 from pipeline.errors import DaemonNotRunning, PipelineError
-from pipeline.protocol import HealthReply, StatsReply
+from pipeline.protocol import Done, Error, FrameDecoder, HealthReply, ServerMessage, StatsReply, encode_frame
 from pipeline.tiny_model import make_tiny_model
 from shm.naming import instance_of, list_entries
 
@@ -152,3 +154,63 @@ def memory_kib(pid: int) -> tuple[int, int]:
     if len(fields) != 2:
         raise RuntimeError(f"/proc/{pid}/status lacks VmRSS or RssAnon: {fields}")
     return int(fields["VmRSS"].split()[0]), int(fields["RssAnon"].split()[0])
+
+
+class RawConnection:
+    """A client that speaks the wire protocol directly, to do what the client library won't."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(str(socket_path))
+        self.decoder: FrameDecoder[ServerMessage] = FrameDecoder(ServerMessage)
+
+    def send(self, message: object) -> None:
+        self.sock.sendall(encode_frame(message))  # type: ignore[arg-type]
+
+    def receive(self) -> ServerMessage:
+        while (message := self.decoder.next_message()) is None:
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("the daemon closed the connection")
+            self.decoder.feed(data)
+        return message
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class AsyncRawConnection:
+    """RawConnection on asyncio: many at once, each frame sent exactly when the test says."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.decoder: FrameDecoder[ServerMessage] = FrameDecoder(ServerMessage)
+
+    @classmethod
+    async def open(cls, socket_path: Path) -> AsyncRawConnection:
+        return cls(*await asyncio.open_unix_connection(str(socket_path)))
+
+    def send(self, message: object) -> None:
+        self.writer.write(encode_frame(message))  # type: ignore[arg-type]
+
+    async def receive(self) -> ServerMessage:
+        while (message := self.decoder.next_message()) is None:
+            data = await self.reader.read(65536)
+            if not data:
+                raise ConnectionError("the daemon closed the connection")
+            self.decoder.feed(data)
+        return message
+
+    async def ask(self, message: object) -> ServerMessage:
+        self.send(message)
+        return await self.receive()
+
+    async def final(self) -> Done | Error:
+        """The request's last reply (the daemon sends one request's replies in order)."""
+        while not isinstance(message := await self.receive(), (Done, Error)):
+            pass
+        return message
+
+    def close(self) -> None:
+        self.writer.close()

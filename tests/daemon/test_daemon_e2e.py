@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import stat
 from pathlib import Path
 
 import numpy as np
 import pytest
-from live_daemon import LiveDaemon, wait_idle
+from live_daemon import LiveDaemon, RawConnection, wait_idle
 
 from pipeline import LLM, SamplingParams
 from pipeline.client import AsyncClient, Client, Completion
@@ -21,41 +20,14 @@ from pipeline.protocol import (
     Accepted,
     Delta,
     Error,
-    FrameDecoder,
     Generate,
-    ServerMessage,
     WireSamplingParams,
-    encode_frame,
 )
 from pipeline.tiny_model import corpus
 
 pytestmark = pytest.mark.timeout(60)
 
 LONG = dict(max_tokens=2000, ignore_eos=True, temperature=0.0)  # runs seconds unless aborted
-
-
-class RawConnection:
-    """A client that speaks the wire protocol directly, to do what the client library won't."""
-
-    def __init__(self, socket_path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(10)
-        self.sock.connect(str(socket_path))
-        self.decoder: FrameDecoder[ServerMessage] = FrameDecoder(ServerMessage)
-
-    def send(self, message: object) -> None:
-        self.sock.sendall(encode_frame(message))  # type: ignore[arg-type]
-
-    def receive(self) -> ServerMessage:
-        while (message := self.decoder.next_message()) is None:
-            data = self.sock.recv(65536)
-            if not data:
-                raise ConnectionError("daemon closed the connection")
-            self.decoder.feed(data)
-        return message
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,13 @@ from pathlib import Path
 import posix_ipc
 import pytest
 from fake_stage_backend import FakeFactory, RecordingConnection
-from live_daemon import REAL_BACKEND, LiveDaemon, short_dir, start_daemon, wait_for_health
+from live_daemon import REAL_BACKEND, AsyncRawConnection, LiveDaemon, short_dir, start_daemon, wait_for_health
 
 from pipeline.backend import EngineConfig
 from pipeline.client import AsyncClient, AsyncStream, Client, Completion, StreamDelta
 from pipeline.daemon import BackendState, DaemonConfig, DaemonServer, pid_file_for
 from pipeline.errors import DaemonNotRunning, PipelineError, RequestAborted, StageFailed
-from pipeline.protocol import Error, FrameDecoder, Generate, Health, HealthReply, ServerMessage, encode_frame
+from pipeline.protocol import Error, Generate, Health, HealthReply, ServerMessage
 from pipeline.supervisor import RestartBudget, RestartPolicy, StageSupervisor
 from pipeline.tiny_model import make_tiny_model
 from shm.naming import list_entries, pid_alive, ring_name
@@ -302,26 +302,6 @@ def test_a_killed_daemon_takes_its_stages_along_and_the_next_start_sweeps(slot: 
         assert client.generate(PROMPT, SHORT).text == reference
 
 
-class _RawConnection:
-    """One connection speaking the wire protocol, to keep using it while the daemon shuts down."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader, self._writer = reader, writer
-        self._decoder: FrameDecoder[ServerMessage] = FrameDecoder(ServerMessage)
-
-    async def ask(self, message: object) -> ServerMessage:
-        self._writer.write(encode_frame(message))  # type: ignore[arg-type]
-        while (reply := self._decoder.next_message()) is None:
-            data = await self._reader.read(65536)
-            if not data:
-                raise ConnectionError("the daemon closed the connection")
-            self._decoder.feed(data)
-        return reply
-
-    def close(self) -> None:
-        self._writer.close()
-
-
 @live
 @pytest.mark.timeout(60)
 def test_sigterm_finishes_requests_within_the_grace_period_and_aborts_the_rest(slot: DaemonSlot) -> None:
@@ -348,7 +328,7 @@ def test_sigterm_finishes_requests_within_the_grace_period_and_aborts_the_rest(s
 
     async def scenario() -> tuple[list[Completion | None], BaseException | None, float, ServerMessage, float]:
         quick, long = await start_load()
-        raw = _RawConnection(*await asyncio.open_unix_connection(str(socket_path)))
+        raw = await AsyncRawConnection.open(socket_path)
         signalled_at = time.monotonic()
         daemon.process.send_signal(signal.SIGTERM)
         finishing = [asyncio.ensure_future(_finish(deltas)) for deltas in (*(s.__aiter__() for s in quick), long)]

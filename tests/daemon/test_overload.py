@@ -13,7 +13,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from live_daemon import REAL_BACKEND, LiveDaemon, memory_kib, short_dir, start_daemon, wait_idle
+from live_daemon import (
+    REAL_BACKEND,
+    AsyncRawConnection,
+    LiveDaemon,
+    memory_kib,
+    short_dir,
+    start_daemon,
+    wait_idle,
+)
 
 from pipeline.client import AsyncClient, Client
 from pipeline.daemon import raise_open_file_limit
@@ -22,14 +30,11 @@ from pipeline.protocol import (
     Accepted,
     Done,
     Error,
-    FrameDecoder,
     Generate,
     Health,
     HealthReply,
-    ServerMessage,
     StatsReply,
     WireSamplingParams,
-    encode_frame,
 )
 
 pytestmark = [pytest.mark.timeout(90),
@@ -70,38 +75,6 @@ def _soft_open_file_limit(pid: int) -> tuple[int, int]:
     raise RuntimeError(f"no open-file limit for pid {pid}")
 
 
-class _Wire:
-    """One raw connection: the test controls exactly when each frame goes out."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.decoder: FrameDecoder[ServerMessage] = FrameDecoder(ServerMessage)
-
-    @classmethod
-    async def open(cls, socket_path: Path) -> _Wire:
-        return cls(*await asyncio.open_unix_connection(str(socket_path)))
-
-    def send(self, message: object) -> None:
-        self.writer.write(encode_frame(message))  # type: ignore[arg-type]
-
-    async def receive(self) -> ServerMessage:
-        while (message := self.decoder.next_message()) is None:
-            data = await self.reader.read(65536)
-            if not data:
-                raise ConnectionError("the daemon closed the connection")
-            self.decoder.feed(data)
-        return message
-
-    async def final(self) -> Done | Error:
-        """The request's last reply (the daemon sends one request's replies in order)."""
-        while not isinstance(message := await self.receive(), (Done, Error)):
-            pass
-        return message
-
-    def close(self) -> None:
-        self.writer.close()
-
-
 def test_requests_beyond_the_admission_limit_are_refused_at_once(daemon: LiveDaemon) -> None:
     async def scenario() -> float:
         client = AsyncClient(daemon.socket_path)
@@ -130,13 +103,13 @@ def test_a_full_request_ring_is_refused_without_blocking_the_daemon(daemon: Live
         tokenizer_pid = client.health().stage_pids["tokenizer0"]
     filler = "word " * (RING_FILLER_CHARS // 5)
 
-    async def scenario() -> tuple[list[_Wire], Error, float]:
-        wires: list[_Wire] = []
+    async def scenario() -> tuple[list[AsyncRawConnection], Error, float]:
+        wires: list[AsyncRawConnection] = []
         slowest_reply_s = 0.0
         os.kill(tokenizer_pid, signal.SIGSTOP)  # nothing drains the ring now
         try:
             for _ in range(LIMIT):
-                wire = await _Wire.open(daemon.socket_path)
+                wire = await AsyncRawConnection.open(daemon.socket_path)
                 asked_at = time.monotonic()
                 wire.send(Generate(prompt=filler))
                 reply = await asyncio.wait_for(wire.receive(), 5)
@@ -152,7 +125,7 @@ def test_a_full_request_ring_is_refused_without_blocking_the_daemon(daemon: Live
         finally:
             os.kill(tokenizer_pid, signal.SIGCONT)
 
-    async def finals(wires: list[_Wire]) -> list[Done | Error]:
+    async def finals(wires: list[AsyncRawConnection]) -> list[Done | Error]:
         try:
             return await asyncio.wait_for(asyncio.gather(*(wire.final() for wire in wires)), 30)
         finally:
@@ -190,7 +163,7 @@ def test_a_thousand_concurrent_connections_get_a_completion_or_overloaded(daemon
         async def one(index: int) -> tuple[str, Done | Error, float]:
             nonlocal opened
             prompt = prompts[index % len(prompts)]
-            wire = await _Wire.open(daemon.socket_path)
+            wire = await AsyncRawConnection.open(daemon.socket_path)
             try:
                 opened += 1
                 if opened == NUM_CONNECTIONS:

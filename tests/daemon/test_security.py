@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from live_daemon import LiveDaemon, wait_idle
+from live_daemon import LiveDaemon, RawConnection, wait_idle
 from test_bad_input import framed, read_replies
 
 from pipeline.client import AsyncClient, Client
@@ -28,9 +28,7 @@ from pipeline.protocol import (
     Delta,
     Done,
     Error,
-    FrameDecoder,
     Generate,
-    ServerMessage,
     encode_frame,
 )
 from pipeline.protocol import WireSamplingParams as Params
@@ -45,30 +43,6 @@ REPO = Path(__file__).resolve().parents[2]
 LONG = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0.0}  # runs seconds unless aborted
 NUM_REQUEST_IDS = 1000
 PRIVATE = 0o600
-
-
-class Raw:
-    """A connection that speaks the wire protocol directly, to do what the client library won't."""
-
-    def __init__(self, socket_path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(10)
-        self.sock.connect(str(socket_path))
-        self.decoder: FrameDecoder[ServerMessage] = FrameDecoder(ServerMessage)
-
-    def send(self, message: msgspec.Struct) -> None:
-        self.sock.sendall(encode_frame(message))
-
-    def receive(self) -> ServerMessage:
-        while (message := self.decoder.next_message()) is None:
-            data = self.sock.recv(1 << 16)
-            if not data:
-                raise ConnectionError("the daemon closed the connection")
-            self.decoder.feed(data)
-        return message
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def test_socket_directory_and_socket_are_private(live_daemon: LiveDaemon) -> None:
@@ -157,7 +131,7 @@ def test_the_socket_side_never_imports_pickle_or_calls_eval() -> None:
 
 
 def test_a_client_can_abort_only_its_own_requests(live_daemon: LiveDaemon) -> None:
-    owner, other = Raw(live_daemon.socket_path), Raw(live_daemon.socket_path)
+    owner, other = RawConnection(live_daemon.socket_path), RawConnection(live_daemon.socket_path)
     try:
         owner.send(Generate("a request that must not be stopped", Params(max_tokens=48, ignore_eos=True,
                                                                         temperature=0.0), stream=True))
@@ -183,7 +157,7 @@ def request_ids_of_one_connection(socket_path: Path, count: int) -> list[str]:
     """Ids of `count` requests sent at once on one connection, each aborted once accepted."""
     ids: list[str] = []
     num_ended = num_abort_replies = 0
-    raw = Raw(socket_path)
+    raw = RawConnection(socket_path)
     try:
         raw.sock.sendall(encode_frame(Generate([5, 6], Params(max_tokens=1))) * count)
         while num_ended < count or num_abort_replies < count:
