@@ -62,7 +62,7 @@ def add_daemon_options(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM or `pipeline stop`, how long requests in flight may take to finish "
                              "before they are aborted (default %(default)s)")
     parser.add_argument("--stall-seconds", type=_seconds, default=defaults.stall_s,
-                        help="`status` reports degraded when a stage's loop has not gone round for this long "
+                        help="`status` reports degraded when a stage's loop has not gone round for this long (at least 1) "
                              "(default %(default)s)")
     parser.add_argument("--max-waiting", type=_non_negative_int, default=defaults.max_waiting,
                         help="requests admitted beyond --max-num-seqs; more in flight get `overloaded` "

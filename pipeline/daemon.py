@@ -62,6 +62,7 @@ from pipeline.sampling_params import InvalidParams
 from pipeline.supervisor import BackendFactory, RestartPolicy, StageSupervisor
 from shm.naming import new_instance_id
 from shm.ring import RecordTooLarge
+from stages.process import IDLE_TICK_S
 
 log = logging.getLogger("pipeline.daemon")
 
@@ -71,6 +72,7 @@ SHUTDOWN_FLUSH_S = 1.0
 LISTEN_BACKLOG = 1024  # connections the kernel queues before the loop accepts them: bursts of clients
 SUPERVISOR_STOP_S = 60.0  # how long shutting down waits for a restart in progress
 DEFAULT_GRACE_S = 30.0
+MIN_STALL_S = 2 * IDLE_TICK_S
 DEFAULT_STALL_S = 30.0  # generous: one CPU step of a large batch can take seconds
 DEFAULT_MAX_WAITING = 1024
 
@@ -106,8 +108,9 @@ class DaemonConfig:
         """Raises ValueError naming the first bad value."""
         if not self.grace_s >= 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s!r}")
-        if not self.stall_s > 0:
-            raise ValueError(f"stall_s must be positive, got {self.stall_s!r}")
+        if not self.stall_s >= MIN_STALL_S:
+            raise ValueError(f"stall_s must be at least {MIN_STALL_S:g} s (an idle stage beats every "
+                             f"{IDLE_TICK_S:g} s), got {self.stall_s!r}")
         for name in ("max_waiting", "max_unread_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "max_unread_bytes" else 0):

@@ -27,7 +27,7 @@ WRAP_LENGTH = 0xFFFF_FFFF  # never a payload length: segment capacity is at most
 MAX_KIND = 0xFFFF_FFFF
 RECORD_HEADER = struct.Struct("<II")  # payload length in bytes, kind
 SPIN_S = 50e-6  # spin this long before sleeping: about one round trip's worth of work
-WAKE_S = 0.05  # the longest single sleep: bounds how late a dead peer is noticed
+WAKE_S = 0.25  # the longest single sleep: bounds how late a dead peer is noticed (and idle wake-ups)
 _UNSET = -1.0
 
 

@@ -3,8 +3,9 @@
 A stage's process target is `run_stage(spec_json, serve)`. The spec is JSON (names of rings and
 segments, the engine config as plain values), so nothing but strings crosses the spawn. `serve`
 builds the stage, calls `ctx.ready()`, and loops calling `ctx.tick()` at least every
-TICK_S; tick raises StageStop when the daemon asked to stop or is gone, so a stage outlives
-its parent by at most about TICK_S. Tick also answers the daemon's profile requests, and
+TICK_S while it works and every IDLE_TICK_S once it has had no input for IDLE_AFTER_S (input
+wakes it at once either way: `ctx.read_input`); tick raises StageStop when the daemon asked to
+stop or is gone, so a stage outlives its parent by at most about IDLE_TICK_S. Tick also answers the daemon's profile requests, and
 `ctx.range(name)` marks a loop phase (stages/profiling.py).
 
 Exit codes: 0 stopped when asked, EXIT_ERROR its own failure (message on the status board),
@@ -20,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shm.ring import RingTimeout, RingWriter
+from shm.ring import Record, RingReader, RingTimeout, RingWriter
 from shm.segment import PeerDied
 from stages.profiling import PhaseRange, StageProfiler
 from stages.status import ModelLimits, StatusBoard
@@ -28,8 +29,21 @@ from stages.status import ModelLimits, StatusBoard
 EXIT_ERROR = 1
 EXIT_PEER_DIED = 3
 EXIT_PARENT_GONE = 4
-TICK_S = 0.05  # the longest a stage loop blocks between ticks
+TICK_S = 0.05  # the longest a working stage loop blocks between ticks
+# An idle stage wakes this often only: to beat, and to see a stop or the daemon's death. The
+# daemon's stall limit must exceed it (pipeline.daemon.MIN_STALL_S).
+IDLE_TICK_S = 0.5
+IDLE_AFTER_S = 1.0  # without input for this long, a stage is idle
 LIMITS_POLL_S = 0.005
+MIN_SHARE_S = 0.005
+
+
+def input_wait_s(idle_for_s: float, share: int = 1) -> float:
+    """How long a stage loop blocks on one of `share` input rings it waits on in turn, having had
+    no input for `idle_for_s` (see StageContext.read_input)."""
+    if share == 1 and idle_for_s > IDLE_AFTER_S:
+        return IDLE_TICK_S
+    return max(TICK_S / share, MIN_SHARE_S)
 
 
 class StageStop(Exception):
@@ -51,6 +65,7 @@ class StageContext:
         self.profiler = StageProfiler(self.name)
         # A stage (re)started after a capture began joins at the next one; a stop finds it idle.
         self._profile_generation = self.board.profile_generation()
+        self._last_input_s = time.monotonic()
 
     def tick(self) -> None:
         """Heartbeat; answers a new profile request; raises StageStop when it is time to go."""
@@ -65,6 +80,16 @@ class StageContext:
             self._profile_generation = request.generation
             board.answer_profile(self.index, self.profiler.answer(request))
             board.beat(self.index)  # starting or writing a capture may take a while
+
+    def read_input(self, reader: RingReader, share: int = 1) -> Record | None:
+        """The next record of an input ring, or None after a while without one: TICK_S while
+        the stage is busy, IDLE_TICK_S once it has had no input for IDLE_AFTER_S, so an idle
+        stage costs next to no CPU; a record wakes it at once either way. A loop that waits on
+        `share` rings in turn keeps to TICK_S / share each, so none of them waits long."""
+        record = reader.read(timeout=input_wait_s(time.monotonic() - self._last_input_s, share))
+        if record is not None:
+            self._last_input_s = time.monotonic()
+        return record
 
     def range(self, name: str) -> PhaseRange:
         """The loop phase `name`, for `with`: an NVTX range, and a torch.profiler range while the

@@ -73,7 +73,7 @@ class DetokenizerLoop:
     def run(self) -> None:
         while True:
             self.ctx.tick()
-            record = self.inbox.read(timeout=TICK_S)
+            record = self.ctx.read_input(self.inbox)
             if record is None:
                 continue
             out: list[OutputEvent] = []

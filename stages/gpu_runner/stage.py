@@ -11,7 +11,7 @@ from shm.ring import RingReader, RingWriter
 from stages import messages as msg
 from stages.gpu_runner.mailbox import MailboxWriter, create_mailbox
 from stages.gpu_runner.offload import OffloadConnectorWorker
-from stages.process import TICK_S, StageContext, run_stage
+from stages.process import StageContext, run_stage
 from stages.status import ModelLimits
 
 NUM_MAILBOX_CONSUMERS = 2  # the scheduler and the detokenizer
@@ -47,7 +47,7 @@ def serve(ctx: StageContext) -> None:
     ctx.ready()
     while True:
         ctx.tick()
-        record = plans.read(timeout=TICK_S)
+        record = ctx.read_input(plans)
         if record is None:
             continue
         with step_range:

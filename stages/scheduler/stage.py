@@ -75,7 +75,6 @@ class SchedulerLoop:
         # Aborts that overtook their request (still in a tokenizer): applied when it arrives.
         self.early_aborts: set[int] = set()
         self.tokens_generated = 0
-        self.idle_wait_s = max(TICK_S / len(inboxes), 0.005)
 
     def run(self) -> None:
         drain_range, schedule_range = self.ctx.range("drain_inputs"), self.ctx.range("schedule")
@@ -124,7 +123,7 @@ class SchedulerLoop:
     def wait_for_input(self) -> None:
         """Nothing runs: block (bounded) on the request rings in turn."""
         for inbox in self.inboxes:
-            record = inbox.read(timeout=self.idle_wait_s)
+            record = self.ctx.read_input(inbox, share=len(self.inboxes))
             if record is not None:
                 self.on_request(record)
                 return

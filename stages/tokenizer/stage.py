@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 
 from shm.ring import RingReader, RingWriter
 from stages import messages as msg
-from stages.process import TICK_S, StageContext, run_stage
+from stages.process import StageContext, run_stage
 from stages.tokenizer.prompt_check import check_prompt
 
 MAX_BATCH = 64  # requests encoded in one encode_batch call
@@ -31,7 +31,7 @@ def serve(ctx: StageContext) -> None:
     ctx.ready()
     while True:
         ctx.tick()
-        record = inbox.read(timeout=TICK_S)
+        record = ctx.read_input(inbox)
         if record is None:
             continue
         batch = [msg.decode_generate(record.payload)]
