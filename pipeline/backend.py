@@ -106,6 +106,7 @@ class BackendStats:
     kv_blocks_free: int
     generated_tokens_per_s: float
     num_restarts: int
+    prefix_cache_hit_rate: float = 0.0
 
 
 class Backend:
@@ -333,7 +334,8 @@ class Backend:
     def stats(self) -> BackendStats:
         counters = self._board.counters()
         return BackendStats(counters.num_waiting, counters.num_running, counters.kv_blocks_used,
-                            counters.kv_blocks_free, self._rate.tokens_per_s, num_restarts=0)
+                            counters.kv_blocks_free, self._rate.tokens_per_s, num_restarts=0,
+                            prefix_cache_hit_rate=counters.prefix_cache_hit_rate)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops every stage and removes every shm entry of this instance."""

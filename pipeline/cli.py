@@ -209,7 +209,7 @@ def _status(args: argparse.Namespace) -> int:
           f"{stats.num_finished_requests} finished, {stats.num_overloaded_requests} refused as overloaded "
           f"(limit {stats.max_in_flight_requests} in flight)")
     print(f"KV blocks: {stats.kv_blocks_used} used, {stats.kv_blocks_total - stats.kv_blocks_used} free "
-          f"of {stats.kv_blocks_total}")
+          f"of {stats.kv_blocks_total}; prefix cache hits {stats.prefix_cache_hit_rate:.1%} of admitted tokens")
     print(f"tokens/s: {stats.generated_tokens_per_s:.1f} generated; {stats.num_generated_tokens_total} in all")
     return 0 if health.status == "ok" else 1
 

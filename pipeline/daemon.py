@@ -497,6 +497,7 @@ class DaemonServer:
         reply.kv_blocks_used = stats.kv_blocks_used
         reply.kv_blocks_total = stats.kv_blocks_used + stats.kv_blocks_free
         reply.generated_tokens_per_s = stats.generated_tokens_per_s
+        reply.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
         return reply
 
 

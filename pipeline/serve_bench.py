@@ -17,6 +17,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -596,6 +597,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos,
                        seed=args.seed, progress=None if args.quiet or not sys.stderr.isatty() else sys.stderr)
         if args.compare_sync:
+            # SIGTERM unwinds like Ctrl-C, so the daemons compare_sync starts are stopped on the way out.
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
             async_result, sync_result = compare_sync(args.model, requests, **options)
             table = format_comparison(async_result, sync_result)
             report: dict[str, Any] = {"async": async_result.to_json(), "sync": sync_result.to_json()}

@@ -133,8 +133,9 @@ def run_stage(spec_json: str, serve: Callable[[StageContext], None]) -> None:
     except StageStop as stop:
         code = stop.exit_code
     except PeerDied as exc:
-        ctx.board.set_error(ctx.index, f"{ctx.name}: {exc}")
-        code = EXIT_PEER_DIED
+        if not ctx.board.stop_requested:  # else the peer stopped as asked, before this stage saw the request
+            ctx.board.set_error(ctx.index, f"{ctx.name}: {exc}")
+            code = EXIT_PEER_DIED
     except BaseException as exc:  # noqa: BLE001 - reported to the daemon, then the process ends
         ctx.board.set_error(ctx.index, f"{ctx.name}: {type(exc).__name__}: {exc}")
         code = EXIT_ERROR

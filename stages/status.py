@@ -5,8 +5,8 @@ Layout (int64 slots; each written by one process):
     0..7            magic, stop flag (the daemon's), model limits published by the runner:
                     limits ready, num_kv_blocks, max_model_len, vocab_size, num_host_blocks
     8..15           eos token ids (count, then up to 7 ids)               (the runner's)
-    16..23          scheduler counters: waiting, running, kv used, kv free,
-                    tokens generated, preemptions                         (the scheduler's)
+    16..23          scheduler counters: waiting, running, kv used, kv free, tokens
+                    generated, preemptions, prefix cache tokens queried and hit (the scheduler's)
     24 + 8*s ..     stage s: pid, heartbeat (CLOCK_MONOTONIC ns), ready,
                     profile answer: generation answered, outcome          (stage s's)
     then            an error message area of ERROR_BYTES per stage (utf-8, length-prefixed)
@@ -71,6 +71,13 @@ class SchedulerCounters:
     kv_blocks_free: int
     tokens_generated: int
     num_preemptions: int
+    num_prefix_queried_tokens: int
+    num_prefix_hit_tokens: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """The share of admitted requests' tokens found in the prefix cache (0 before any)."""
+        return self.num_prefix_hit_tokens / self.num_prefix_queried_tokens if self.num_prefix_queried_tokens else 0.0
 
 
 class ProfileOutcome(IntEnum):
@@ -180,9 +187,11 @@ class StatusBoard:
         slots[_COUNTERS + 3] = counters.kv_blocks_free
         slots[_COUNTERS + 4] = counters.tokens_generated
         slots[_COUNTERS + 5] = counters.num_preemptions
+        slots[_COUNTERS + 6] = counters.num_prefix_queried_tokens
+        slots[_COUNTERS + 7] = counters.num_prefix_hit_tokens
 
     def counters(self) -> SchedulerCounters:
-        return SchedulerCounters(*(self._slots[_COUNTERS + i] for i in range(6)))
+        return SchedulerCounters(*(self._slots[_COUNTERS + i] for i in range(8)))
 
     # ---- per stage
 

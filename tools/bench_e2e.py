@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-sync", action="store_true", help="also a daemon with --no-async-scheduling")
     parser.add_argument("--backend", choices=["real", "engine-thread"], default="real")
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the daemons this starts are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.quick:
         num_requests, prompt_lens, output_lens = 32, (50, 200), (20, 100)
     else:

@@ -34,6 +34,8 @@ class SchedulerStats:
     num_used_blocks: int
     num_cached_blocks: int
     num_preemptions: int
+    num_prefix_queried_tokens: int = 0  # tokens of admitted requests, each admission counted
+    num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache (not computed again)
 
 
 def _greedy_fill(need: np.ndarray, budget: int) -> np.ndarray:
@@ -72,6 +74,8 @@ class Scheduler:
         self._next_step = 0
         self._next_update_step = 0
         self.num_preemptions = 0
+        self.num_prefix_queried_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     # ---- requests in and out
 
@@ -109,7 +113,8 @@ class Scheduler:
         manager = self.block_manager
         return SchedulerStats(len(self._waiting), len(self._running), self._num_draining,
                               manager.num_free_blocks, manager.num_used_blocks,
-                              manager.num_cached_blocks, self.num_preemptions)
+                              manager.num_cached_blocks, self.num_preemptions, self.num_prefix_queried_tokens,
+                              self.num_prefix_hit_tokens)
 
     def num_computed_tokens(self, req_id: int) -> int:
         row = self._requests[req_id].row
@@ -216,6 +221,8 @@ class Scheduler:
                 break
             self._waiting.popleft()
             manager.take(hit_blocks)
+            self.num_prefix_queried_tokens += num_tokens
+            self.num_prefix_hit_tokens += len(hit_blocks) * size
             fresh = manager.allocate(num_fresh_blocks)
             if num_loaded:
                 self.connector.on_load(hashes[len(hit_blocks):len(hit_blocks) + num_loaded], fresh[:num_loaded])

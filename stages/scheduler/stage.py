@@ -189,4 +189,5 @@ class SchedulerLoop:
         # A draining request (finished or preempted, a step still in flight) still holds its row.
         self.ctx.board.publish_counters(SchedulerCounters(
             stats.num_waiting, stats.num_running + stats.num_draining, stats.num_used_blocks, stats.num_free_blocks,
-            self.tokens_generated, stats.num_preemptions))
+            self.tokens_generated, stats.num_preemptions, stats.num_prefix_queried_tokens,
+            stats.num_prefix_hit_tokens))

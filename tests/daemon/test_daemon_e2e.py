@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -245,3 +247,17 @@ def test_socket_directory_and_socket_are_private(live_daemon: LiveDaemon) -> Non
     info = os.lstat(live_daemon.socket_path)
     assert stat.S_ISSOCK(info.st_mode)
     assert stat.S_IMODE(info.st_mode) == 0o600
+
+
+def test_a_repeated_prompt_raises_the_prefix_cache_hit_rate(live_daemon: LiveDaemon) -> None:
+    prompt = np.random.default_rng(77).integers(2, 1000, 100).tolist()
+    params = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+    with Client(live_daemon.socket_path) as client:
+        client.generate(prompt, params)
+        after_first = client.stats().prefix_cache_hit_rate
+        client.generate(prompt, params)  # its first 96 tokens (6 full blocks) are cached now
+        after_second = client.stats().prefix_cache_hit_rate
+    assert 0.0 <= after_first < after_second <= 1.0
+    status = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--socket", str(live_daemon.socket_path)],
+                            capture_output=True, text=True, timeout=30)
+    assert f"prefix cache hits {after_second:.1%} of admitted tokens" in status.stdout, status.stdout

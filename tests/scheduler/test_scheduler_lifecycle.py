@@ -93,6 +93,8 @@ def test_prefix_hit_skips_cached_blocks_and_keeps_outputs(async_mode: bool) -> N
     assert plan.num_computed_tokens[index] == 12
     assert driver.outputs[1] == reference_tokens(second, 6)
     assert driver.outputs[2] == reference_tokens(first + driver.outputs[0][:3], 3)
+    stats = driver.scheduler.stats()  # the prefix cache hit rate's counts: 0 + 8 + 12 of 11 + 11 + 14
+    assert (stats.num_prefix_hit_tokens, stats.num_prefix_queried_tokens) == (20, 36)
     assert_no_leak(driver)
 
 
