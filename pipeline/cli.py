@@ -172,18 +172,14 @@ def _start_detached(args: argparse.Namespace, socket_path: Path) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from pipeline.daemon import pid_file_for
+    from pipeline.daemon import read_daemon_pid
     from shm.naming import pid_alive
 
     socket_path = _socket_path(args)
     # The pid file alone could name a recycled pid: signal it only while a daemon answers.
     with Client(socket_path, timeout_s=5.0) as client:
         stop_timeout_s = client.health().shutdown_grace_s + STOP_MARGIN_S
-    pid_file = pid_file_for(socket_path)
-    try:
-        pid = int(pid_file.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        raise PipelineError(f"a daemon answers on {socket_path} but its pid file {pid_file} is missing or unreadable") from None
+    pid = read_daemon_pid(socket_path)
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + stop_timeout_s
     while pid_alive(pid):

@@ -86,6 +86,17 @@ def pid_file_for(socket_path: Path) -> Path:
     return socket_path.with_name(socket_path.name + ".pid")
 
 
+def read_daemon_pid(socket_path: Path) -> int:
+    """The pid in the pid file of the daemon on `socket_path`. Ask the daemon something first: the
+    file alone could name a recycled pid. PipelineError if the file is missing or unreadable."""
+    pid_file = pid_file_for(socket_path)
+    try:
+        return int(pid_file.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        raise PipelineError(f"a daemon answers on {socket_path} but its pid file {pid_file} is missing "
+                            f"or unreadable") from None
+
+
 def _version() -> str:
     try:
         return metadata.version("pipeline")

@@ -19,7 +19,7 @@ import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not t
 
 from pipeline import nsys  # noqa: E402
 from pipeline.client import Client  # noqa: E402
-from pipeline.daemon import pid_file_for  # noqa: E402
+from pipeline.daemon import read_daemon_pid  # noqa: E402
 from pipeline.errors import DaemonNotRunning, PipelineError  # noqa: E402
 from pipeline.paths import default_socket_path  # noqa: E402
 from stages.profiling import ANSWER_TIMEOUT_S  # noqa: E402
@@ -80,12 +80,7 @@ def make_private_directory(directory: Path) -> Path:
 def daemon_pid(client: Client) -> int:
     """The pid of the daemon answering on the client's socket (read from its pid file)."""
     client.health()  # the pid file alone could name a recycled pid
-    pid_file = pid_file_for(client.socket_path)
-    try:
-        return int(pid_file.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        raise PipelineError(f"a daemon answers on {client.socket_path} but its pid file {pid_file} is missing "
-                            f"or unreadable") from None
+    return read_daemon_pid(client.socket_path)
 
 
 def cuda_available() -> bool:
