@@ -111,12 +111,9 @@ class StageProfiler:
 
     def stop(self) -> Path | None:
         """Ends the capture and writes its Chrome trace; the path, or None if none was running."""
-        capture, path = self._capture, self._trace_path
+        capture, path = self._end()
         if capture is None or path is None:
             return None
-        self.record_function = None
-        self._capture = self._trace_path = None
-        capture.__exit__(None, None, None)
         # torch logs a failed export and returns as if it had written: so the file must be new
         # and non-empty to count (an older one of the same name is removed first).
         path.unlink(missing_ok=True)
@@ -127,10 +124,16 @@ class StageProfiler:
 
     def discard(self) -> None:
         """Ends a running capture without writing it."""
-        if self._capture is not None:
+        self._end()
+
+    def _end(self) -> tuple[Any, Path | None]:
+        """Ends the running capture, if any; (that capture, its trace path), or (None, None)."""
+        capture, path = self._capture, self._trace_path
+        if capture is not None:
             self.record_function = None
-            self._capture.__exit__(None, None, None)
             self._capture = self._trace_path = None
+            capture.__exit__(None, None, None)
+        return capture, path
 
     def answer(self, request: ProfileRequest) -> ProfileAnswer:
         """Does what a profile request asks and says how it went (a failure is an answer, not an
