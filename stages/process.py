@@ -5,8 +5,8 @@ segments, the engine config as plain values), so nothing but strings crosses the
 builds the stage, calls `ctx.ready()`, and loops calling `ctx.tick()` at least every
 TICK_S while it works and every IDLE_TICK_S once it has had no input for IDLE_AFTER_S (input
 wakes it at once either way: `ctx.read_input`); tick raises StageStop when the daemon asked to
-stop or is gone, so a stage outlives its parent by at most about IDLE_TICK_S. Tick also answers the daemon's profile requests, and
-`ctx.range(name)` marks a loop phase (stages/profiling.py).
+stop or is gone, so a stage outlives its parent by at most about IDLE_TICK_S. Tick also answers
+the daemon's profile requests, and `ctx.range(name)` marks a loop phase (stages/profiling.py).
 
 Exit codes: 0 stopped when asked, EXIT_ERROR its own failure (message on the status board),
 EXIT_PEER_DIED another stage died under it, EXIT_PARENT_GONE the daemon died.

@@ -13,9 +13,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from pipeline.backend import OutputEvent
+from pipeline.sampling_params import SamplingParams
 from shm.ring import Record, RingReader, RingWriter
 from stages import messages as msg
-from pipeline.sampling_params import SamplingParams
 from stages.detokenizer.incremental import IncrementalDetokenizer, stop_token_reason
 from stages.gpu_runner.mailbox import MailboxReader, SlotData
 from stages.process import TICK_S, StageContext, run_stage
