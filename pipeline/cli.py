@@ -11,12 +11,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pipeline.backend import EngineConfig
+from stages.contracts.config import EngineConfig
 from pipeline.client import Client
-from pipeline.daemon import DaemonConfig
+from pipeline.serve.server import DaemonConfig
 from pipeline.errors import DaemonNotRunning, PipelineError
 from pipeline.paths import default_socket_path
-from pipeline.sampling_params import InvalidParams
+from stages.contracts.params import InvalidParams
 
 DETACH_READY_TIMEOUT_S = 300.0  # building the default model and spawning the stages
 STOP_MARGIN_S = 30.0  # `stop` waits the daemon's grace period and this much more for it to exit
@@ -101,7 +101,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the options ask for; without --model, the embedded default (built once)."""
     if args.model is None:
-        from pipeline.default_model import ensure_default_model
+        from pipeline.models.default_model import ensure_default_model
 
         model = str(ensure_default_model())
     else:
@@ -120,12 +120,12 @@ def _start(args: argparse.Namespace) -> int:
     socket_path = _socket_path(args)
     settings = daemon_config(args)  # refuse a bad option here, detached or not
     if args.nsys:
-        from pipeline.nsys import start_under_nsys
+        from pipeline.serve.nsys import start_under_nsys
 
         start_under_nsys(args.argv, socket_path, detach=args.detach)
     if args.detach:
         return _start_detached(args, socket_path)
-    from pipeline.daemon import run_daemon
+    from pipeline.serve.daemon import run_daemon
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = engine_config(args)
@@ -135,13 +135,13 @@ def _start(args: argparse.Namespace) -> int:
     except PipelineError:
         raise
     except Exception as exc:  # noqa: BLE001 - the stages failed to come up: say why, exit non-zero
-        logging.getLogger("pipeline.daemon").exception("the daemon failed to start")
+        logging.getLogger("pipeline.serve.daemon").exception("the daemon failed to start")
         raise PipelineError(f"the daemon failed to start: {type(exc).__name__}: {exc}") from exc
 
 
 def _start_detached(args: argparse.Namespace, socket_path: Path) -> int:
     """Runs `pipeline start` without --detach in its own session; returns once it serves."""
-    from pipeline.daemon import claim_socket_path
+    from pipeline.serve.daemon import claim_socket_path
 
     claim_socket_path(socket_path)  # fail here, with the message, if one already runs
     argv = [arg for arg in args.argv if arg != "--detach"]
@@ -172,7 +172,7 @@ def _start_detached(args: argparse.Namespace, socket_path: Path) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from pipeline.daemon import read_daemon_pid
+    from pipeline.serve.daemon import read_daemon_pid
     from shm.naming import pid_alive
 
     socket_path = _socket_path(args)
@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        from pipeline import serve_bench
+        from pipeline.bench import serve_bench
 
         return serve_bench.main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -1,22 +1,10 @@
 """The errors a client can see, and the wire codes that carry them from the daemon."""
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 
-from pipeline.sampling_params import InvalidParams
-
-
-class ErrorCode(str, Enum):
-    """`Error.code` on the wire; each maps to one exception class below."""
-
-    INVALID_PARAMS = "invalid_params"
-    PROMPT_TOO_LONG = "prompt_too_long"
-    OVERLOADED = "overloaded"
-    STAGE_FAILED = "stage_failed"
-    ABORTED = "aborted"
-    NOT_FOUND = "not_found"
-    PROTOCOL = "protocol"
+from stages.contracts.errors import ErrorCode
+from stages.contracts.params import InvalidParams
 
 
 class PipelineError(Exception):

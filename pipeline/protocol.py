@@ -31,7 +31,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from pipeline.errors import ErrorCode, PipelineError, ProtocolError
-from pipeline.sampling_params import MAX_TOKEN_ID, InvalidParams, SamplingParams
+from stages.contracts.params import MAX_TOKEN_ID, InvalidParams, SamplingParams
 
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES_LIMIT = 2**32 - 1  # what the 4-byte header can express

@@ -1,23 +1,29 @@
-"""One ring's shared-memory segment: header layout, creation, attaching by name, and unlinking.
+"""Shared segments: one named POSIX shared-memory mapping with int64 header fields, and a ring's.
 
-Layout (all header fields are int64, each 64-byte line written by exactly one process):
+`SharedSegment` is the primitive under every layout here (rings, the token mailbox, the stages'
+status board): create it exclusively (mode 0600), fill the header, write the magic number last
+so an attacher that sees it sees a complete header; open it by name, checking the magic; unlink
+the name once every process has attached; close the mapping. Header fields are int64 slots,
+read and written through a native int64 memoryview: on an 8-aligned address that is one plain
+8-byte load or store (the same instruction a numpy int64 element store compiles to), which
+x86-64 performs atomically and in program order. aarch64 would need barriers that Python cannot
+issue, so the segments refuse to map there.
+
+A ring's layout (each 64-byte line written by exactly one process):
 
     line 0      magic, version, capacity_bytes, num_readers, creator_pid   (written once)
     line 1      write cursor, writer sleeping, writer pid, writer closed   (the writer's)
     line 2 + i  read cursor, reader sleeping, reader pid, reader closed    (reader i's)
     data        capacity_bytes of records [u32 length | u32 kind | payload | pad to 8]
 
-Cursors are monotonic byte counts; a record starts at `cursor % capacity_bytes`. Every field is
-read and written through a native int64 memoryview: on an 8-aligned address that is one plain
-8-byte load or store (the same instruction a numpy int64 element store compiles to), which
-x86-64 performs atomically and in program order. aarch64 would need barriers that Python cannot
-issue, so the segment refuses to map there.
+Cursors are monotonic byte counts; a record starts at `cursor % capacity_bytes`.
 """
 from __future__ import annotations
 
 import mmap
 import os
 import platform
+from collections.abc import Mapping
 
 import posix_ipc
 
@@ -60,9 +66,87 @@ def check_platform() -> None:
     machine = platform.machine().lower()
     if machine not in _X86_64:
         raise RuntimeError(
-            f"shared-memory rings need x86-64 store ordering; on {platform.machine()!r} "
+            f"shared-memory segments need x86-64 store ordering; on {platform.machine()!r} "
             "publishing a cursor needs a memory barrier that this implementation does not provide"
         )
+
+
+class SharedSegment:
+    """One mapped segment. `slots` is its int64 view; slot 0 holds the layout's magic number."""
+
+    __slots__ = ("name", "mm", "slots")
+
+    def __init__(self, name: str, mm: mmap.mmap) -> None:
+        self.name = name
+        self.mm = mm
+        self.slots = memoryview(mm).cast("q")
+
+    @classmethod
+    def create(cls, name: str, size_bytes: int, magic: int, header: Mapping[int, int] = {}) -> SharedSegment:
+        """Make `name` (it must not exist), set the `header` slots, then the magic number."""
+        check_platform()
+        try:
+            shared = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size_bytes)
+        except posix_ipc.ExistentialError:
+            raise FileExistsError(f"shared segment {name!r} already exists: each is created once") from None
+        try:
+            mm = mmap.mmap(shared.fd, size_bytes)
+        except BaseException:
+            shared.unlink()
+            raise
+        finally:
+            shared.close_fd()
+        segment = cls(name, mm)
+        for slot, value in header.items():
+            segment.slots[slot] = value
+        segment.slots[MAGIC_SLOT] = magic  # last: an attacher that sees it sees a complete header
+        return segment
+
+    @classmethod
+    def open(cls, name: str, magic: int, what: str) -> SharedSegment:
+        """Map an existing segment by name (in any process); ValueError unless it holds `magic`."""
+        check_platform()
+        try:
+            shared = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            raise FileNotFoundError(f"no {what} segment {name!r}: never created, or unlinked because all "
+                                    "its processes attached") from None
+        try:
+            if shared.size < 8:
+                raise ValueError(f"{name!r} is too small ({shared.size} bytes) to be a {what}")
+            mm = mmap.mmap(shared.fd, shared.size)
+        finally:
+            shared.close_fd()
+        segment = cls(name, mm)
+        if segment.slots[MAGIC_SLOT] != magic:
+            found = segment.slots[MAGIC_SLOT]
+            segment.close()
+            raise ValueError(f"{name!r} is not a {what} (magic {found:#x})")
+        return segment
+
+    @property
+    def size_bytes(self) -> int:
+        return self.mm.size()
+
+    def unlink(self) -> None:
+        """Remove the name; every mapping already open keeps working."""
+        unlink_segment(self.name)
+
+    def close(self) -> None:
+        """Unmap. A view still held elsewhere keeps the mapping alive until it is dropped."""
+        self.slots.release()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a numpy or payload view still references the mapping; unmapped when freed
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment's name, if it is still there (another process may have got there first)."""
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
 
 
 def _check_geometry(capacity_bytes: int, num_readers: int) -> None:
@@ -78,16 +162,17 @@ def _check_geometry(capacity_bytes: int, num_readers: int) -> None:
 
 
 class RingSegment:
-    """A mapping of one ring's segment plus its doorbells. Each ring end owns one."""
+    """A ring's shared segment plus its doorbells. Each ring end owns one."""
 
-    __slots__ = ("name", "capacity_bytes", "num_readers", "data_offset", "mm", "slots", "data",
+    __slots__ = ("segment", "name", "capacity_bytes", "num_readers", "data_offset", "mm", "slots", "data",
                  "space_bell", "data_bells")
 
-    def __init__(self, name: str, mm: mmap.mmap, space_bell: Doorbell, data_bells: list[Doorbell]) -> None:
-        self.name = name
-        self.mm = mm
-        self.slots = memoryview(mm).cast("q")
-        self.data = memoryview(mm)
+    def __init__(self, segment: SharedSegment, space_bell: Doorbell, data_bells: list[Doorbell]) -> None:
+        self.segment = segment
+        self.name = segment.name
+        self.mm = segment.mm
+        self.slots = segment.slots
+        self.data = memoryview(segment.mm)
         self.capacity_bytes = self.slots[CAPACITY_SLOT]
         self.num_readers = self.slots[NUM_READERS_SLOT]
         self.data_offset = data_offset(self.num_readers)
@@ -102,25 +187,16 @@ class RingSegment:
     def create(cls, instance: str, link: str, capacity_bytes: int, num_readers: int = 1) -> RingSegment:
         """Make the segment (mode 0600) and doorbells of link `link` of `instance`. The names
         stay until every end has attached; pass `segment.name` to the processes that attach."""
-        check_platform()
         name = ring_name(instance, link)
         _check_geometry(capacity_bytes, num_readers)
-        size = data_offset(num_readers) + capacity_bytes
+        try:
+            segment = SharedSegment.create(name, data_offset(num_readers) + capacity_bytes, MAGIC, {
+                VERSION_SLOT: VERSION, CAPACITY_SLOT: capacity_bytes, NUM_READERS_SLOT: num_readers,
+                CREATOR_PID_SLOT: os.getpid()})
+        except FileExistsError:
+            raise FileExistsError(f"ring {name!r} already exists: each link of an instance is created once") from None
         made: list[Doorbell] = []
         try:
-            shared = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
-        except posix_ipc.ExistentialError:
-            raise FileExistsError(f"ring {name!r} already exists: each link of an instance is created once") from None
-        try:
-            mm = mmap.mmap(shared.fd, size)
-            shared.close_fd()
-            slots = memoryview(mm).cast("q")
-            slots[CAPACITY_SLOT] = capacity_bytes
-            slots[NUM_READERS_SLOT] = num_readers
-            slots[CREATOR_PID_SLOT] = os.getpid()
-            slots[VERSION_SLOT] = VERSION
-            slots[MAGIC_SLOT] = MAGIC  # last: an attacher that sees it sees a complete header
-            slots.release()
             space_name, data_names = cls._bell_names(name, num_readers)
             for bell_name in [space_name, *data_names]:
                 made.append(Doorbell(bell_name, create=True))
@@ -128,39 +204,33 @@ class RingSegment:
             for bell in made:
                 bell.unlink()
                 bell.close()
-            shared.unlink()
+            segment.unlink()
+            segment.close()
             raise
-        return cls(name, mm, made[0], made[1:])
+        return cls(segment, made[0], made[1:])
 
     @classmethod
     def open(cls, name: str) -> RingSegment:
         """Map an existing ring by name (in any process, e.g. one started with 'spawn')."""
-        check_platform()
         try:
-            shared = posix_ipc.SharedMemory(name)
-        except posix_ipc.ExistentialError:
+            segment = SharedSegment.open(name, MAGIC, "ring")
+        except FileNotFoundError:
             raise FileNotFoundError(
                 f"no ring segment {name!r}: never created, or unlinked because all its ends attached"
             ) from None
-        try:
-            if shared.size < data_offset(1):
-                raise ValueError(f"{name!r} is too small ({shared.size} bytes) to be a ring")
-            mm = mmap.mmap(shared.fd, shared.size)
-        finally:
-            shared.close_fd()
-        slots = memoryview(mm).cast("q")
-        magic, version, capacity_bytes, num_readers = slots[MAGIC_SLOT], slots[VERSION_SLOT], \
-            slots[CAPACITY_SLOT], slots[NUM_READERS_SLOT]
-        slots.release()
-        if magic != MAGIC or version != VERSION:
-            mm.close()
-            raise ValueError(f"{name!r} is not a version-{VERSION} ring (magic {magic:#x}, version {version})")
-        if data_offset(num_readers) + capacity_bytes != mm.size():
-            mm.close()
-            raise ValueError(f"ring {name!r} header says {capacity_bytes} bytes x {num_readers} readers, "
-                             f"but the segment has {mm.size()} bytes")
+        version, capacity_bytes, num_readers = (segment.slots[VERSION_SLOT], segment.slots[CAPACITY_SLOT],
+                                                segment.slots[NUM_READERS_SLOT])
+        problem = None
+        if version != VERSION:
+            problem = f"{name!r} is a version-{version} ring; this is version {VERSION}"
+        elif data_offset(num_readers) + capacity_bytes != segment.size_bytes:
+            problem = (f"ring {name!r} header says {capacity_bytes} bytes x {num_readers} readers, "
+                       f"but the segment has {segment.size_bytes} bytes")
+        if problem is not None:
+            segment.close()
+            raise ValueError(problem)
         space_name, data_names = cls._bell_names(name, num_readers)
-        return cls(name, mm, Doorbell(space_name, create=False), [Doorbell(n, create=False) for n in data_names])
+        return cls(segment, Doorbell(space_name, create=False), [Doorbell(n, create=False) for n in data_names])
 
     @property
     def creator_pid(self) -> int:
@@ -192,22 +262,15 @@ class RingSegment:
 
     def unlink(self) -> None:
         """Remove the names; every mapping and doorbell handle already open keeps working."""
-        try:
-            posix_ipc.unlink_shared_memory(self.name)
-        except posix_ipc.ExistentialError:
-            pass  # the other end got there first
+        self.segment.unlink()
         self.space_bell.unlink()
         for bell in self.data_bells:
             bell.unlink()
 
     def close(self) -> None:
         """Unmap. A payload view still held by the caller keeps the mapping alive until dropped."""
-        self.slots.release()
         self.data.release()
-        try:
-            self.mm.close()
-        except BufferError:
-            pass  # a Record payload still references the mapping; it is unmapped when freed
+        self.segment.close()
         self.space_bell.close()
         for bell in self.data_bells:
             bell.close()

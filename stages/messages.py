@@ -3,22 +3,24 @@
 A record is one `Layout` message (struct header + raw arrays), or, when it carries
 sub-messages (a request and its sampling params; a plan, its admitted requests and theirs),
 *frames* back to back: `[u64 length | message | pad to 8]`. Output events travel as one
-columnar batch per record. Nothing is pickled: sampling params are a fixed header, stop strings
-utf-8 bytes with int32 lengths, and stop_token_ids int64 (they are validated as non-negative,
-not as int32).
+columnar batch per record (stages/events.py). Nothing is pickled: sampling params are a fixed header derived from
+SamplingParams' fields (a number each, plus a "has" flag for an optional one), string lists as
+utf-8 bytes with int32 lengths, and int lists int64 (stop_token_ids are validated as
+non-negative, not as int32). Params are validated once, where a request enters; decoding
+rebuilds them without checking again.
 """
 from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
-from pipeline.sampling_params import SamplingParams
 from shm.codec import Layout
-from stages.scheduler.plan import KVCopyMeta, NewRequest, StepPlan
-from stages.scheduler.request import FinishReason
+from stages.contracts.outputs import FinishReason, StepUpdate
+from stages.contracts.params import SamplingParams
+from stages.contracts.plan import KVCopyMeta, NewRequest, StepPlan
 
 
 class Kind(enum.IntEnum):
@@ -39,7 +41,7 @@ class Kind(enum.IntEnum):
 
 _FRAME = struct.Struct("<Q")
 REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
-_REASON_CODE = {reason: code for code, reason in enumerate(REASONS)}
+REASON_CODE = {reason: code for code, reason in enumerate(REASONS)}
 NO_REASON = -1
 
 
@@ -81,47 +83,69 @@ def _text(array: np.ndarray) -> str:
     return array.tobytes().decode("utf-8")
 
 
-# ---- sampling params
+# ---- sampling params: the layout follows SamplingParams' fields
 
-PARAMS = Layout("params", [
-    ("max_tokens", "q"), ("temperature", "d"), ("top_p", "d"), ("top_k", "q"), ("min_p", "d"),
-    ("seed", "q"), ("has_seed", "?"), ("presence_penalty", "d"), ("frequency_penalty", "d"),
-    ("repetition_penalty", "d"), ("min_tokens", "q"), ("ignore_eos", "?"), ("logprobs", "q"),
-    ("skip_special_tokens", "?"), ("include_stop_str_in_output", "?"),
-    ("num_stops", "I"), ("num_stop_bytes", "I"), ("num_stop_token_ids", "I"),
-], [("stop_lengths", "int32", "num_stops"), ("stop_bytes", "uint8", "num_stop_bytes"),
-    ("stop_token_ids", "int64", "num_stop_token_ids")])
+_SCALAR_CODES = {"int": "q", "float": "d", "bool": "?"}
+_PARAM_FIELDS = [(f.name, str(f.type)) for f in fields(SamplingParams)]
+
+
+def _params_layout() -> Layout:
+    header: list[tuple[str, str]] = []
+    arrays: list[tuple[str, str, str]] = []
+    for name, kind in _PARAM_FIELDS:
+        if kind in _SCALAR_CODES:
+            header.append((name, _SCALAR_CODES[kind]))
+        elif kind.endswith(" | None") and kind[:-len(" | None")] in _SCALAR_CODES:
+            header += [(name, _SCALAR_CODES[kind[:-len(" | None")]]), (f"has_{name}", "?")]
+        elif kind == "list[str]":
+            header += [(f"num_{name}", "I"), (f"num_{name}_bytes", "I")]
+            arrays += [(f"{name}_lengths", "int32", f"num_{name}"), (f"{name}_bytes", "uint8", f"num_{name}_bytes")]
+        elif kind == "list[int]":
+            header.append((f"num_{name}", "I"))
+            arrays.append((name, "int64", f"num_{name}"))
+        else:
+            raise TypeError(f"SamplingParams.{name} has type {kind}, which has no binary layout")
+    return Layout("params", header, arrays)
+
+
+PARAMS = _params_layout()
 
 
 def encode_params(params: SamplingParams) -> bytes:
-    stops = [s.encode("utf-8") for s in params.stop]
-    return PARAMS.encode({
-        "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
-        "top_k": params.top_k, "min_p": params.min_p, "seed": params.seed or 0, "has_seed": params.seed is not None,
-        "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
-        "repetition_penalty": params.repetition_penalty, "min_tokens": params.min_tokens,
-        "ignore_eos": params.ignore_eos, "logprobs": -1 if params.logprobs is None else params.logprobs,
-        "skip_special_tokens": params.skip_special_tokens,
-        "include_stop_str_in_output": params.include_stop_str_in_output,
-    }, {"stop_lengths": np.array([len(s) for s in stops], np.int32),
-        "stop_bytes": np.frombuffer(b"".join(stops), np.uint8),
-        "stop_token_ids": np.array(params.stop_token_ids, np.int64)})
+    values: dict[str, object] = {}
+    arrays: dict[str, np.ndarray] = {}
+    for name, kind in _PARAM_FIELDS:
+        value = getattr(params, name)
+        if kind in _SCALAR_CODES:
+            values[name] = value
+        elif kind.endswith(" | None"):
+            values[name], values[f"has_{name}"] = (0, False) if value is None else (value, True)
+        elif kind == "list[str]":
+            encoded = [text.encode("utf-8") for text in value]
+            arrays[f"{name}_lengths"] = np.array([len(b) for b in encoded], np.int32)
+            arrays[f"{name}_bytes"] = np.frombuffer(b"".join(encoded), np.uint8)
+        else:
+            arrays[name] = np.array(value, np.int64)
+    return PARAMS.encode(values, arrays)
 
 
 def decode_params(payload: memoryview | bytes) -> SamplingParams:
     m = PARAMS.decode(payload)
-    stop_bytes = m["stop_bytes"].tobytes()
-    stops, offset = [], 0
-    for length in m["stop_lengths"].tolist():
-        stops.append(stop_bytes[offset:offset + length].decode("utf-8"))
-        offset += length
-    return SamplingParams(
-        max_tokens=m["max_tokens"], temperature=m["temperature"], top_p=m["top_p"], top_k=m["top_k"],
-        min_p=m["min_p"], seed=m["seed"] if m["has_seed"] else None, presence_penalty=m["presence_penalty"],
-        frequency_penalty=m["frequency_penalty"], repetition_penalty=m["repetition_penalty"],
-        min_tokens=m["min_tokens"], stop=stops, stop_token_ids=m["stop_token_ids"].tolist(),
-        ignore_eos=m["ignore_eos"], logprobs=None if m["logprobs"] < 0 else m["logprobs"],
-        skip_special_tokens=m["skip_special_tokens"], include_stop_str_in_output=m["include_stop_str_in_output"])
+    values: dict[str, object] = {}
+    for name, kind in _PARAM_FIELDS:
+        if kind in _SCALAR_CODES:
+            values[name] = m[name]
+        elif kind.endswith(" | None"):
+            values[name] = m[name] if m[f"has_{name}"] else None
+        elif kind == "list[str]":
+            data, texts, offset = m[f"{name}_bytes"].tobytes(), [], 0
+            for length in m[f"{name}_lengths"].tolist():
+                texts.append(data[offset:offset + length].decode("utf-8"))
+                offset += length
+            values[name] = texts
+        else:
+            values[name] = m[name].tolist()
+    return SamplingParams.trusted(**values)
 
 
 # ---- requests in
@@ -204,7 +228,7 @@ REQ_ID = Layout("req_id", [("req_id", "q"), ("reason", "b")])
 
 
 def encode_req_id(req_id: int, reason: FinishReason | None = None) -> bytes:
-    return REQ_ID.encode({"req_id": req_id, "reason": NO_REASON if reason is None else _REASON_CODE[reason]})
+    return REQ_ID.encode({"req_id": req_id, "reason": NO_REASON if reason is None else REASON_CODE[reason]})
 
 
 def decode_req_id(payload: memoryview) -> tuple[int, FinishReason | None]:
@@ -289,7 +313,7 @@ def decode_done(payload: memoryview) -> tuple[int, int, int]:
     return m["step"], m["slot"], m["num_rows"]
 
 
-MANIFEST = Layout("manifest", [("step", "q"), ("num_entries", "I"), ("num_finished", "I")], [
+MANIFEST = Layout("manifest", [("step", "q"), ("slot", "I"), ("num_entries", "I"), ("num_finished", "I")], [
     ("req_ids", "int64", "num_entries"), ("output_index", "int32", "num_entries"),
     ("finished_ids", "int64", "num_finished"), ("finished_reasons", "int8", "num_finished")])
 
@@ -297,121 +321,34 @@ MANIFEST = Layout("manifest", [("step", "q"), ("num_entries", "I"), ("num_finish
 @dataclass(slots=True)
 class Manifest:
     """Step `step`'s valid outputs: entry i is request req_ids[i]'s token at row index
-    output_index[i] of the step's mailbox slot. Requests in finished_ids end with this step."""
+    output_index[i] of the step's mailbox slot `slot`. Requests in finished_ids end with this step.
+
+    The scheduler sends it once it has read the step's tokens from the slot itself, so the slot
+    is complete by then (on CPU the slot's sequence number was stored after its data; on CUDA the
+    slot's event was recorded before the runner announced the step, and is recorded again only
+    for step + num_slots, after every consumer released this one)."""
 
     step: int
     req_ids: np.ndarray  # int64
     output_index: np.ndarray  # int32
     finished: list[tuple[int, FinishReason]]
+    slot: int
+
+    @classmethod
+    def for_update(cls, update: StepUpdate, slot: int) -> Manifest:
+        return cls(update.step, update.req_ids.astype(np.int64), update.output_index.astype(np.int32),
+                   update.finished, slot)
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
-    return MANIFEST.encode({"step": manifest.step}, {
+    return MANIFEST.encode({"step": manifest.step, "slot": manifest.slot}, {
         "req_ids": manifest.req_ids, "output_index": manifest.output_index.astype(np.int32),
         "finished_ids": np.array([r for r, _ in manifest.finished], np.int64),
-        "finished_reasons": np.array([_REASON_CODE[reason] for _, reason in manifest.finished], np.int8)})
+        "finished_reasons": np.array([REASON_CODE[reason] for _, reason in manifest.finished], np.int8)})
 
 
 def decode_manifest(payload: memoryview) -> Manifest:
     m = MANIFEST.decode(payload, copy=True)
     finished = [(req_id, REASONS[code]) for req_id, code in
                 zip(m["finished_ids"].tolist(), m["finished_reasons"].tolist())]
-    return Manifest(m["step"], m["req_ids"], m["output_index"], finished)
-
-
-# ---- output events
-
-EVENTS = Layout("events", [
-    ("num_events", "I"), ("num_text_bytes", "I"), ("num_tokens", "I"), ("num_prompt_tokens", "I"),
-    ("num_logprob_values", "I"), ("num_error_bytes", "I"), ("num_stop_bytes", "I"),
-], [
-    ("req_ids", "int64", "num_events"), ("reasons", "int8", "num_events"), ("has_prompt", "bool", "num_events"),
-    ("text_ends", "int32", "num_events"), ("token_ends", "int32", "num_events"),
-    ("prompt_ends", "int32", "num_events"), ("logprob_widths", "int32", "num_events"),
-    ("error_ends", "int32", "num_events"), ("text", "uint8", "num_text_bytes"), ("token_ids", "int32", "num_tokens"),
-    ("prompt_token_ids", "int32", "num_prompt_tokens"), ("logprobs", "float32", "num_logprob_values"),
-    ("logprob_token_ids", "int32", "num_logprob_values"), ("errors", "uint8", "num_error_bytes"),
-    ("stop_token_ids", "int32", "num_events"), ("stop_ends", "int32", "num_events"),
-    ("stop_strings", "uint8", "num_stop_bytes"),
-])
-NO_STOP_TOKEN = -1  # stop_token_ids entry of an event whose stop_reason is not a token id
-_ERROR_SEPARATOR = "\x00"  # joins code, field and message of an error event
-
-
-def encode_events(events: list) -> bytes:
-    """A batch of pipeline.backend.OutputEvent, column by column: one record per batch, so the
-    cost per event is a few list appends rather than a message of its own."""
-    texts, errors, widths, reasons = [], [], [], []
-    tokens, prompts, logprobs, logprob_ids = [], [], [], []
-    stop_tokens, stop_strings = [], []
-    for event in events:
-        stop = event.stop_reason
-        stop_tokens.append(stop if isinstance(stop, int) else NO_STOP_TOKEN)
-        stop_strings.append(stop.encode("utf-8") if isinstance(stop, str) else b"")
-        texts.append(event.text.encode("utf-8"))
-        tokens.append(event.token_ids)
-        prompts.append(_EMPTY if event.prompt_token_ids is None else event.prompt_token_ids)
-        reasons.append(NO_REASON if event.finish_reason is None else _REASON_CODE[FinishReason(event.finish_reason)])
-        if event.logprobs is None:
-            widths.append(0)
-        else:
-            widths.append(event.logprobs.shape[1])
-            logprobs.append(event.logprobs.reshape(-1))
-            logprob_ids.append(event.logprob_token_ids.reshape(-1))
-        errors.append(b"" if event.error_code is None else _ERROR_SEPARATOR.join(
-            (event.error_code, event.error_field or "", event.error_message or "")).encode("utf-8"))
-    return EVENTS.encode({}, {
-        "req_ids": np.array([e.req_id for e in events], np.int64), "reasons": np.array(reasons, np.int8),
-        "has_prompt": np.array([e.prompt_token_ids is not None for e in events], np.bool_),
-        "text_ends": np.cumsum([len(t) for t in texts], dtype=np.int32),
-        "token_ends": np.cumsum([len(t) for t in tokens], dtype=np.int32),
-        "prompt_ends": np.cumsum([len(p) for p in prompts], dtype=np.int32),
-        "logprob_widths": np.array(widths, np.int32),
-        "error_ends": np.cumsum([len(e) for e in errors], dtype=np.int32),
-        "text": np.frombuffer(b"".join(texts), np.uint8), "token_ids": _concat(tokens, np.int32),
-        "prompt_token_ids": _concat(prompts, np.int32), "logprobs": _concat(logprobs, np.float32),
-        "logprob_token_ids": _concat(logprob_ids, np.int32), "errors": np.frombuffer(b"".join(errors), np.uint8),
-        "stop_token_ids": np.array(stop_tokens, np.int32),
-        "stop_ends": np.cumsum([len(s) for s in stop_strings], dtype=np.int32),
-        "stop_strings": np.frombuffer(b"".join(stop_strings), np.uint8),
-    })
-
-
-def _concat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
-    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
-
-
-def decode_events(payload: memoryview | bytes, make: type) -> list:
-    """The batch as `make(...)` objects (pipeline.backend.OutputEvent); arrays are copies."""
-    m = EVENTS.decode(payload, copy=True)
-    text = m["text"].tobytes()
-    errors = m["errors"].tobytes()
-    stop_strings = m["stop_strings"].tobytes()
-    events = []
-    text_start = token_start = prompt_start = logprob_start = error_start = stop_start = 0
-    for req_id, reason, has_prompt, text_end, token_end, prompt_end, width, error_end, stop_token, stop_end in zip(
-            m["req_ids"].tolist(), m["reasons"].tolist(), m["has_prompt"].tolist(), m["text_ends"].tolist(),
-            m["token_ends"].tolist(), m["prompt_ends"].tolist(), m["logprob_widths"].tolist(),
-            m["error_ends"].tolist(), m["stop_token_ids"].tolist(), m["stop_ends"].tolist()):
-        token_ids = m["token_ids"][token_start:token_end]
-        logprobs = logprob_ids = None
-        if width:
-            logprob_end = logprob_start + len(token_ids) * width
-            logprobs = m["logprobs"][logprob_start:logprob_end].reshape(-1, width)
-            logprob_ids = m["logprob_token_ids"][logprob_start:logprob_end].reshape(-1, width)
-            logprob_start = logprob_end
-        error_code = error_field = error_message = None
-        if error_end > error_start:
-            error_code, error_field, error_message = errors[error_start:error_end].decode("utf-8").split(
-                _ERROR_SEPARATOR, 2)
-        events.append(make(
-            req_id=req_id, text=text[text_start:text_end].decode("utf-8"), token_ids=token_ids,
-            finish_reason=None if reason == NO_REASON else REASONS[reason].value,
-            prompt_token_ids=m["prompt_token_ids"][prompt_start:prompt_end] if has_prompt else None,
-            logprobs=logprobs, logprob_token_ids=logprob_ids, error_code=error_code,
-            error_message=error_message, error_field=error_field or None,
-            stop_reason=stop_strings[stop_start:stop_end].decode("utf-8") if stop_end > stop_start else
-            (None if stop_token == NO_STOP_TOKEN else stop_token)))
-        text_start, token_start, prompt_start, error_start = text_end, token_end, prompt_end, error_end
-        stop_start = stop_end
-    return events
+    return Manifest(m["step"], m["req_ids"], m["output_index"], finished, m["slot"])

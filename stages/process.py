@@ -1,7 +1,9 @@
-"""What every stage process shares: its spec, heartbeat, stop and parent watch, and exit codes.
+"""What every stage process shares: its spec, links, heartbeat, stop and parent watch, exit codes.
 
 A stage's process target is `run_stage(spec_json, serve)`. The spec is JSON (names of rings and
-segments, the engine config as plain values), so nothing but strings crosses the spawn. `serve`
+segments, the engine config as plain values), so nothing but strings crosses the spawn. The
+process takes the title `pipeline: <stage>`, so ps, top and nvidia-smi tell the stages apart.
+`serve` asks the context for its ring ends by link name (stages/contracts/topology.py),
 builds the stage, calls `ctx.ready()`, and loops calling `ctx.tick()` at least every
 TICK_S while it works and every IDLE_TICK_S once it has had no input for IDLE_AFTER_S (input
 wakes it at once either way: `ctx.read_input`); tick raises StageStop when the daemon asked to
@@ -13,6 +15,7 @@ EXIT_PEER_DIED another stage died under it, EXIT_PARENT_GONE the daemon died.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -21,10 +24,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from shm.mailbox import MailboxReader
 from shm.ring import Record, RingReader, RingTimeout, RingWriter
 from shm.segment import PeerDied
+from stages.contracts.config import EngineConfig, ModelLimits
+from stages.contracts.topology import MAILBOX_READERS, Link, links
 from stages.profiling import PhaseRange, StageProfiler
-from stages.status import ModelLimits, StatusBoard
+from stages.status import StatusBoard
 
 EXIT_ERROR = 1
 EXIT_PEER_DIED = 3
@@ -35,6 +41,7 @@ TICK_S = 0.05  # the longest a working stage loop blocks between ticks
 IDLE_TICK_S = 0.5
 IDLE_AFTER_S = 1.0  # without input for this long, a stage is idle
 LIMITS_POLL_S = 0.005
+_PR_SET_NAME = 15
 MIN_SHARE_S = 0.005
 
 
@@ -59,6 +66,10 @@ class StageContext:
         self.spec = spec
         self.name: str = spec["name"]
         self.index: int = spec["index"]
+        self.instance: str = spec["instance"]
+        self.config = EngineConfig.from_dict(spec["config"])
+        self._links = links(self.config.num_tokenizers)
+        self._ring_names: dict[str, str] = spec["links"]
         self._parent_pid: int = spec["parent_pid"]
         self.board = StatusBoard.open(spec["status"])
         self.board.mark_started(self.index, os.getpid())
@@ -66,6 +77,41 @@ class StageContext:
         # A stage (re)started after a capture began joins at the next one; a stop finds it idle.
         self._profile_generation = self.board.profile_generation()
         self._last_input_s = time.monotonic()
+
+    # ---- this stage's ends of the links
+
+    def reader(self, name: str) -> RingReader:
+        """This stage's end of the link it reads called `name` (or of the one link of family
+        `name`, such as "generate{i}" for tokenizer i)."""
+        link = self._link(name, reading=True)
+        return RingReader.attach(self._ring_names[link.name], link.reader_index(self.name))
+
+    def readers(self, family: str) -> list[RingReader]:
+        """This stage's ends of every link of `family` it reads ("tokenized{i}": one per tokenizer)."""
+        return [RingReader.attach(self._ring_names[link.name], link.reader_index(self.name))
+                for link in self._links if link.family == family and self.name in link.readers]
+
+    def writer(self, name: str) -> RingWriter:
+        """This stage's end of the link it writes called `name` (or of family `name`)."""
+        return RingWriter.attach(self._ring_names[self._link(name, reading=False).name])
+
+    def _link(self, name: str, *, reading: bool) -> Link:
+        found = [link for link in self._links if name in (link.name, link.family)
+                 and (self.name in link.readers if reading else link.writer == self.name)]
+        if len(found) != 1:
+            raise ValueError(f"stage {self.name!r} {'reads' if reading else 'writes'} {len(found)} links "
+                             f"called {name!r}; the topology gives it exactly one or none")
+        return found[0]
+
+    @property
+    def mailbox_name(self) -> str:
+        return self.spec["mailbox"]
+
+    def mailbox(self) -> MailboxReader:
+        """This stage's reader end of the token mailbox (the runner makes the mailbox)."""
+        return MailboxReader(self.mailbox_name, MAILBOX_READERS.index(self.name))
+
+    # ---- liveness
 
     def tick(self) -> None:
         """Heartbeat; answers a new profile request; raises StageStop when it is time to go."""
@@ -109,8 +155,9 @@ class StageContext:
     def ready(self) -> None:
         self.board.mark_ready(self.index)
 
-    def wait_limits(self, timeout_s: float) -> ModelLimits:
+    def wait_limits(self) -> ModelLimits:
         """The model limits the runner publishes once it has loaded the model."""
+        timeout_s = self.config.start_timeout_s
         deadline = time.monotonic() + timeout_s
         while (limits := self.board.limits()) is None:
             self.tick()
@@ -126,6 +173,7 @@ def run_stage(spec_json: str, serve: Callable[[StageContext], None]) -> None:
     # a stage half-way through a record.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = json.loads(spec_json)
+    set_process_title(f"pipeline: {spec['name']}")
     ctx = StageContext(spec)
     code = 0
     try:
@@ -141,6 +189,17 @@ def run_stage(spec_json: str, serve: Callable[[StageContext], None]) -> None:
         code = EXIT_ERROR
     sys.stdout.flush()
     sys.exit(code)
+
+
+def set_process_title(title: str) -> None:
+    """The name ps, top and nvidia-smi show for this process (not `multiprocessing.spawn`)."""
+    try:
+        import setproctitle
+    except ImportError:  # the kernel's own 15-character name then, as `top` and `ps -o comm` show it
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(title.encode()[:15]), 0, 0, 0)
+        return
+    setproctitle.setproctitle(title)
 
 
 def launch(module: str, spec_json: str) -> None:

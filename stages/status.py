@@ -22,14 +22,13 @@ then the generation it answered (last, so the daemon that sees it sees the rest)
 """
 from __future__ import annotations
 
-import mmap
 import time
 from dataclasses import dataclass
 from enum import IntEnum
 
-import posix_ipc
-
 from shm.naming import ring_name
+from shm.segment import SharedSegment
+from stages.contracts.config import ModelLimits
 
 MAGIC = 0x31544154535F5049  # b"IP_STAT1"
 MAX_STAGES = 64
@@ -50,17 +49,6 @@ _PROFILE_ACTIVE = _PROFILE_GENERATION + 1
 _PROFILE_DIRECTORY_OFFSET = _PROFILE_OFFSET + 16
 _PROFILE_MESSAGES_OFFSET = _PROFILE_DIRECTORY_OFFSET + PROFILE_DIRECTORY_BYTES
 SIZE_BYTES = _PROFILE_MESSAGES_OFFSET + MAX_STAGES * PROFILE_MESSAGE_BYTES
-
-
-@dataclass(slots=True)
-class ModelLimits:
-    """What the runner learns when it loads the model, and the other stages need."""
-
-    num_kv_blocks: int
-    max_model_len: int  # bounded by the KV pool as well as the model
-    vocab_size: int
-    eos_token_ids: list[int]
-    num_host_blocks: int  # the KV connector's host pool (0 without one)
 
 
 @dataclass(slots=True)
@@ -106,45 +94,25 @@ class ProfileAnswer:
 class StatusBoard:
     """A mapping of the status segment. `create` in the daemon, `open` in each stage."""
 
-    def __init__(self, name: str, mm: mmap.mmap) -> None:
-        self.name = name
-        self._mm = mm
-        self._slots = memoryview(mm).cast("q")
+    def __init__(self, segment: SharedSegment) -> None:
+        self.name = segment.name
+        self._segment = segment
+        self._mm = segment.mm
+        self._slots = segment.slots
 
     @classmethod
     def create(cls, instance: str) -> StatusBoard:
-        name = ring_name(instance, "status")
-        shared = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=SIZE_BYTES)
-        try:
-            mm = mmap.mmap(shared.fd, SIZE_BYTES)
-        finally:
-            shared.close_fd()
-        board = cls(name, mm)
-        board._slots[_MAGIC] = MAGIC
-        return board
+        return cls(SharedSegment.create(ring_name(instance, "status"), SIZE_BYTES, MAGIC))
 
     @classmethod
     def open(cls, name: str) -> StatusBoard:
-        shared = posix_ipc.SharedMemory(name)
-        try:
-            mm = mmap.mmap(shared.fd, SIZE_BYTES)
-        finally:
-            shared.close_fd()
-        board = cls(name, mm)
-        if board._slots[_MAGIC] != MAGIC:
-            board.close()
-            raise ValueError(f"{name!r} is not a status segment")
-        return board
+        return cls(SharedSegment.open(name, MAGIC, "status board"))
 
     def unlink(self) -> None:
-        try:
-            posix_ipc.unlink_shared_memory(self.name)
-        except posix_ipc.ExistentialError:
-            pass
+        self._segment.unlink()
 
     def close(self) -> None:
-        self._slots.release()
-        self._mm.close()
+        self._segment.close()
 
     # ---- the daemon's
 

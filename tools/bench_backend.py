@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 
 import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
-from pipeline.backend import Backend, EngineConfig  # noqa: E402
-from pipeline.llm import LLM  # noqa: E402
-from pipeline.sampling_params import SamplingParams  # noqa: E402
-from pipeline.tiny_model import make_tiny_model  # noqa: E402
+from pipeline.serve.stage_backend import StageBackend  # noqa: E402
+from stages.contracts.config import EngineConfig  # noqa: E402
+from pipeline.engine.llm import LLM  # noqa: E402
+from stages.contracts.params import SamplingParams  # noqa: E402
+from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
 from shm.naming import new_instance_id  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def run_offline(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> t
     return time.perf_counter() - start, sum(len(o.token_ids) for o in outputs)
 
 
-def run_pipeline(backend: Backend, first_id: int, prompts: list[list[int]],
+def run_pipeline(backend: StageBackend, first_id: int, prompts: list[list[int]],
                  params: SamplingParams) -> tuple[float, int, np.ndarray]:
     start = time.perf_counter()
     for offset, prompt in enumerate(prompts):
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-backend-") as tmp:
         model = make_tiny_model(Path(tmp) / "model", "llama", seed=0, preset=args.preset)
         llm = LLM(model=model, **options)
-        backend = Backend(EngineConfig(model=str(model), **options), new_instance_id())
+        backend = StageBackend(EngineConfig(model=str(model), **options), new_instance_id())
         try:
             for round_index in range(args.repeats):
                 # Fresh prompts each round, so no round hits the prefix cache of an earlier one.

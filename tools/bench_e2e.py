@@ -29,8 +29,8 @@ import numpy as np  # noqa: E402
 
 from pipeline.client import AsyncClient, Client  # noqa: E402
 from pipeline.errors import DaemonNotRunning, PipelineError  # noqa: E402
-from pipeline.sampling_params import SamplingParams  # noqa: E402
-from pipeline.tiny_model import make_tiny_model  # noqa: E402
+from stages.contracts.params import SamplingParams  # noqa: E402
+from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
 
 SEED = 0
 START_TIMEOUT_S = 300.0
@@ -103,7 +103,7 @@ def measure_daemon(model: Path, backend: str, options: list[str],
 
 def measure_offline(model: Path, max_model_len: int, num_kv_blocks: int,
                     requests: list[tuple[list[int], SamplingParams]]) -> float:
-    from pipeline.llm import LLM
+    from pipeline.engine.llm import LLM
 
     llm = LLM(model, device="cpu", max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, block_size=16)
     start = time.perf_counter()

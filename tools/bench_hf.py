@@ -16,7 +16,7 @@ once two candidates are close; an unpadded one (the longest prompt of its batch)
     python tools/bench_hf.py [--json] [--model DIR] [--num-prompts N] [--batch-size B]
         [--input-len A:B] [--output-len A:B] [--seed S] [--threads T] [--max-num-seqs M] [--quick]
 
-Without --model it builds a random checkpoint with pipeline.tiny_model (preset 20m; tiny with --quick).
+Without --model it builds a random checkpoint with pipeline.models.tiny_model (preset 20m; tiny with --quick).
 """
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ import torch  # noqa: E402
 from bench_e2e import engine_options, start_daemon  # noqa: E402
 
 from pipeline.client import AsyncClient  # noqa: E402
-from pipeline.sampling_params import SamplingParams  # noqa: E402
+from stages.contracts.params import SamplingParams  # noqa: E402
 from pipeline.cli import positive_int  # noqa: E402
-from pipeline.serve_bench import BenchRequest, random_requests, range_arg  # noqa: E402
-from pipeline.tiny_model import make_tiny_model  # noqa: E402
+from pipeline.bench.serve_bench import BenchRequest, random_requests, range_arg  # noqa: E402
+from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
 
 BLOCK_SIZE = 16
 MIN_TOKEN_ID = 2  # random prompts skip the tiny models' BOS (0) and EOS (1)

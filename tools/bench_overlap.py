@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
-from pipeline.llm import LLM  # noqa: E402
-from pipeline.sampling_params import SamplingParams  # noqa: E402
-from stages.gpu_runner.output import HostStepOutput  # noqa: E402
-from stages.scheduler.plan import StepPlan  # noqa: E402
+from pipeline.engine.llm import LLM  # noqa: E402
+from stages.contracts.params import SamplingParams  # noqa: E402
+from stages.contracts.outputs import HostStepOutput  # noqa: E402
+from stages.contracts.plan import StepPlan  # noqa: E402
 
 VOCAB = 32000
 

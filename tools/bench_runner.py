@@ -22,10 +22,11 @@ import torch
 from safetensors import safe_open
 
 import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
-from pipeline.tiny_model import make_tiny_model  # noqa: E402
-from pipeline.sampling_params import SamplingParams  # noqa: E402
+from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
+from stages.contracts.params import SamplingParams  # noqa: E402
+from stages.contracts.config import EngineConfig  # noqa: E402
 from stages.gpu_runner.runner import ModelRunner  # noqa: E402
-from stages.scheduler.plan import NewRequest, StepPlan  # noqa: E402
+from stages.contracts.plan import NewRequest, StepPlan  # noqa: E402
 
 PROMPT_LEN = 64
 BLOCK_SIZE = 16
@@ -46,9 +47,9 @@ def _decode_plan(step: int, batch: int, position: int) -> StepPlan:
 def bench_ours(model_dir: Path, batch: int, steps: int) -> tuple[float, list[int]]:
     total = PROMPT_LEN + steps + 1
     blocks_per_row = -(-total // BLOCK_SIZE)
-    runner = ModelRunner(model_dir, max_num_seqs=batch, max_model_len=total + BLOCK_SIZE,
-                         num_kv_blocks=batch * blocks_per_row, block_size=BLOCK_SIZE,
-                         max_num_batched_tokens=max(batch * PROMPT_LEN, 8192))
+    runner = ModelRunner(EngineConfig(
+        model=str(model_dir), device="cpu", max_num_seqs=batch, max_model_len=total + BLOCK_SIZE,
+        num_kv_blocks=batch * blocks_per_row, block_size=BLOCK_SIZE, max_num_batched_tokens=max(batch * PROMPT_LEN, 8192)))
     prompts = _prompts(batch)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     prefill = StepPlan(

@@ -9,54 +9,67 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import deque
 
 import numpy as np
 
 import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
-from pipeline.sampling_params import SamplingParams  # noqa: E402
-from stages.gpu_runner.output import HostStepOutput  # noqa: E402
-from stages.scheduler.config import SchedulerConfig  # noqa: E402
-from stages.scheduler.plan import StepPlan  # noqa: E402
+from stages.contracts.params import SamplingParams  # noqa: E402
+from stages.contracts.config import EngineConfig, ModelLimits  # noqa: E402
+from stages.contracts.outputs import HostStepOutput  # noqa: E402
+from stages.contracts.plan import StepPlan  # noqa: E402
 from stages.scheduler.scheduler import Scheduler  # noqa: E402
+from stages.scheduler.step_loop import StepLoop  # noqa: E402
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 32
 VOCAB = 32000
 
 
-def fake_output(plan: StepPlan, rng: np.random.Generator) -> HostStepOutput:
-    rows = plan.sampled_rows
-    # Never EOS (id 0 is the EOS here and tokens start at 1): requests keep decoding.
-    return HostStepOutput(plan.step, rows, rng.integers(1, VOCAB, rows.shape[0], dtype=np.int32), None, None)
+class FakeExecutor:
+    """Stands in for the runner: each step's tokens are random and ready at once. The time it
+    spends making them is the runner's, not the scheduler's: it is added up to be left out."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+        self.outputs: deque[HostStepOutput] = deque()
+        self.last_plan: StepPlan | None = None
+        self.own_s = 0.0
+
+    def launch(self, plan: StepPlan) -> None:
+        start = time.perf_counter()
+        rows = plan.sampled_rows
+        # Never EOS (id 0 is the EOS here and tokens start at 1): requests keep decoding.
+        tokens = self.rng.integers(1, VOCAB, rows.shape[0], dtype=np.int32)
+        self.outputs.append(HostStepOutput(plan.step, rows, tokens, None, None))
+        self.last_plan = plan
+        self.own_s += time.perf_counter() - start
+
+    def poll(self, timeout_s: float | None) -> HostStepOutput:
+        return self.outputs.popleft()
 
 
 def bench(num_requests: int, num_steps: int) -> dict[str, float]:
     max_model_len = PROMPT_TOKENS + num_steps + 64
     num_blocks = num_requests * (-(-max_model_len // BLOCK_SIZE))
-    config = SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=num_requests * PROMPT_TOKENS,
-                             max_model_len=max_model_len)
-    scheduler = Scheduler(config, num_blocks, BLOCK_SIZE, eos_token_ids=[0])
-    rng = np.random.default_rng(0)
+    config = EngineConfig(max_num_seqs=num_requests, max_num_batched_tokens=num_requests * PROMPT_TOKENS,
+                          block_size=BLOCK_SIZE)
+    scheduler = Scheduler(config, ModelLimits(num_blocks, max_model_len, VOCAB, eos_token_ids=[0]))
+    executor = FakeExecutor(np.random.default_rng(0))
+    loop = StepLoop(scheduler, executor, async_scheduling=True)
     params = SamplingParams(max_tokens=max_model_len, temperature=0)
     for req_id in range(num_requests):
-        scheduler.add_request(req_id, rng.integers(1, VOCAB, PROMPT_TOKENS), params)
+        scheduler.add_request(req_id, executor.rng.integers(1, VOCAB, PROMPT_TOKENS), params)
     # Warm up: the prefill step and a few decodes, so every request is decoding.
-    in_flight = None
-    for _ in range(4):
-        plan = scheduler.schedule()
-        if in_flight is not None:
-            scheduler.update(*in_flight)
-        in_flight = (plan, fake_output(plan, rng))
-    outputs = [None] * num_steps
+    while loop.num_steps < 5:
+        loop.turn()
+    first_step = loop.num_steps
+    executor.own_s = 0.0
     start = time.perf_counter()
-    for index in range(num_steps):
-        plan = scheduler.schedule()
-        scheduler.update(*in_flight)
-        # Building the fake output is the runner's job: not timed.
-        pause = time.perf_counter()
-        in_flight = outputs[index] = (plan, fake_output(plan, rng))
-        start += time.perf_counter() - pause
-    elapsed = time.perf_counter() - start
+    while loop.num_steps < first_step + num_steps:
+        loop.turn()
+    elapsed = time.perf_counter() - start - executor.own_s
+    plan = executor.last_plan
     if plan.num_rows != num_requests:
         raise RuntimeError(f"expected {num_requests} decoding rows, the last plan had {plan.num_rows}")
     return {"us_per_step": round(elapsed / num_steps * 1e6, 1), "rows_per_step": plan.num_rows}

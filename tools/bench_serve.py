@@ -11,7 +11,7 @@ import sys
 
 import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
 
-from pipeline.serve_bench import main  # noqa: E402
+from pipeline.bench.serve_bench import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from pipeline.sampling_params import SamplingParams
+from stages.contracts.params import SamplingParams
 
 # How many prompt tokens give the first output token its decoding context (vLLM uses 5).
 PROMPT_CONTEXT_TOKENS = 5

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.sampling_params import SamplingParams
-from stages.scheduler.plan import StepPlan
+from stages.contracts.params import SamplingParams
+from stages.contracts.plan import StepPlan
 
 
 @dataclass(slots=True)

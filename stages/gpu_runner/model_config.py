@@ -189,3 +189,10 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.d
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
     return _DTYPES[dtype]
 
+
+
+def resolve_device(device: str) -> str:
+    """"auto" means CUDA where torch sees a device, else the CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from stages.scheduler.plan import KVCopyMeta
+from stages.contracts.config import check_positive
+from stages.contracts.plan import KVCopyMeta
 
 
 class OffloadConnectorWorker:
@@ -18,9 +19,8 @@ class OffloadConnectorWorker:
 
     def __init__(self, num_host_blocks: int | None = None) -> None:
         """num_host_blocks None: as many as the device pool (known at bind)."""
-        if num_host_blocks is not None and (
-                isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int) or num_host_blocks < 1):
-            raise ValueError(f"num_host_blocks must be a positive integer, got {num_host_blocks!r}")
+        if num_host_blocks is not None:
+            check_positive("num_host_blocks", num_host_blocks)
         self.num_host_blocks = num_host_blocks
         self._kv_caches: list[torch.Tensor] = []
         self._host: torch.Tensor | None = None

@@ -6,14 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-
-@dataclass(slots=True)
-class HostStepOutput:
-    step: int
-    rows: np.ndarray  # int32 [m]: the plan's sampled rows, in plan order
-    token_ids: np.ndarray  # int32 [m]
-    logprobs: np.ndarray | None  # float32 [m, 1 + k]
-    logprob_token_ids: np.ndarray | None  # int32 [m, 1 + k]
+from stages.contracts.outputs import HostStepOutput
 
 
 @dataclass(slots=True)

@@ -15,23 +15,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from stages.contracts.config import EngineConfig
+from stages.contracts.connector import KVConnectorWorker
+from stages.contracts.plan import StepPlan
 from stages.gpu_runner.input_batch import InputBatch
 from stages.gpu_runner.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from stages.gpu_runner.loader import load_model, tokenizer_path
-from stages.gpu_runner.model_config import ModelConfig, load_model_config, resolve_dtype
+from stages.gpu_runner.model_config import ModelConfig, load_model_config, resolve_device, resolve_dtype
 from stages.gpu_runner.output import StepOutput
 from stages.gpu_runner.sampler import Sampler, SamplerOutput, SamplingMetadata
 from stages.gpu_runner.step_inputs import build_step_inputs
-from stages.scheduler.connector import KVConnectorWorker
-from stages.scheduler.plan import StepPlan
-
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-
-
-def _positive(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 class ModelRunner:
@@ -42,54 +35,37 @@ class ModelRunner:
     offset p % block_size.
     """
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        *,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        kv_connector: KVConnectorWorker | None = None,
-        seed: int | None = None,
-    ) -> None:
-        self.device = torch.device(device)
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {device!r}")
-        self.block_size = _positive("block_size", block_size)
-        self.max_num_seqs = _positive("max_num_seqs", max_num_seqs)
-        self.config: ModelConfig = load_model_config(model_dir)
-        self.tokenizer_path: Path = tokenizer_path(model_dir)
-        self.dtype = resolve_dtype(dtype, self.config, self.device)
+    def __init__(self, config: EngineConfig, *, kv_connector: KVConnectorWorker | None = None) -> None:
+        self.device = torch.device(resolve_device(config.device))
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.config: ModelConfig = load_model_config(config.model)
+        self.tokenizer_path: Path = tokenizer_path(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.config, self.device)
 
         # Beyond a sliding window the model attends differently; this runner keeps full
         # attention, so it stays exact by never running past the window.
         limit = self.config.max_position_embeddings
         if self.config.sliding_window is not None:
             limit = min(limit, self.config.sliding_window)
-        if max_model_len is None:
-            max_model_len = limit
-        elif _positive("max_model_len", max_model_len) > limit:
+        max_model_len = config.max_model_len if config.max_model_len is not None else limit
+        if max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of {limit} tokens")
         self.max_model_len = max_model_len
-        self.max_num_batched_tokens = _positive(
-            "max_num_batched_tokens", max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
 
-        self.model = load_model(model_dir, device=self.device, dtype=self.dtype,
+        self.model = load_model(config.model, device=self.device, dtype=self.dtype,
                                 max_positions=self.max_model_len, config=self.config)
+        num_kv_blocks = config.num_kv_blocks
         if num_kv_blocks is None:
             num_kv_blocks = num_blocks_for_budget(self.config, self.block_size, self.dtype, self.device,
-                                                  kv_cache_memory_bytes)
-        self.num_kv_blocks = _positive("num_kv_blocks", num_kv_blocks)
+                                                  config.kv_cache_memory_bytes)
+        self.num_kv_blocks = num_kv_blocks
         self.kv_caches = allocate_kv_caches(self.config, self.num_kv_blocks, self.block_size, self.dtype, self.device)
         self.batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size, self.device)
         generator = None
-        if seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+        if config.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.kv_connector = kv_connector
         if kv_connector is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.sampling_params import SamplingParams
+from stages.contracts.params import SamplingParams
 from stages.gpu_runner.step_inputs import to_device
 
 # splitmix64 constants as two's-complement int64, since torch has no uint64 arithmetic.

@@ -15,7 +15,7 @@ import torch
 
 from stages.gpu_runner.attention import AttentionMetadata, DecodeBatch, PrefillChunk
 from stages.gpu_runner.input_batch import InputBatch, TableWrites
-from stages.scheduler.plan import StepPlan
+from stages.contracts.plan import StepPlan
 
 
 @dataclass(slots=True)

@@ -11,6 +11,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from stages.contracts.config import check_positive
+
 
 def hash_block(parent_hash: bytes | None, token_ids: np.ndarray) -> bytes:
     """Chained hash of one full block: equal hashes mean equal whole prefixes.
@@ -30,12 +32,8 @@ class OutOfBlocks(RuntimeError):
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be a positive integer, got {num_blocks!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks = check_positive("num_kv_blocks", num_blocks)
+        self.block_size = check_positive("block_size", block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_count = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks

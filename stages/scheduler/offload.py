@@ -9,8 +9,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from stages.scheduler.connector import KVConnectorScheduler
-from stages.scheduler.plan import KVCopyMeta
+from stages.contracts.config import check_positive
+from stages.contracts.connector import KVConnectorScheduler
+from stages.contracts.plan import KVCopyMeta
 
 
 def _i32(values: list[int]) -> np.ndarray:
@@ -19,9 +20,7 @@ def _i32(values: list[int]) -> np.ndarray:
 
 class OffloadConnectorScheduler(KVConnectorScheduler):
     def __init__(self, num_host_blocks: int) -> None:
-        if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int) or num_host_blocks < 1:
-            raise ValueError(f"num_host_blocks must be a positive integer, got {num_host_blocks!r}")
-        self.num_host_blocks = num_host_blocks
+        self.num_host_blocks = check_positive("num_host_blocks", num_host_blocks)
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # loadable, oldest first
         self._pending: dict[bytes, int] = {}  # saves not yet in a plan
         self._free_slots = list(range(num_host_blocks - 1, -1, -1))

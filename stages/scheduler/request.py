@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.sampling_params import SamplingParams
+from stages.contracts.outputs import FinishReason
+from stages.contracts.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -14,12 +15,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"  # holds a row and blocks; scheduled every step it has work
     DRAINING = "draining"  # preempted or finished, but a step that used its row is still in flight
     FINISHED = "finished"  # row and blocks released
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id, or a stop string reported by the detokenizer
-    LENGTH = "length"  # max_tokens or max_model_len reached
-    ABORT = "abort"
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.sampling_params import SamplingParams
+from stages.contracts.params import SamplingParams
 
 
 class RowTable:

@@ -1,7 +1,8 @@
 """Continuous batching with chunked prefill, prefix caching, preemption and async scheduling.
 
-One loop drives it: `schedule()` builds plan N (possibly while step N-1 still runs, never
-further ahead), `update(plan, output)` applies a step's sampled tokens one step late.
+One loop drives it (stages/scheduler/step_loop.py): `schedule()` builds plan N (possibly while
+step N-1 still runs, never further ahead), `update(output)` applies the oldest unprocessed
+step's sampled tokens, one step late.
 Under async scheduling a request's `num_computed` advances when it is scheduled and its
 sampled tokens are placeholders until their step is processed; the boundary of really
 computed, host-known tokens is `num_computed - num_in_flight`. Rows and blocks are released
@@ -14,15 +15,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.sampling_params import SamplingParams
-from stages.gpu_runner.output import HostStepOutput
+from stages.contracts.params import SamplingParams
+from stages.contracts.config import EngineConfig, ModelLimits
+from stages.contracts.connector import KVConnectorScheduler
+from stages.contracts.outputs import FinishReason, HostStepOutput, StepUpdate
+from stages.contracts.plan import NewRequest, StepPlan
 from stages.scheduler.block_manager import BlockManager, hash_block
-from stages.scheduler.config import SchedulerConfig
-from stages.scheduler.connector import KVConnectorScheduler
-from stages.scheduler.plan import NewRequest, StepPlan
-from stages.scheduler.request import FinishReason, Request, RequestStatus
+from stages.scheduler.request import Request, RequestStatus
 from stages.scheduler.row_table import RowTable
-from stages.scheduler.update import StepUpdate
 
 
 @dataclass(slots=True)
@@ -44,26 +44,26 @@ def _greedy_fill(need: np.ndarray, budget: int) -> np.ndarray:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        num_kv_blocks: int,
-        block_size: int,
-        eos_token_ids: list[int],
-        connector: KVConnectorScheduler | None = None,
-    ) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, limits: ModelLimits, connector: KVConnectorScheduler | None = None) -> None:
+        """`limits.max_model_len` is the served one (the model's, bounded by the KV pool)."""
+        block_size, num_kv_blocks = config.block_size, limits.num_kv_blocks
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = limits.max_model_len
+        self.enable_prefix_caching = config.enable_prefix_caching
         self.block_manager = BlockManager(num_kv_blocks, block_size, config.enable_prefix_caching)
-        if config.max_model_len > num_kv_blocks * block_size:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must leave room for a prompt token and an output, got {self.max_model_len}")
+        if self.max_model_len > num_kv_blocks * block_size:
             raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the KV cache: "
+                f"max_model_len {self.max_model_len} exceeds the KV cache: "
                 f"{num_kv_blocks} blocks x {block_size} tokens = {num_kv_blocks * block_size}")
         self.block_size = block_size
         self.connector = connector
-        self._eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
-        self._rows = RowTable(config.max_num_seqs, config.max_model_len)
-        self._row_request: list[Request | None] = [None] * config.max_num_seqs
-        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self._eos_token_ids = sorted(set(int(t) for t in limits.eos_token_ids))
+        self._rows = RowTable(self.max_num_seqs, self.max_model_len)
+        self._row_request: list[Request | None] = [None] * self.max_num_seqs
+        self._free_rows = list(range(self.max_num_seqs - 1, -1, -1))
         self._rows_to_free: list[int] = []
         self._requests: dict[int, Request] = {}
         self._waiting: deque[Request] = deque()
@@ -71,8 +71,8 @@ class Scheduler:
         self._running_rows: np.ndarray | None = None  # cache of the running requests' rows
         self._num_draining = 0
         self._connector_pins: list[int] = []  # blocks a pending connector save will read
+        self._in_flight: deque[StepPlan] = deque()  # scheduled, not yet updated, oldest first
         self._next_step = 0
-        self._next_update_step = 0
         self.num_preemptions = 0
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
@@ -85,10 +85,10 @@ class Scheduler:
             raise ValueError(f"request id {req_id} is already in use")
         if prompt.ndim != 1 or prompt.shape[0] == 0:
             raise ValueError("prompt must be a non-empty 1-D sequence of token ids")
-        if prompt.shape[0] >= self.config.max_model_len:
+        if prompt.shape[0] >= self.max_model_len:
             raise ValueError(
-                f"prompt has {prompt.shape[0]} tokens; max_model_len {self.config.max_model_len} "
-                f"allows at most {self.config.max_model_len - 1} so one token can be generated")
+                f"prompt has {prompt.shape[0]} tokens; max_model_len {self.max_model_len} "
+                f"allows at most {self.max_model_len - 1} so one token can be generated")
         request = Request(req_id, prompt, params)
         self._requests[req_id] = request
         self._waiting.append(request)
@@ -109,6 +109,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._num_draining)
 
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Plans scheduled whose tokens have not been applied by `update` yet (at most two)."""
+        return len(self._in_flight)
+
     def stats(self) -> SchedulerStats:
         manager = self.block_manager
         return SchedulerStats(len(self._waiting), len(self._running), self._num_draining,
@@ -124,10 +129,10 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         """Plan the next step, or None when nothing can run now."""
-        if self._next_step - self._next_update_step >= 2:
+        if len(self._in_flight) >= 2:
             raise RuntimeError("at most one plan ahead: update() the oldest step before scheduling another")
         rows_t = self._rows
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         new_block_ids: list[int] = []
         preempted = False
@@ -138,7 +143,7 @@ class Scheduler:
             logical = rows_t.num_known[rows] + rows_t.num_placeholders[rows]
             # max-tokens guard: a request whose outputs (known + placeholders) already reach a
             # limit would only produce tokens that are discarded.
-            useful = (logical - rows_t.num_prompt[rows] < rows_t.max_tokens[rows]) & (logical < self.config.max_model_len)
+            useful = (logical - rows_t.num_prompt[rows] < rows_t.max_tokens[rows]) & (logical < self.max_model_len)
             need = np.where(useful, logical - num_computed, 0)
             # Decodes first, so a long prefill chunk never starves running generations.
             is_decode = need == 1
@@ -150,7 +155,7 @@ class Scheduler:
                 preempted = True
                 rows, num_new, blocks_needed = self._make_room(rows, num_new, blocks_needed)
                 num_computed, logical = rows_t.num_computed[rows], rows_t.num_known[rows] + rows_t.num_placeholders[rows]
-            budget = self.config.max_num_batched_tokens - int(num_new.sum())
+            budget = self.max_num_batched_tokens - int(num_new.sum())
             scheduled = num_new > 0
             if scheduled.any():
                 rows, num_computed, num_new, blocks_needed = (
@@ -198,6 +203,7 @@ class Scheduler:
         )
         self._rows_to_free = []
         self._next_step += 1
+        self._in_flight.append(plan)
         return plan
 
     def _admit(self, budget: int, new_requests: list[NewRequest], new_block_ids: list[int]):
@@ -273,11 +279,13 @@ class Scheduler:
 
     # ---- results
 
-    def update(self, plan: StepPlan, output: HostStepOutput) -> StepUpdate:
-        """Apply step `plan.step`'s sampled tokens (steps are processed in order)."""
-        if plan.step != self._next_update_step:
-            raise RuntimeError(f"update for step {plan.step}, expected step {self._next_update_step}")
-        self._next_update_step += 1
+    def update(self, output: HostStepOutput) -> StepUpdate:
+        """Apply the sampled tokens of the oldest step in flight (steps are processed in order)."""
+        if not self._in_flight:
+            raise RuntimeError(f"update for step {output.step}, but no step is in flight")
+        if output.step != self._in_flight[0].step:
+            raise RuntimeError(f"update for step {output.step}, expected step {self._in_flight[0].step}")
+        plan = self._in_flight.popleft()
         rows_t = self._rows
         rows = plan.rows.astype(np.int64)
         rows_t.num_in_flight[rows] -= plan.num_scheduled_tokens
@@ -298,8 +306,8 @@ class Scheduler:
         for i in np.flatnonzero(rows_t.has_stop_ids[live]).tolist():
             stop[i] |= int(token_ids[i]) in self._row_request[live[i]].params.stop_token_ids
         stop &= num_outputs >= rows_t.min_tokens[live]
-        length = (num_outputs >= rows_t.max_tokens[live]) | (position + 1 >= self.config.max_model_len)
-        result = StepUpdate(plan.step, rows_t.req_id[live], token_ids, output_index, [])
+        length = (num_outputs >= rows_t.max_tokens[live]) | (position + 1 >= self.max_model_len)
+        result = StepUpdate(plan.step, rows_t.req_id[live], token_ids, output_index, [], output)
         self._commit_blocks(rows)  # before finishing: a finished request may release its blocks now
         for i in np.flatnonzero(stop | length).tolist():
             request = self._row_request[live[i]]
@@ -313,7 +321,7 @@ class Scheduler:
     def _commit_blocks(self, rows: np.ndarray) -> None:
         """Offer newly complete blocks to the prefix cache and the connector. Only blocks
         below num_computed - num_in_flight: computed by processed steps, all tokens known."""
-        if not self.config.enable_prefix_caching and self.connector is None:
+        if not self.enable_prefix_caching and self.connector is None:
             return
         rows_t, size = self._rows, self.block_size
         num_done_blocks = (rows_t.num_computed[rows] - rows_t.num_in_flight[rows]) // size
@@ -392,7 +400,7 @@ class Scheduler:
     def flush_connector(self) -> object | None:
         """When no plan will follow (the engine is idle), hand back the pending connector copies
         so the caller runs them directly (all steps are done, so the blocks are complete)."""
-        if self.connector is None or self._next_step != self._next_update_step:
+        if self.connector is None or self._in_flight:
             return None
         meta, read_blocks = self.connector.build_meta()
         self._unpin(read_blocks)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.errors import ErrorCode
+from stages.contracts.errors import ErrorCode
 
 
 @dataclass(slots=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 from tokenizers import Tokenizer
 
-from shm.ring import RingReader, RingWriter
 from stages import messages as msg
 from stages.process import StageContext, run_stage
 from stages.tokenizer.prompt_check import check_prompt
@@ -22,11 +21,9 @@ def main(spec_json: str) -> None:
 
 
 def serve(ctx: StageContext) -> None:
-    spec = ctx.spec
-    tokenizer = Tokenizer.from_file(spec["tokenizer_path"])
-    inbox = RingReader.attach(spec["rings"]["generate"])
-    outbox = RingWriter.attach(spec["rings"]["tokenized"])
-    limits = ctx.wait_limits(spec["start_timeout_s"])
+    tokenizer = Tokenizer.from_file(str(ctx.config.tokenizer_path))
+    inbox, outbox = ctx.reader("generate{i}"), ctx.writer("tokenized{i}")
+    limits = ctx.wait_limits()
     tokenize_range = ctx.range("tokenize")
     ctx.ready()
     while True:
@@ -48,4 +45,4 @@ def serve(ctx: StageContext) -> None:
                 ctx.write(outbox, msg.Kind.REJECT, msg.encode_reject(rejection))
             else:
                 ctx.write(outbox, msg.Kind.NEW_REQUEST,
-                             *msg.encode_new_request(request.req_id, np.array(token_ids, np.int32), request.params))
+                          *msg.encode_new_request(request.req_id, np.array(token_ids, np.int32), request.params))

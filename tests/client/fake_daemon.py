@@ -39,7 +39,7 @@ from pipeline.protocol import (
     error_for,
     new_request_id,
 )
-from pipeline.sampling_params import InvalidParams
+from stages.contracts.params import InvalidParams
 
 
 class FakeDaemon:

@@ -23,7 +23,7 @@ from pipeline.errors import (
     StageFailed,
 )
 from pipeline.protocol import Abort, Accepted, Delta, Error, FrameDecoder, Generate, ServerMessage, encode_frame
-from pipeline.sampling_params import InvalidParams, SamplingParams
+from stages.contracts.params import InvalidParams, SamplingParams
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -42,7 +42,7 @@ from pipeline.protocol import (
     error_for,
     new_request_id,
 )
-from pipeline.sampling_params import (
+from stages.contracts.params import (
     MAX_LOGPROBS,
     MAX_MAX_TOKENS,
     MAX_SEED,

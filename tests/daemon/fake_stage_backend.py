@@ -1,4 +1,4 @@
-"""FakeBackend: a TEST DOUBLE of `pipeline.backend.Backend` with no processes, for the supervisor's tests.
+"""FakeBackend: a TEST DOUBLE of the `Backend` protocol (pipeline/serve/backend.py) with no processes, for the supervisor's tests.
 
 It serves nothing: submitted requests stay in flight until the test makes the "stages" fail
 with `fail(reason)`, which read_events then raises as StageFailed, as a real backend does when
@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 import threading
 
-from pipeline.backend import BackendStats, EngineConfig, OutputEvent, StageHealth
+from pipeline.serve.backend import BackendStats, StageHealth
+from stages.contracts.config import EngineConfig
+from stages.contracts.outputs import OutputEvent
 from pipeline.errors import StageFailed
-from pipeline.sampling_params import SamplingParams
+from stages.contracts.params import SamplingParams
 
 
 class FakeBackend:

@@ -2,7 +2,7 @@
 
 The daemon runs `pipeline start` with the real stage processes, unless
 PIPELINE_TEST_BACKEND=engine-thread, which runs it over the EngineThreadBackend test double
-(the offline engine in a thread; the stage-failure test needs it to inject the fault).
+(the in-process backend with a fault to inject; the stage-failure test needs it).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import pytest
 from pipeline.client import Client
 from pipeline.errors import DaemonNotRunning, PipelineError
 from pipeline.protocol import Done, Error, FrameDecoder, HealthReply, ServerMessage, StatsReply, encode_frame
-from pipeline.tiny_model import make_tiny_model
+from pipeline.models.tiny_model import make_tiny_model
 from shm.naming import instance_of, list_entries
 
 HERE = Path(__file__).resolve().parent

@@ -11,7 +11,7 @@ import sys
 from engine_thread_backend import EngineThreadBackend
 
 from pipeline.cli import add_engine_options, engine_config
-from pipeline.daemon import run_daemon
+from pipeline.serve.daemon import run_daemon
 
 
 def main() -> int:

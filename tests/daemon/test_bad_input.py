@@ -32,7 +32,7 @@ from pipeline.protocol import (
     ServerMessage,
     encode_frame,
 )
-from pipeline.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from stages.contracts.params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -25,7 +25,7 @@ from pipeline.protocol import (
     Generate,
     WireSamplingParams,
 )
-from pipeline.tiny_model import corpus
+from pipeline.models.tiny_model import corpus
 
 pytestmark = pytest.mark.timeout(60)
 

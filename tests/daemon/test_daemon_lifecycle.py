@@ -14,8 +14,8 @@ from live_daemon import REAL_BACKEND, start_daemon
 
 from pipeline.cli import main as cli_main
 from pipeline.client import AsyncClient, Client
-from pipeline.daemon import DaemonAlreadyRunning, claim_socket_path, pid_file_for
-from pipeline.default_model import ensure_default_model
+from pipeline.serve.daemon import DaemonAlreadyRunning, claim_socket_path, pid_file_for
+from pipeline.models.default_model import ensure_default_model
 from pipeline.errors import StageFailed
 from shm.naming import pid_alive
 

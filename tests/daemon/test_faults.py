@@ -20,13 +20,14 @@ import pytest
 from fake_stage_backend import FakeFactory, RecordingConnection
 from live_daemon import REAL_BACKEND, AsyncRawConnection, LiveDaemon, short_dir, start_daemon, wait_for_health
 
-from pipeline.backend import EngineConfig
+from stages.contracts.config import EngineConfig
 from pipeline.client import AsyncClient, AsyncStream, Client, Completion, StreamDelta
-from pipeline.daemon import BackendState, DaemonConfig, DaemonServer, pid_file_for
+from pipeline.serve.daemon import pid_file_for
+from pipeline.serve.server import BackendState, DaemonConfig, DaemonServer
 from pipeline.errors import DaemonNotRunning, PipelineError, RequestAborted, StageFailed
 from pipeline.protocol import Error, Generate, Health, HealthReply, ServerMessage
-from pipeline.supervisor import RestartBudget, RestartPolicy, StageSupervisor
-from pipeline.tiny_model import make_tiny_model
+from pipeline.serve.supervisor import RestartBudget, RestartPolicy, StageSupervisor
+from pipeline.models.tiny_model import make_tiny_model
 from shm.naming import list_entries, pid_alive, ring_name
 
 GRACE_S = 3.0

@@ -24,7 +24,7 @@ from live_daemon import (
 )
 
 from pipeline.client import AsyncClient, Client
-from pipeline.daemon import raise_open_file_limit
+from pipeline.serve.daemon import raise_open_file_limit
 from pipeline.errors import Overloaded, PromptTooLong
 from pipeline.protocol import (
     Accepted,

@@ -34,7 +34,7 @@ from pipeline.protocol import (
 from pipeline.protocol import WireSamplingParams as Params
 from shm.naming import SHM_DIR, new_instance_id, unlink_instance
 from shm.segment import RingSegment
-from stages.gpu_runner.mailbox import create_mailbox
+from shm.mailbox import create_mailbox
 from stages.status import StatusBoard
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,7 +59,7 @@ def test_shared_memory_segments_are_created_private() -> None:
     try:
         ring = RingSegment.create(instance, "security", 4096, num_readers=2)
         board = StatusBoard.create(instance)
-        create_mailbox(instance, max_rows=4, num_consumers=2, cuda=False)
+        create_mailbox(instance, max_rows=4, logprob_width=4, num_consumers=2, cuda=False)
         entries = sorted(name for name in os.listdir(SHM_DIR) if instance in name)
         # The ring, its three doorbells (sem.*), the status board and the mailbox.
         assert len(entries) == 6, entries
@@ -119,7 +119,10 @@ def test_nothing_from_the_socket_is_unpickled_or_evaluated(live_daemon: LiveDaem
 
 
 def test_the_socket_side_never_imports_pickle_or_calls_eval() -> None:
-    for module in ("pipeline/protocol.py", "pipeline/daemon.py", "pipeline/client.py"):
+    modules = ["pipeline/protocol.py", *sorted(f"pipeline/{package}/{path.name}" for package in ("serve", "client")
+                                                for path in (REPO / "pipeline" / package).glob("*.py"))]
+    assert "pipeline/serve/socket_connection.py" in modules and "pipeline/client/connection.py" in modules
+    for module in modules:
         tree = ast.parse((REPO / module).read_text())
         imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                     for alias in node.names}

@@ -33,10 +33,10 @@ from live_daemon import ENGINE_OPTIONS, LiveDaemon, memory_kib, wait_idle
 
 from pipeline import LLM, SamplingParams
 from pipeline.client import AsyncClient, AsyncConnection, Completion, make_generate
-from pipeline.engine import RequestOutput
+from pipeline.engine.llm import RequestOutput
 from pipeline.errors import RequestAborted
 from pipeline.protocol import Accepted, Done, Error, HealthReply
-from pipeline.tiny_model import corpus
+from pipeline.models.tiny_model import corpus
 
 
 def _env_int(name: str, default: int) -> int:

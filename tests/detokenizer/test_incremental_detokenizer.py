@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from pipeline.sampling_params import SamplingParams
+from stages.contracts.params import SamplingParams
 from stages.detokenizer.incremental import IncrementalDetokenizer
 
 pytestmark = pytest.mark.timeout(60)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.tiny_model import make_tiny_model
+from pipeline.models.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="session")

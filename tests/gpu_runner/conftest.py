@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.tiny_model import ARCHITECTURES, make_tiny_model
+from pipeline.models.tiny_model import ARCHITECTURES, make_tiny_model
 
 ARCHS = tuple(ARCHITECTURES)
 # A distinct seed per architecture, so two archs never share weights and outputs.

@@ -12,9 +12,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.sampling_params import SamplingParams
+from stages.contracts.config import EngineConfig
+from stages.contracts.outputs import HostStepOutput
+from stages.contracts.params import SamplingParams
+from stages.contracts.plan import NewRequest, StepPlan
 from stages.gpu_runner.runner import ModelRunner
-from stages.scheduler.plan import NewRequest, StepPlan
+from stages.scheduler.step_loop import LocalExecutor, StepLoop
+
+
+def make_runner(model_dir: object, kv_connector: object = None, **options: object) -> ModelRunner:
+    """A runner for `model_dir` on the CPU unless `options` (EngineConfig fields) say otherwise."""
+    options.setdefault("device", "cpu")
+    return ModelRunner(EngineConfig(model=str(model_dir), **options), kv_connector=kv_connector)
 
 
 @dataclass
@@ -32,28 +41,43 @@ class PlannedRequest:
     outputs: list[int] = field(default_factory=list)
 
 
-def run_requests(runner: ModelRunner, requests: list[PlannedRequest], *, token_budget: int,
-                 async_mode: bool = False) -> list[list[int]]:
-    """Drive `runner` until every request has its tokens; returns each request's outputs."""
-    bs = runner.block_size
-    free_rows = list(range(runner.max_num_seqs))
-    next_block = 0
-    waiting = list(range(len(requests)))
-    running: list[int] = []
-    freed: list[int] = []
-    pending = []  # (StepOutput, {row: request index}) not yet read back
-    step = 0
+class PlanMaker:
+    """Plans steps for `requests` the way the scheduler would, for the engine's step loop: it
+    admits, chunks and frees by token counts alone, and files each step's tokens as they come."""
 
-    def collect(output, owners) -> None:
-        host = output.to_host()
-        for row, token in zip(host.rows.tolist(), host.token_ids.tolist()):
-            requests[owners[row]].outputs.append(token)
+    def __init__(self, runner: ModelRunner, requests: list[PlannedRequest], token_budget: int) -> None:
+        self.requests = requests
+        self.block_size = runner.block_size
+        self.num_kv_blocks = runner.num_kv_blocks
+        self.token_budget = token_budget
+        self.free_rows = list(range(runner.max_num_seqs))
+        self.next_block = 0
+        self.waiting = list(range(len(requests)))
+        self.running: list[int] = []
+        self.freed: list[int] = []
+        self.owners: list[dict[int, int]] = []  # per step in flight: {row: request index}
+        self.step = 0
 
-    while waiting or running:
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self.owners)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def update(self, output: HostStepOutput) -> None:
+        owners = self.owners.pop(0)
+        for row, token in zip(output.rows.tolist(), output.token_ids.tolist()):
+            self.requests[owners[row]].outputs.append(token)
+
+    def schedule(self) -> StepPlan | None:
+        requests, bs = self.requests, self.block_size
+        if not self.has_unfinished():
+            return None
         new_requests = []
-        for i in list(waiting):
+        for i in list(self.waiting):
             req = requests[i]
-            if not free_rows:
+            if not self.free_rows:
                 break
             if req.prefix_from is not None:
                 src, num_blocks = req.prefix_from
@@ -61,16 +85,16 @@ def run_requests(runner: ModelRunner, requests: list[PlannedRequest], *, token_b
                     break  # its prefix is not in the cache yet
                 req.block_ids = requests[src].block_ids[:num_blocks]
                 req.num_computed = num_blocks * bs
-            req.row = free_rows.pop(0)
+            req.row = self.free_rows.pop(0)
             params = req.params or SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
             new_requests.append(NewRequest(req_id=i, row=req.row, token_ids=np.asarray(req.prompt, np.int32),
                                            num_prompt_tokens=len(req.prompt), params=params))
-            waiting.remove(i)
-            running.append(i)
+            self.waiting.remove(i)
+            self.running.append(i)
 
         rows, computed, scheduled, sample, num_new, new_blocks = [], [], [], [], [], []
-        budget = token_budget
-        for i in running:
+        budget = self.token_budget
+        for i in self.running:
             req = requests[i]
             if budget == 0:
                 break
@@ -80,8 +104,8 @@ def run_requests(runner: ModelRunner, requests: list[PlannedRequest], *, token_b
                 num_tokens = 1
             budget -= num_tokens
             end = req.num_computed + num_tokens
-            added = list(range(next_block, next_block + max(0, -(-end // bs) - len(req.block_ids))))
-            next_block += len(added)
+            added = list(range(self.next_block, self.next_block + max(0, -(-end // bs) - len(req.block_ids))))
+            self.next_block += len(added)
             req.block_ids = req.block_ids + added
             listed = req.block_ids[req.num_listed_blocks:]
             req.num_listed_blocks = len(req.block_ids)
@@ -92,28 +116,33 @@ def run_requests(runner: ModelRunner, requests: list[PlannedRequest], *, token_b
             num_new.append(len(listed))
             new_blocks.extend(listed)
             req.num_computed = end
-        if next_block > runner.num_kv_blocks:
-            raise RuntimeError(f"test needs {next_block} KV blocks, runner has {runner.num_kv_blocks}")
+        if self.next_block > self.num_kv_blocks:
+            raise RuntimeError(f"test needs {self.next_block} KV blocks, runner has {self.num_kv_blocks}")
 
         plan = StepPlan(
-            step=step, new_requests=new_requests, rows=np.asarray(rows, np.int32),
+            step=self.step, new_requests=new_requests, rows=np.asarray(rows, np.int32),
             num_computed_tokens=np.asarray(computed, np.int32), num_scheduled_tokens=np.asarray(scheduled, np.int32),
             sample=np.asarray(sample, bool), num_new_blocks=np.asarray(num_new, np.int32),
-            new_block_ids=np.asarray(new_blocks, np.int32), freed_rows=np.asarray(freed, np.int32))
-        freed = []
-        owners = {requests[i].row: i for i in running}
-        pending.append((runner.execute(plan), owners))
-        step += 1
+            new_block_ids=np.asarray(new_blocks, np.int32), freed_rows=np.asarray(self.freed, np.int32))
+        self.freed = []
+        owners = {requests[i].row: i for i in self.running}
+        self.owners.append(owners)
+        self.step += 1
         for i, did_sample in zip([owners[r] for r in rows], sample):
             if did_sample:
                 requests[i].num_sampled += 1
                 if requests[i].num_sampled == requests[i].max_tokens:
-                    running.remove(i)
-                    freed.append(requests[i].row)
-                    free_rows.append(requests[i].row)
-        # Sync mode reads each step before planning the next; async mode lags one step behind.
-        while len(pending) > (1 if async_mode else 0):
-            collect(*pending.pop(0))
-    for output, owners in pending:
-        collect(output, owners)
+                    self.running.remove(i)
+                    self.freed.append(requests[i].row)
+                    self.free_rows.append(requests[i].row)
+        return plan
+
+
+def run_requests(runner: ModelRunner, requests: list[PlannedRequest], *, token_budget: int,
+                 async_mode: bool = False) -> list[list[int]]:
+    """Drive `runner` until every request has its tokens; returns each request's outputs. Sync
+    mode reads each step before planning the next; async mode lags one step behind."""
+    loop = StepLoop(PlanMaker(runner, requests, token_budget), LocalExecutor(runner), async_scheduling=async_mode)
+    while loop.busy:
+        loop.turn()
     return [req.outputs for req in requests]

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.sampling_params import SamplingParams
+from stages.contracts.params import SamplingParams
 from stages.gpu_runner.input_batch import InputBatch
-from stages.scheduler.plan import NewRequest, StepPlan
+from stages.contracts.plan import NewRequest, StepPlan
 
 pytestmark = pytest.mark.timeout(10)
 

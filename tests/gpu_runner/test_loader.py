@@ -11,11 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.tiny_model import make_tiny_model
-from runner_plans import PlannedRequest, run_requests
+from pipeline.models.tiny_model import make_tiny_model
+from runner_plans import PlannedRequest, make_runner, run_requests
 from stages.gpu_runner.loader import load_model
 from stages.gpu_runner.model_config import ModelLoadError, load_model_config
-from stages.gpu_runner.runner import ModelRunner
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +33,7 @@ def edit_config(model_dir: Path, **changes: object) -> None:
 
 
 def greedy_tokens(model_dir: Path, **runner_options: object) -> list[list[int]]:
-    runner = ModelRunner(model_dir, num_kv_blocks=64, max_num_seqs=4, **runner_options)
+    runner = make_runner(model_dir, num_kv_blocks=64, max_num_seqs=4, **runner_options)
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 60))]
     return run_requests(runner, [PlannedRequest(p, 12) for p in prompts], token_budget=64)
 
@@ -43,7 +42,7 @@ def test_unsupported_architecture_is_named(tiny_checkpoint, tmp_path):
     model_dir = copy_checkpoint(tiny_checkpoint("mistral"), tmp_path / "m")
     edit_config(model_dir, architectures=["GPT2LMHeadModel"])
     with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel'"):
-        ModelRunner(model_dir, num_kv_blocks=8)
+        make_runner(model_dir, num_kv_blocks=8)
 
 
 @pytest.mark.parametrize("filename", ["config.json", "model.safetensors", "tokenizer.json"])
@@ -51,19 +50,19 @@ def test_missing_file_is_named(tiny_checkpoint, tmp_path, filename):
     model_dir = copy_checkpoint(tiny_checkpoint("qwen3"), tmp_path / "m")
     (model_dir / filename).unlink()
     with pytest.raises(ModelLoadError, match=f"missing file: .*{filename}"):
-        ModelRunner(model_dir, num_kv_blocks=8)
+        make_runner(model_dir, num_kv_blocks=8)
 
 
 def test_missing_model_directory(tmp_path):
     with pytest.raises(ModelLoadError, match="model directory not found"):
-        ModelRunner(tmp_path / "nowhere", num_kv_blocks=8)
+        make_runner(tmp_path / "nowhere", num_kv_blocks=8)
 
 
 def test_shape_mismatch_names_tensor_and_shapes(tiny_checkpoint, tmp_path):
     model_dir = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "m")
     edit_config(model_dir, intermediate_size=96)
     with pytest.raises(ModelLoadError, match=r"mlp\.(gate|up|down)_proj\.weight has shape \[.*\], config.json implies"):
-        ModelRunner(model_dir, num_kv_blocks=8)
+        make_runner(model_dir, num_kv_blocks=8)
 
 
 @pytest.mark.parametrize("change", ["drop", "add"])
@@ -78,7 +77,7 @@ def test_missing_or_unexpected_tensor_is_named(tiny_checkpoint, tmp_path, change
         expected = r"unexpected tensors \['model.layers.0.self_attn.o_proj.bias'\]"
     save_file(tensors, model_dir / "model.safetensors")
     with pytest.raises(ModelLoadError, match=expected):
-        ModelRunner(model_dir, num_kv_blocks=8)
+        make_runner(model_dir, num_kv_blocks=8)
 
 
 def test_unsupported_rope_scaling_is_named(tiny_checkpoint, tmp_path):
@@ -100,7 +99,7 @@ def test_shard_listed_in_index_but_absent(tmp_path):
     sharded = make_tiny_model(tmp_path / "sharded", "qwen3", seed=1, shards=2)
     (sharded / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ModelLoadError, match="missing file: .*model-00002-of-00002.safetensors"):
-        ModelRunner(sharded, num_kv_blocks=8)
+        make_runner(sharded, num_kv_blocks=8)
 
 
 def test_transformers5_rope_parameters_are_read_like_rope_scaling(tiny_checkpoint, tmp_path):
@@ -113,7 +112,7 @@ def test_transformers5_rope_parameters_are_read_like_rope_scaling(tiny_checkpoin
 
 
 def test_config_facts_reach_the_runner(tiny_checkpoint):
-    runner = ModelRunner(tiny_checkpoint("qwen2"), num_kv_blocks=8)
+    runner = make_runner(tiny_checkpoint("qwen2"), num_kv_blocks=8)
     assert runner.vocab_size == 1024
     assert runner.eos_token_ids == [1]
     assert runner.model.lm_head is None  # tied to the embeddings
@@ -139,17 +138,17 @@ def test_low_precision_dtypes_load_and_generate(tiny_checkpoint):
 def test_bad_runner_settings_are_named(tiny_checkpoint):
     model_dir = tiny_checkpoint("qwen3")
     with pytest.raises(ValueError, match="max_model_len 4096 exceeds the model's limit of 2048"):
-        ModelRunner(model_dir, num_kv_blocks=8, max_model_len=4096)
+        make_runner(model_dir, num_kv_blocks=8, max_model_len=4096)
     with pytest.raises(ValueError, match="dtype must be one of .* got 'int8'"):
-        ModelRunner(model_dir, num_kv_blocks=8, dtype="int8")
+        make_runner(model_dir, num_kv_blocks=8, dtype="int8")
     with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
-        ModelRunner(model_dir, num_kv_blocks=8, block_size=0)
+        make_runner(model_dir, num_kv_blocks=8, block_size=0)
 
 
 def test_sliding_window_caps_max_model_len(tiny_checkpoint, tmp_path):
     model_dir = copy_checkpoint(tiny_checkpoint("mistral"), tmp_path / "m")
     edit_config(model_dir, sliding_window=512)
-    assert ModelRunner(model_dir, num_kv_blocks=8).max_model_len == 512
+    assert make_runner(model_dir, num_kv_blocks=8).max_model_len == 512
 
 
 def test_tiny_model_tool_is_deterministic_and_its_tokenizer_fits(tmp_path):

@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.sampling_params import SamplingParams
-from runner_plans import PlannedRequest, run_requests
+from stages.contracts.params import SamplingParams
+from runner_plans import PlannedRequest, make_runner, run_requests
 from stages.gpu_runner.kv_cache import kv_block_bytes
-from stages.gpu_runner.runner import ModelRunner
-from stages.scheduler.plan import NewRequest, StepPlan
+from stages.contracts.plan import NewRequest, StepPlan
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -29,7 +28,7 @@ def one_request_plan(prompt: list[int], *, row: int = 0, blocks=(0,), sample: bo
 
 def test_sizes_and_cache_layout(tiny_checkpoint):
     model_dir = tiny_checkpoint("llama")
-    runner = ModelRunner(model_dir, block_size=8, kv_cache_memory_bytes=1 << 20, max_model_len=512, max_num_seqs=8)
+    runner = make_runner(model_dir, block_size=8, kv_cache_memory_bytes=1 << 20, max_model_len=512, max_num_seqs=8)
     block_bytes = kv_block_bytes(runner.config, 8, torch.float32)
     assert runner.num_kv_blocks == (1 << 20) // block_bytes
     assert len(runner.kv_caches) == runner.config.num_layers == 2
@@ -39,7 +38,7 @@ def test_sizes_and_cache_layout(tiny_checkpoint):
 
 
 def test_sampled_tokens_are_written_to_the_token_table_and_kv_to_the_rows_blocks(tiny_checkpoint):
-    runner = ModelRunner(tiny_checkpoint("qwen3"), num_kv_blocks=16, block_size=4)
+    runner = make_runner(tiny_checkpoint("qwen3"), num_kv_blocks=16, block_size=4)
     prompt = [5, 6, 7, 8, 9, 10]
     out = runner.execute(one_request_plan(prompt, row=3, blocks=(9, 2))).to_host()
     assert out.rows.tolist() == [3] and out.logprobs is None
@@ -50,13 +49,13 @@ def test_sampled_tokens_are_written_to_the_token_table_and_kv_to_the_rows_blocks
 
 
 def test_a_partial_prefill_chunk_samples_nothing(tiny_checkpoint):
-    runner = ModelRunner(tiny_checkpoint("qwen2"), num_kv_blocks=16)
+    runner = make_runner(tiny_checkpoint("qwen2"), num_kv_blocks=16)
     out = runner.execute(one_request_plan([5, 6, 7], sample=False)).to_host()
     assert out.rows.size == 0 and out.token_ids.size == 0
 
 
 def test_logprobs_come_back_with_the_tokens(tiny_checkpoint):
-    runner = ModelRunner(tiny_checkpoint("mistral"), num_kv_blocks=16)
+    runner = make_runner(tiny_checkpoint("mistral"), num_kv_blocks=16)
     out = runner.execute(one_request_plan([5, 6, 7], params=SamplingParams(temperature=0.0, logprobs=2))).to_host()
     assert out.logprobs.shape == (1, 3) and out.logprob_token_ids.shape == (1, 3)
     assert out.logprob_token_ids[0, 0] == out.token_ids[0] == out.logprob_token_ids[0, 1]  # greedy = top 1
@@ -66,7 +65,7 @@ def test_logprobs_come_back_with_the_tokens(tiny_checkpoint):
 @pytest.mark.parametrize("budget", [7, 300])
 def test_seeded_sampling_ignores_chunking_and_async_mode(tiny_checkpoint, budget):
     def tokens(token_budget: int, async_mode: bool) -> list[list[int]]:
-        runner = ModelRunner(tiny_checkpoint("llama"), num_kv_blocks=64, max_num_seqs=4)
+        runner = make_runner(tiny_checkpoint("llama"), num_kv_blocks=64, max_num_seqs=4)
         requests = [PlannedRequest(list(range(10, 10 + n)), 10,
                                    params=SamplingParams(temperature=1.0, seed=seed, max_tokens=10, ignore_eos=True))
                     for n, seed in ((40, 1), (3, 2), (70, 3))]
@@ -98,7 +97,7 @@ class RecordingConnector:
 
 def test_kv_connector_is_bound_once_then_loads_before_and_saves_after_the_forward(tiny_checkpoint):
     connector = RecordingConnector()
-    runner = ModelRunner(tiny_checkpoint("qwen3"), num_kv_blocks=16, block_size=4, kv_connector=connector)
+    runner = make_runner(tiny_checkpoint("qwen3"), num_kv_blocks=16, block_size=4, kv_connector=connector)
     assert connector.calls == [("bind", 4, 0.0)] and connector.kv_caches is runner.kv_caches
     runner.execute(one_request_plan([5, 6, 7], meta="step-0"))
     (name1, meta1, before), (name2, meta2, after) = connector.calls[1:]
@@ -112,7 +111,7 @@ def test_kv_connector_is_bound_once_then_loads_before_and_saves_after_the_forwar
 
 
 def test_bad_plans_are_refused_naming_the_problem(tiny_checkpoint):
-    runner = ModelRunner(tiny_checkpoint("qwen2"), num_kv_blocks=16, block_size=4, max_num_batched_tokens=32)
+    runner = make_runner(tiny_checkpoint("qwen2"), num_kv_blocks=16, block_size=4, max_num_batched_tokens=32)
     with pytest.raises(ValueError, match="schedules 40 tokens, more than max_num_batched_tokens 32"):
         runner.execute(one_request_plan(list(range(2, 42)), blocks=tuple(range(10))))
     with pytest.raises(ValueError, match="row 1 schedules tokens beyond its 1 allocated blocks"):
@@ -125,7 +124,7 @@ def test_bad_plans_are_refused_naming_the_problem(tiny_checkpoint):
 
 def test_execute_never_reads_a_device_tensor(tiny_checkpoint, monkeypatch):
     """On CPU nothing would stall, so catch the calls that would sync on an accelerator."""
-    runner = ModelRunner(tiny_checkpoint("qwen3"), num_kv_blocks=64, max_num_seqs=4)
+    runner = make_runner(tiny_checkpoint("qwen3"), num_kv_blocks=64, max_num_seqs=4)
     outputs = []
     original_execute = runner.execute
 
@@ -167,7 +166,7 @@ def test_offload_connector_restores_a_prefix_into_other_blocks(tiny_checkpoint):
     """Blocks saved to host after one request are loaded into fresh blocks for a second request
     that starts past that prefix: its tokens equal a run that computes everything."""
     from stages.gpu_runner.offload import OffloadConnectorWorker
-    from stages.scheduler.plan import KVCopyMeta
+    from stages.contracts.plan import KVCopyMeta
 
     model_dir = tiny_checkpoint("qwen2")
     prompt = list(range(40, 88)) + [7, 9, 11, 13, 15]  # 3 full blocks of 16, then 5 tokens
@@ -186,13 +185,13 @@ def test_offload_connector_restores_a_prefix_into_other_blocks(tiny_checkpoint):
             tokens.append(int(runner.execute(plan(step + i, [], [row], [position + i], [1], [[]])).to_host().token_ids[0]))
         return tokens
 
-    full = ModelRunner(model_dir, num_kv_blocks=16)
+    full = make_runner(model_dir, num_kv_blocks=16)
     req = NewRequest(req_id=0, row=0, token_ids=i32(prompt), num_prompt_tokens=len(prompt), params=greedy)
     first = int(full.execute(plan(0, [req], [0], [0], [len(prompt)], [[0, 1, 2, 3]])).to_host().token_ids[0])
     expected = decode_rest(full, first, 0, len(prompt), 1)
 
     connector = OffloadConnectorWorker(num_host_blocks=4)
-    runner = ModelRunner(model_dir, num_kv_blocks=16, kv_connector=connector)
+    runner = make_runner(model_dir, num_kv_blocks=16, kv_connector=connector)
     save = KVCopyMeta(load_host_slots=i32([]), load_block_ids=i32([]), save_block_ids=i32([0, 1, 2]),
                       save_host_slots=i32([2, 0, 1]))
     owner = NewRequest(req_id=0, row=0, token_ids=i32(prompt[:48]), num_prompt_tokens=48, params=greedy)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.sampling_params import SamplingParams
-from runner_plans import PlannedRequest, run_requests
+from stages.contracts.params import SamplingParams
+from runner_plans import PlannedRequest, make_runner, run_requests
 from stages.gpu_runner.runner import ModelRunner
 
 pytestmark = [
@@ -46,17 +46,17 @@ def test_steps_run_without_host_synchronisation(tiny_checkpoint, sampling):
 
 def test_cuda_greedy_tokens_equal_cpu(tiny_checkpoint):
     model_dir = tiny_checkpoint("llama")
-    cpu = run_requests(ModelRunner(model_dir, num_kv_blocks=64, max_num_seqs=4), requests(False), token_budget=32)
-    cuda = run_requests(ModelRunner(model_dir, device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4),
+    cpu = run_requests(make_runner(model_dir, num_kv_blocks=64, max_num_seqs=4), requests(False), token_budget=32)
+    cuda = run_requests(make_runner(model_dir, device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4),
                         requests(False), token_budget=32, async_mode=True)
     assert cuda == cpu
 
 
 def test_bfloat16_auto_dtype_runs(tiny_checkpoint, tmp_path):
-    from pipeline.tiny_model import make_tiny_model
+    from pipeline.models.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "bf16", "qwen2", seed=3, dtype="bfloat16")
-    runner = ModelRunner(model_dir, device="cuda", num_kv_blocks=64, max_num_seqs=4)
+    runner = make_runner(model_dir, device="cuda", num_kv_blocks=64, max_num_seqs=4)
     assert runner.dtype == torch.bfloat16 and runner.kv_caches[0].dtype == torch.bfloat16
     got = run_requests(runner, requests(False), token_budget=32, async_mode=True)
     assert [len(t) for t in got] == [12, 12, 12]

@@ -11,9 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.tiny_model import ARCHITECTURES
-from runner_plans import PlannedRequest, run_requests
-from stages.gpu_runner.runner import ModelRunner
+from pipeline.models.tiny_model import ARCHITECTURES
+from runner_plans import PlannedRequest, make_runner, run_requests
 
 NUM_NEW_TOKENS = 33
 PROMPT_LENGTHS = (1, 2, 15, 16, 17, 64, 129, 300)
@@ -68,7 +67,7 @@ def planned(prompts: list[list[int]], block_size: int = BLOCK_SIZE) -> list[Plan
 @pytest.mark.parametrize("arch", tuple(ARCHITECTURES))
 def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_reuse(arch, tiny_checkpoint, reference):
     prompts, expected = reference(arch)
-    runner = ModelRunner(tiny_checkpoint(arch), max_num_seqs=4, num_kv_blocks=256, block_size=BLOCK_SIZE)
+    runner = make_runner(tiny_checkpoint(arch), max_num_seqs=4, num_kv_blocks=256, block_size=BLOCK_SIZE)
     assert runner.max_model_len == 2048
     got = run_requests(runner, planned(prompts), token_budget=48)
     for prompt, want, have in zip(prompts, expected, got):
@@ -82,6 +81,6 @@ def test_async_planning_and_other_chunk_sizes_give_the_same_tokens(arch, tiny_ch
     """Plans made a step ahead of their results (decode inputs come from the device table only),
     with a different budget and block size, all rows at once."""
     prompts, expected = reference(arch)
-    runner = ModelRunner(tiny_checkpoint(arch), max_num_seqs=16, num_kv_blocks=512, block_size=8)
+    runner = make_runner(tiny_checkpoint(arch), max_num_seqs=16, num_kv_blocks=512, block_size=8)
     got = run_requests(runner, planned(prompts, block_size=8), token_budget=100, async_mode=True)
     assert got == expected

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.sampling_params import SamplingParams
+from stages.contracts.params import SamplingParams
 from stages.gpu_runner.sampler import Sampler, SamplingMetadata
 
 EOS = 2

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "daemon"))
 
 from live_daemon import LiveDaemon, short_dir, start_daemon  # noqa: E402
 
-from pipeline.tiny_model import make_tiny_model  # noqa: E402
+from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
 
 NUM_TOKENIZERS = 2
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main as cli_main
-from pipeline.nsys import (
+from pipeline.serve.nsys import (
     SESSION_ENV,
     capture_commands,
     daemon_session,

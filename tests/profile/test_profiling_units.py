@@ -13,7 +13,8 @@ import pytest
 
 from pipeline.errors import InvalidRequest, StageFailed
 from shm.naming import new_instance_id
-from stages.profiling import ProfileControl, StageProfiler, check_trace_directory
+from pipeline.serve.profile_control import ProfileControl, check_trace_directory
+from stages.profiling import StageProfiler
 from stages.status import PROFILE_DIRECTORY_BYTES, ProfileAnswer, ProfileOutcome, StatusBoard
 
 pytestmark = pytest.mark.timeout(30)

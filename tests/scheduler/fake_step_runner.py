@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stages.gpu_runner.output import HostStepOutput
-from stages.scheduler.plan import KVCopyMeta, StepPlan
+from stages.contracts.outputs import HostStepOutput
+from stages.contracts.plan import KVCopyMeta, StepPlan
 
 VOCAB = 1000
 

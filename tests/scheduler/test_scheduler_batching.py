@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fake_engine_loop import Driver
+from fake_engine_loop import Driver, make_scheduler
 from fake_step_runner import FakeRunner, reference_tokens
-from pipeline.sampling_params import SamplingParams
-from stages.scheduler.config import SchedulerConfig
-from stages.scheduler.request import FinishReason
+from stages.contracts.params import SamplingParams
+from stages.contracts.config import EngineConfig, ModelLimits
+from stages.contracts.outputs import FinishReason
 from stages.scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.timeout(20)
@@ -17,7 +17,7 @@ BLOCK = 4
 
 def make(num_blocks: int = 64, async_mode: bool = True, eos: tuple[int, ...] = (), **config: object) -> Driver:
     config.setdefault("max_model_len", 128)
-    scheduler = Scheduler(SchedulerConfig(**config), num_blocks, BLOCK, list(eos))
+    scheduler = make_scheduler(num_blocks, BLOCK, eos, **config)
     return Driver(scheduler, FakeRunner(num_blocks, BLOCK), async_mode)
 
 
@@ -145,10 +145,10 @@ def test_rows_freed_in_next_plan_after_last_in_flight_step_and_reused() -> None:
 
 def test_config_and_prompt_errors_name_the_bad_value() -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
-        SchedulerConfig(max_num_seqs=0)
+        EngineConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="max_model_len 256 exceeds the KV cache"):
-        Scheduler(SchedulerConfig(max_model_len=256), 8, 16, [])
-    scheduler = Scheduler(SchedulerConfig(max_model_len=16), 8, 4, [])
+        Scheduler(EngineConfig(block_size=16), ModelLimits(num_kv_blocks=8, max_model_len=256, vocab_size=1000))
+    scheduler = Scheduler(EngineConfig(block_size=4), ModelLimits(num_kv_blocks=8, max_model_len=16, vocab_size=1000))
     with pytest.raises(ValueError, match="16 tokens; max_model_len 16"):
         scheduler.add_request(0, list(range(16)), SamplingParams())
     with pytest.raises(ValueError, match="non-empty"):

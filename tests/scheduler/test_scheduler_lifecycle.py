@@ -4,14 +4,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fake_engine_loop import Driver
+from fake_engine_loop import Driver, make_scheduler
 from fake_step_runner import FakeRunner, reference_tokens
-from pipeline.sampling_params import SamplingParams
+from stages.contracts.params import SamplingParams
 from stages.scheduler.block_manager import BlockManager, hash_block
-from stages.scheduler.config import SchedulerConfig
 from stages.scheduler.offload import OffloadConnectorScheduler
-from stages.scheduler.request import FinishReason
-from stages.scheduler.scheduler import Scheduler
+from stages.contracts.outputs import FinishReason
 
 pytestmark = pytest.mark.timeout(30)
 BLOCK = 4
@@ -20,7 +18,7 @@ BLOCK = 4
 def make(num_blocks: int = 64, async_mode: bool = True, num_host_blocks: int = 0, **config: object) -> Driver:
     config.setdefault("max_model_len", 64)
     connector = OffloadConnectorScheduler(num_host_blocks) if num_host_blocks else None
-    scheduler = Scheduler(SchedulerConfig(**config), num_blocks, BLOCK, [], connector)
+    scheduler = make_scheduler(num_blocks, BLOCK, (), connector, **config)
     return Driver(scheduler, FakeRunner(num_blocks, BLOCK, num_host_blocks), async_mode)
 
 

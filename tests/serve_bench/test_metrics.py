@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from pipeline.serve_bench import LatencyStats, RequestRecord, arrival_offsets_s, compute_metrics, parse_range, random_requests
+from pipeline.bench.serve_bench import LatencyStats, RequestRecord, arrival_offsets_s, compute_metrics, parse_range, random_requests
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -12,8 +12,8 @@ import pytest
 from paced_daemon import PacedDaemon
 
 from pipeline.errors import DaemonNotRunning
-from pipeline.sampling_params import InvalidParams
-from pipeline.serve_bench import (
+from stages.contracts.params import InvalidParams
+from pipeline.bench.serve_bench import (
     BenchRequest,
     compare_sync,
     format_comparison,

@@ -1,4 +1,4 @@
-"""Driving a Backend in a test: submit requests and collect each one's whole output."""
+"""Driving a StageBackend in a test: submit requests and collect each one's whole output."""
 from __future__ import annotations
 
 import time
@@ -8,20 +8,22 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.backend import Backend, EngineConfig, OutputEvent
-from pipeline.sampling_params import SamplingParams
+from pipeline.serve.stage_backend import StageBackend
+from stages.contracts.config import EngineConfig
+from stages.contracts.outputs import OutputEvent
+from stages.contracts.params import SamplingParams
 from shm.naming import list_entries, new_instance_id
 
-MakeBackend = Callable[..., Backend]
+MakeBackend = Callable[..., StageBackend]
 SMALL = dict(device="cpu", max_num_seqs=8, num_kv_blocks=96, block_size=4, max_model_len=128,
              max_num_batched_tokens=64)
 
 
-def start_backend(model: Path, **options: object) -> Backend:
-    return Backend(EngineConfig(model=str(model), **{**SMALL, **options}), new_instance_id())
+def start_backend(model: Path, **options: object) -> StageBackend:
+    return StageBackend(EngineConfig(model=str(model), **{**SMALL, **options}), new_instance_id())
 
 
-def assert_cleaned_up(backend: Backend) -> None:
+def assert_cleaned_up(backend: StageBackend) -> None:
     """After close(): no stage process left, no /dev/shm entry of the instance."""
     assert all(not process.is_alive() for _, process in backend._procs)
     assert not [e for e in list_entries() if backend.instance in e]
@@ -38,7 +40,7 @@ class Collected:
     num_events: int = 0
 
 
-def collect(backend: Backend, req_ids: list[int], timeout_s: float = 30.0) -> dict[int, Collected]:
+def collect(backend: StageBackend, req_ids: list[int], timeout_s: float = 30.0) -> dict[int, Collected]:
     """Read events until every request in `req_ids` has ended (finish or error)."""
     results = {req_id: Collected() for req_id in req_ids}
     pending = set(req_ids)
@@ -66,7 +68,7 @@ def collect(backend: Backend, req_ids: list[int], timeout_s: float = 30.0) -> di
     return results
 
 
-def generate(backend: Backend, first_id: int, prompts: list, params: list[SamplingParams]) -> list[Collected]:
+def generate(backend: StageBackend, first_id: int, prompts: list, params: list[SamplingParams]) -> list[Collected]:
     ids = list(range(first_id, first_id + len(prompts)))
     for req_id, prompt, request_params in zip(ids, prompts, params):
         backend.submit(req_id, prompt, request_params)

@@ -8,8 +8,8 @@ import pytest
 
 from backend_helpers import MakeBackend, assert_cleaned_up, start_backend
 
-from pipeline.backend import Backend
-from pipeline.tiny_model import make_tiny_model
+from pipeline.serve.stage_backend import StageBackend
+from pipeline.models.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -19,9 +19,9 @@ def stage_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def make_backend(stage_model: Path) -> Iterator[MakeBackend]:
-    started: list[Backend] = []
+    started: list[StageBackend] = []
 
-    def make(**options: object) -> Backend:
+    def make(**options: object) -> StageBackend:
         backend = start_backend(stage_model, **options)
         started.append(backend)
         return backend
@@ -33,8 +33,8 @@ def make_backend(stage_model: Path) -> Iterator[MakeBackend]:
 
 
 @pytest.fixture(scope="module")
-def shared_backend(stage_model: Path) -> Iterator[Backend]:
-    """One async Backend for the tests that leave it healthy (they use distinct request ids)."""
+def shared_backend(stage_model: Path) -> Iterator[StageBackend]:
+    """One async StageBackend for the tests that leave it healthy (they use distinct request ids)."""
     backend = start_backend(stage_model)
     yield backend
     backend.close()

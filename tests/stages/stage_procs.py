@@ -5,7 +5,7 @@ from multiprocessing.synchronize import Event
 
 from shm.ring import RingReader
 from stages import messages as msg
-from stages.gpu_runner.mailbox import MailboxReader
+from shm.mailbox import MailboxReader
 
 
 def consume(mailbox_name: str, done_name: str, num_steps: int, out: object, gate: Event) -> None:

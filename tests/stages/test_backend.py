@@ -1,4 +1,4 @@
-"""The stage processes through Backend: same tokens as the one-process LLM, aborts, stop strings,
+"""The stage processes through StageBackend: same tokens as the one-process LLM, aborts, stop strings,
 rejected prompts, clean shutdown, and a dead stage reported as StageFailed."""
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from backend_helpers import SMALL, MakeBackend, assert_cleaned_up, collect, gene
 from stage_procs import run_backend_then_hang
 
 from pipeline import LLM
-from pipeline.backend import Backend, EngineConfig
+from pipeline.serve.stage_backend import StageBackend
+from stages.contracts.config import EngineConfig
 from pipeline.errors import ErrorCode, StageFailed
-from pipeline.sampling_params import SamplingParams
+from stages.contracts.params import SamplingParams
 from shm.naming import list_entries, new_instance_id, pid_alive, unlink_instance
 
 
@@ -50,7 +51,7 @@ def greedy_reference(stage_model: Path) -> list:
 
 
 @pytest.mark.timeout(60)
-def test_greedy_async_matches_llm(shared_backend: Backend, greedy_reference: list) -> None:
+def test_greedy_async_matches_llm(shared_backend: StageBackend, greedy_reference: list) -> None:
     prompts, params = mixed_requests()
     results = generate(shared_backend, 1000, prompts, params)
     for result, expected in zip(results, greedy_reference):
@@ -78,7 +79,7 @@ def test_greedy_sync_matches_llm_and_close_cleans_up(make_backend: MakeBackend, 
 
 
 @pytest.mark.timeout(60)
-def test_seeded_sampling_repeats_and_matches_llm(shared_backend: Backend, stage_model: Path) -> None:
+def test_seeded_sampling_repeats_and_matches_llm(shared_backend: StageBackend, stage_model: Path) -> None:
     prompts = ["the quick brown fox", [5, 6, 7, 8, 9], "a token mailbox ring"]
     params = [SamplingParams(max_tokens=10, temperature=1.0, top_k=50, seed=100 + i, ignore_eos=True, logprobs=2)
               for i in range(3)]
@@ -95,7 +96,7 @@ def test_seeded_sampling_repeats_and_matches_llm(shared_backend: Backend, stage_
 
 
 @pytest.mark.timeout(60)
-def test_stop_strings_end_the_text_like_llm(shared_backend: Backend, stage_model: Path) -> None:
+def test_stop_strings_end_the_text_like_llm(shared_backend: StageBackend, stage_model: Path) -> None:
     probe = generate(shared_backend, 3000, ["the quick brown fox"],
                      [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)])[0]
     stop = probe.text[len(probe.text) // 2:][:3]
@@ -109,7 +110,7 @@ def test_stop_strings_end_the_text_like_llm(shared_backend: Backend, stage_model
 
 
 @pytest.mark.timeout(60)
-def test_abort_mid_generation_frees_the_request(shared_backend: Backend) -> None:
+def test_abort_mid_generation_frees_the_request(shared_backend: StageBackend) -> None:
     long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     shared_backend.submit(4000, "a token mailbox", long)
     shared_backend.submit(4001, [7, 8, 9, 10], long)
@@ -132,7 +133,7 @@ def test_abort_mid_generation_frees_the_request(shared_backend: Backend) -> None
 
 
 @pytest.mark.timeout(60)
-def test_abort_right_after_submit_ends_the_request(shared_backend: Backend) -> None:
+def test_abort_right_after_submit_ends_the_request(shared_backend: StageBackend) -> None:
     """The abort may overtake its request (separate rings): it is applied when the request arrives."""
     long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     ids = list(range(7000, 7008))
@@ -145,7 +146,7 @@ def test_abort_right_after_submit_ends_the_request(shared_backend: Backend) -> N
 
 
 @pytest.mark.timeout(60)
-def test_rejected_prompts_get_an_error_event(shared_backend: Backend) -> None:
+def test_rejected_prompts_get_an_error_event(shared_backend: StageBackend) -> None:
     params = SamplingParams(max_tokens=4, temperature=0)
     shared_backend.submit(5000, [], params)
     shared_backend.submit(5001, [1, 2, 5000], params)
@@ -163,7 +164,7 @@ def test_rejected_prompts_get_an_error_event(shared_backend: Backend) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_abort_of_unknown_request_and_duplicate_ids_are_harmless(shared_backend: Backend) -> None:
+def test_abort_of_unknown_request_and_duplicate_ids_are_harmless(shared_backend: StageBackend) -> None:
     shared_backend.abort(999_999)
     shared_backend.submit(5999, [3, 4, 5], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
     with pytest.raises(ValueError, match="req_id 5999 is already running"):
@@ -200,15 +201,15 @@ def test_model_load_error_surfaces_with_its_message(tmp_path: Path, stage_model:
     (broken / "config.json").write_text("{}")
     instance = new_instance_id()
     with pytest.raises(StageFailed, match=r"stage 'runner' exited with code 1 while starting: runner: .*config"):
-        Backend(EngineConfig(model=str(broken), device="cpu"), instance)
+        StageBackend(EngineConfig(model=str(broken), device="cpu"), instance)
     assert not [e for e in list_entries() if instance in e]
 
 
 def test_config_errors_name_the_bad_value(stage_model: Path) -> None:
     with pytest.raises(ValueError, match="num_tokenizers must be a positive integer, got 0"):
-        Backend(EngineConfig(model=str(stage_model), num_tokenizers=0), new_instance_id())
+        StageBackend(EngineConfig(model=str(stage_model), num_tokenizers=0), new_instance_id())
     with pytest.raises(ValueError, match="mailbox_slots must be at least 3"):
-        Backend(EngineConfig(model=str(stage_model), mailbox_slots=2), new_instance_id())
+        StageBackend(EngineConfig(model=str(stage_model), mailbox_slots=2), new_instance_id())
 
 
 @pytest.mark.timeout(60)

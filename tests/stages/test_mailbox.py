@@ -14,8 +14,8 @@ from stage_procs import consume, hold_forever
 from shm.naming import list_entries, new_instance_id, unlink_instance
 from shm.ring import RingWriter
 from shm.segment import PeerDied, RingSegment
+from shm.mailbox import MailboxReader, MailboxWriter, create_mailbox
 from stages import messages as msg
-from stages.gpu_runner.mailbox import MailboxReader, MailboxWriter, create_mailbox
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -35,7 +35,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_slot_reuse_waits_for_release(instance: str, device: str) -> None:
     """On CUDA the consumer is another process: it opens the table and events by IPC handle."""
     ctx = mp.get_context("spawn")
-    name = create_mailbox(instance, num_slots=2, max_rows=4, num_consumers=1, cuda=device == "cuda")
+    name = create_mailbox(instance, num_slots=2, max_rows=4, logprob_width=4, num_consumers=1, cuda=device == "cuda")
     done = RingWriter(RingSegment.create(instance, "done", 4096))
     out = ctx.Array("q", 3 * 8)
     gate = ctx.Event()
@@ -77,7 +77,7 @@ def test_slot_reuse_waits_for_release(instance: str, device: str) -> None:
 
 def test_dead_consumer_raises_peer_died(instance: str) -> None:
     ctx = mp.get_context("spawn")
-    name = create_mailbox(instance, num_slots=2, max_rows=4, num_consumers=1, cuda=False)
+    name = create_mailbox(instance, num_slots=2, max_rows=4, logprob_width=4, num_consumers=1, cuda=False)
     child = ctx.Process(target=hold_forever, args=(name,), daemon=True)
     child.start()
     try:
@@ -85,7 +85,7 @@ def test_dead_consumer_raises_peer_died(instance: str) -> None:
         writer.write(0, np.array([1], np.int32))
         writer.write(1, np.array([2], np.int32))
         deadline = time.monotonic() + 20
-        while not _attached(name):  # the child registers its pid when it attaches
+        while not writer.consumer_pid(0):  # the child registers its pid when it attaches
             assert time.monotonic() < deadline
             time.sleep(0.01)
         child.kill()
@@ -101,18 +101,9 @@ def test_dead_consumer_raises_peer_died(instance: str) -> None:
         child.join(5)
 
 
-def _attached(name: str) -> bool:
-    from stages.gpu_runner import mailbox
-
-    probe = mailbox._open(name)
-    try:
-        return probe.slots[probe.consumer_field(0, mailbox._PID)] != 0
-    finally:
-        probe.close()
-
 
 def test_reader_refuses_a_slot_holding_another_step(instance: str) -> None:
-    name = create_mailbox(instance, num_slots=2, max_rows=4, num_consumers=1, cuda=False)
+    name = create_mailbox(instance, num_slots=2, max_rows=4, logprob_width=4, num_consumers=1, cuda=False)
     writer = MailboxWriter(name)
     reader = MailboxReader(name, 0)
     writer.write(0, np.array([5, 6], np.int32))

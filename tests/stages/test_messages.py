@@ -6,11 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.backend import OutputEvent
-from pipeline.sampling_params import SamplingParams
+from stages.contracts.outputs import OutputEvent
+from stages.contracts.params import SamplingParams
 from stages import messages as msg
-from stages.scheduler.plan import KVCopyMeta, NewRequest, StepPlan
-from stages.scheduler.request import FinishReason
+from stages.events import decode_events, encode_events
+from stages.contracts.plan import KVCopyMeta, NewRequest, StepPlan
+from stages.contracts.outputs import FinishReason
 
 i32 = st.integers(-(2**31), 2**31 - 1)
 
@@ -92,9 +93,10 @@ def test_generate_round_trips(req_id: int, prompt: str | list[int], params: Samp
 
 def test_manifest_event_and_reject_round_trip() -> None:
     manifest = msg.Manifest(7, np.array([3, 9], np.int64), np.array([1, 0], np.int32),
-                            [(3, FinishReason.LENGTH), (11, FinishReason.STOP)])
+                            [(3, FinishReason.LENGTH), (11, FinishReason.STOP)], slot=5)
     decoded = msg.decode_manifest(msg.encode_manifest(manifest))
     assert decoded.step == 7 and decoded.finished == manifest.finished
+    assert decoded.slot == 5
     assert np.array_equal(decoded.req_ids, manifest.req_ids) and np.array_equal(decoded.output_index, [1, 0])
 
     events = [
@@ -109,7 +111,7 @@ def test_manifest_event_and_reject_round_trip() -> None:
         OutputEvent(9, "ab", np.array([3], np.int32), finish_reason="stop", stop_reason="ç\n"),
         OutputEvent(10, "", np.array([0], np.int32), finish_reason="stop", stop_reason=0),
     ]
-    back = msg.decode_events(msg.encode_events(events), OutputEvent)
+    back = decode_events(encode_events(events))
     assert len(back) == len(events)
     for got, sent in zip(back, events):
         for name in ("req_id", "text", "finish_reason", "error_code", "error_message", "error_field", "stop_reason"):
@@ -117,7 +119,7 @@ def test_manifest_event_and_reject_round_trip() -> None:
         for name in ("token_ids", "prompt_token_ids", "logprobs", "logprob_token_ids"):
             x, y = getattr(got, name), getattr(sent, name)
             assert (x is None) == (y is None) and (x is None or np.array_equal(x, y)), name
-    assert msg.decode_events(msg.encode_events([]), OutputEvent) == []
+    assert decode_events(encode_events([])) == []
 
     rejection = msg.Rejection(8, "prompt_too_long", "", "prompt has 9 tokens")
     assert msg.decode_reject(msg.encode_reject(rejection)) == rejection

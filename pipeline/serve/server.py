@@ -1,40 +1,26 @@
-"""The daemon: an asyncio (uvloop) Unix-socket server that owns a Backend and routes requests.
+"""The daemon's routing: requests from connections to the backend, output events back.
 
 Each `Generate` gets a small integer `req_id` (the backend's name for it) and a public request
-id nobody can guess (what clients see). The stage supervisor's thread (pipeline/supervisor.py)
-blocks in `backend.read_events` and hands each batch of events to the event loop, which fans
-them out to the connections; when a stage dies it ends every request in flight with
-`stage_failed` and restarts the stages. Nothing on the event loop waits: a write to a connection
-only grows that client's transport buffer (past `max_unread_bytes` the daemon drops the
-connection, aborting its requests, rather than let one slow reader hold memory or stall the
-others), and a request that finds no room (`max_num_seqs + max_waiting` requests in flight, or
-a full request ring) is refused with `overloaded` at once.
-
-SIGTERM (`pipeline stop`) or SIGINT: stop accepting, let the requests in flight finish for up to
-`grace_s`, end the rest with `aborted`, close the stages, exit. A second signal ends the wait.
+id nobody can guess (what clients see). The stage supervisor's thread (supervisor.py) blocks in
+`backend.read_events` and hands each batch of events to the event loop, which fans them out to
+the connections; when a stage dies it ends every request in flight with `stage_failed` and
+restarts the stages. Nothing on the event loop waits: a write to a connection only grows that
+client's transport buffer (past `max_unread_bytes` the daemon drops the connection, aborting
+its requests, rather than let one slow reader hold memory or stall the others), and a request
+that finds no room (`max_num_seqs + max_waiting` requests in flight, or a full request ring) is
+refused with `overloaded` at once.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import resource
-import signal
-import socket
-import stat
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib import metadata
-from pathlib import Path
+from typing import Protocol
 
-import uvloop
-
-from pipeline.backend import Backend, EngineConfig, OutputEvent
-from pipeline.errors import ErrorCode, Overloaded, PipelineError, ProtocolError
-from pipeline.paths import ensure_socket_dir
+from pipeline.errors import ErrorCode, Overloaded, PipelineError
 from pipeline.protocol import (
     Abort,
     Aborted,
@@ -43,7 +29,6 @@ from pipeline.protocol import (
     Delta,
     Done,
     Error,
-    FrameDecoder,
     Generate,
     Health,
     HealthReply,
@@ -54,47 +39,23 @@ from pipeline.protocol import (
     StatsReply,
     TokenLogprobs,
     Usage,
-    encode_frame,
     error_for,
     new_request_id,
 )
-from pipeline.sampling_params import InvalidParams
-from pipeline.supervisor import BackendFactory, RestartPolicy, StageSupervisor
-from shm.naming import new_instance_id
+from pipeline.serve.backend import Backend
+from pipeline.serve.supervisor import RestartPolicy
 from shm.ring import RecordTooLarge
+from stages.contracts.outputs import OutputEvent
+from stages.contracts.params import InvalidParams
 from stages.process import IDLE_TICK_S
 
-log = logging.getLogger("pipeline.daemon")
+log = logging.getLogger("pipeline.serve")
 
-SOCKET_MODE = 0o600
 DEFAULT_MAX_UNREAD_BYTES = 64 * 1024 * 1024
-SHUTDOWN_FLUSH_S = 1.0
-LISTEN_BACKLOG = 1024  # connections the kernel queues before the loop accepts them: bursts of clients
-SUPERVISOR_STOP_S = 60.0  # how long shutting down waits for a restart in progress
 DEFAULT_GRACE_S = 30.0
 MIN_STALL_S = 2 * IDLE_TICK_S
 DEFAULT_STALL_S = 30.0  # generous: one CPU step of a large batch can take seconds
 DEFAULT_MAX_WAITING = 1024
-
-
-class DaemonAlreadyRunning(PipelineError):
-    """Another daemon answers on the socket this one was asked to use."""
-
-
-def pid_file_for(socket_path: Path) -> Path:
-    """Where the daemon serving `socket_path` writes its pid (`pipeline stop` reads it)."""
-    return socket_path.with_name(socket_path.name + ".pid")
-
-
-def read_daemon_pid(socket_path: Path) -> int:
-    """The pid in the pid file of the daemon on `socket_path`. Ask the daemon something first: the
-    file alone could name a recycled pid. PipelineError if the file is missing or unreadable."""
-    pid_file = pid_file_for(socket_path)
-    try:
-        return int(pid_file.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        raise PipelineError(f"a daemon answers on {socket_path} but its pid file {pid_file} is missing "
-                            f"or unreadable") from None
 
 
 def _version() -> str:
@@ -133,6 +94,18 @@ class DaemonConfig:
         return RestartPolicy(self.max_restarts, self.restart_window_s)
 
 
+class Connection(Protocol):
+    """One client's end, as the server sees it: replies go out through `send`, which never waits."""
+
+    requests: dict[str, Request]  # this connection's running requests by public id
+
+    def send(self, message: ServerMessage) -> None: ...
+
+    def close(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
 class BackendState(Enum):
     SERVING = "serving"
     RESTARTING = "restarting"  # a stage died; the supervisor is starting fresh ones
@@ -140,10 +113,10 @@ class BackendState(Enum):
 
 
 @dataclass(slots=True)
-class _Request:
+class Request:
     req_id: int
     request_id: str
-    connection: _Connection
+    connection: Connection
     stream: bool
     num_logprobs: int | None
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -162,53 +135,6 @@ def _token_logprobs(event: OutputEvent) -> list[TokenLogprobs] | None:
     return [TokenLogprobs(ids[0], lps[0], ids[1:], lps[1:]) for ids, lps in zip(token_ids, logprobs)]
 
 
-class _Connection(asyncio.Protocol):
-    """One client connection: decodes its frames, sends replies without ever awaiting."""
-
-    def __init__(self, server: DaemonServer) -> None:
-        self._server = server
-        self._decoder: FrameDecoder[ClientMessage] = FrameDecoder(ClientMessage)
-        self.transport: asyncio.Transport | None = None
-        self.requests: dict[str, _Request] = {}  # this connection's running requests by public id
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self._server.connections.add(self)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self._decoder.feed(data)
-            while (message := self._decoder.next_message()) is not None:
-                self._server.handle(self, message)
-        except ProtocolError as exc:
-            self.send(error_for(exc))
-            self.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._server.drop_connection(self)
-
-    def send(self, message: ServerMessage) -> None:
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        try:
-            frame = encode_frame(message)
-        except ProtocolError as exc:  # a reply over the frame limit: report it instead
-            frame = encode_frame(error_for(exc, getattr(message, "request_id", None)))
-        transport.write(frame)
-        if transport.get_write_buffer_size() > self._server.max_unread_bytes:
-            log.warning("dropping a client that left %d bytes unread", transport.get_write_buffer_size())
-            transport.abort()
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()  # flushes what is buffered, then connection_lost runs
-
-    def abort(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()  # drops what is buffered
-
-
 class DaemonServer:
     """Routing between connections and the backend. Runs on the event loop's thread only."""
 
@@ -220,14 +146,14 @@ class DaemonServer:
         self.max_unread_bytes = config.max_unread_bytes
         self.max_num_seqs = max_num_seqs
         self.max_in_flight_requests = max_num_seqs + config.max_waiting
-        self.connections: set[_Connection] = set()
+        self.connections: set[Connection] = set()
         self.started_at = time.monotonic()
         self.state = BackendState.SERVING
         self.last_failure: str | None = None  # why the stages last died
         self.down_reason: str | None = None  # why they were not restarted (state DOWN)
         self.num_restarts = 0
         self.shutting_down = False
-        self._requests: dict[int, _Request] = {}  # by backend req_id: accepted and not finished
+        self._requests: dict[int, Request] = {}  # by backend req_id: accepted and not finished
         self._idle = asyncio.Event()  # no request in flight
         self._idle.set()
         self._next_req_id = 0
@@ -238,7 +164,7 @@ class DaemonServer:
 
     # ---- client messages
 
-    def handle(self, connection: _Connection, message: ClientMessage) -> None:
+    def handle(self, connection: Connection, message: ClientMessage) -> None:
         if isinstance(message, Generate):
             self._generate(connection, message)
         elif isinstance(message, Abort):
@@ -250,7 +176,7 @@ class DaemonServer:
         elif isinstance(message, Profile):
             self._profile(connection, message)
 
-    def _profile(self, connection: _Connection, message: Profile) -> None:
+    def _profile(self, connection: Connection, message: Profile) -> None:
         """A capture's start or stop waits on every stage (a stop writes their traces: seconds), so
         it runs on a worker thread; the reply goes out when it is done."""
         backend = self.backend
@@ -267,7 +193,7 @@ class DaemonServer:
         future = asyncio.get_running_loop().run_in_executor(None, call)
         future.add_done_callback(lambda done: connection.send(_profile_reply(message.action, done)))
 
-    def _generate(self, connection: _Connection, message: Generate) -> None:
+    def _generate(self, connection: Connection, message: Generate) -> None:
         try:
             params = message.params.to_params()
         except InvalidParams as exc:
@@ -280,7 +206,7 @@ class DaemonServer:
         request_id = new_request_id()
         req_id = self._next_req_id
         self._next_req_id += 1
-        request = _Request(req_id, request_id, connection, message.stream, params.logprobs)
+        request = Request(req_id, request_id, connection, message.stream, params.logprobs)
         if isinstance(message.prompt, list):
             request.prompt_token_ids = list(message.prompt)
         try:
@@ -322,7 +248,7 @@ class DaemonServer:
                      f"the daemon is at its limit of {self.max_in_flight_requests} requests in flight "
                      f"(max_num_seqs {self.max_num_seqs} + max_waiting {self.config.max_waiting}); retry later")
 
-    def _abort(self, connection: _Connection, request_id: str) -> None:
+    def _abort(self, connection: Connection, request_id: str) -> None:
         # Only the connection that made a request may abort it by message.
         request = connection.requests.get(request_id)
         if request is None:
@@ -334,7 +260,7 @@ class DaemonServer:
         connection.send(Error(ErrorCode.ABORTED.value, "aborted by the client", None, request_id))
         connection.send(Aborted(request_id))
 
-    def drop_connection(self, connection: _Connection) -> None:
+    def drop_connection(self, connection: Connection) -> None:
         """A closed connection aborts every request still running on it."""
         self.connections.discard(connection)
         for request in list(connection.requests.values()):
@@ -349,7 +275,7 @@ class DaemonServer:
         except PipelineError as exc:  # a stage died; the supervisor ends every request in a moment
             log.warning("could not abort request %d: %s", req_id, exc.message)
 
-    def _forget(self, request: _Request) -> None:
+    def _forget(self, request: Request) -> None:
         self._requests.pop(request.req_id, None)
         request.connection.requests.pop(request.request_id, None)
         if not self._requests:
@@ -364,7 +290,7 @@ class DaemonServer:
                 continue  # aborted or dropped meanwhile: its last tokens go nowhere
             self._on_event(request, event)
 
-    def _on_event(self, request: _Request, event: OutputEvent) -> None:
+    def _on_event(self, request: Request, event: OutputEvent) -> None:
         connection = request.connection
         if event.prompt_token_ids is not None:
             request.prompt_token_ids = event.prompt_token_ids.tolist()
@@ -521,156 +447,3 @@ def _profile_reply(action: str, done: asyncio.Future) -> ServerMessage:
     if isinstance(exc, (PipelineError, InvalidParams)):
         return error_for(exc)
     return Error(ErrorCode.STAGE_FAILED.value, f"profile {action} failed: {type(exc).__name__}: {exc}")
-
-
-def claim_socket_path(socket_path: Path) -> None:
-    """Makes the socket's directory (0700) and removes a stale socket file.
-
-    Raises DaemonAlreadyRunning if a daemon answers there, and PipelineError if the path holds
-    something that is not a socket (it is not ours to delete).
-    """
-    ensure_socket_dir(socket_path)
-    try:
-        info = os.lstat(socket_path)
-    except FileNotFoundError:
-        pid_file_for(socket_path).unlink(missing_ok=True)  # no socket: any pid file there is stale
-        return
-    if not stat.S_ISSOCK(info.st_mode):
-        raise PipelineError(f"{socket_path} exists and is not a socket; remove it or choose another --socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(socket_path))
-    except (ConnectionRefusedError, FileNotFoundError):
-        socket_path.unlink(missing_ok=True)  # left by a daemon that died, with its pid file
-        pid_file_for(socket_path).unlink(missing_ok=True)
-        return
-    finally:
-        probe.close()
-    raise DaemonAlreadyRunning(f"a pipeline daemon is already running on {socket_path} (stop it with `pipeline stop`)")
-
-
-def raise_open_file_limit() -> int:
-    """Lifts the soft limit on open files to the hard one, since every client connection holds a
-    descriptor; returns the soft limit now in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == hard:
-        return soft
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError):  # an unlimited hard limit may exceed what the kernel allows
-        return soft
-    return hard
-
-
-@contextmanager
-def _exit_on_sigterm() -> Iterator[None]:
-    """Until the event loop handles signals, SIGTERM raises SystemExit: the stages starting then
-    are stopped and their /dev/shm entries removed, instead of the daemon dying with them live."""
-
-    def exit_now(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, exit_now)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-async def _wait_first(*waits: Awaitable[object], timeout_s: float) -> None:
-    """Returns when the first of `waits` is done, or after timeout_s."""
-    tasks = [asyncio.ensure_future(wait) for wait in waits]
-    try:
-        await asyncio.wait(tasks, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-def _unlink_if_ours(path: Path, inode: int) -> None:
-    """Removes `path` unless it is no longer the file we made (a daemon started after us made it)."""
-    try:
-        if os.lstat(path).st_ino == inode:
-            path.unlink()
-    except FileNotFoundError:
-        pass
-
-
-async def _serve(server: DaemonServer, supervisor: StageSupervisor, socket_path: Path,
-                 ready: Callable[[], None] | None) -> None:
-    loop = asyncio.get_running_loop()
-    old_umask = os.umask(0o177)  # the socket is born 0600: no window in which others may connect
-    try:
-        listener = await loop.create_unix_server(lambda: _Connection(server), path=str(socket_path),
-                                                 backlog=LISTEN_BACKLOG)
-    finally:
-        os.umask(old_umask)
-    os.chmod(socket_path, SOCKET_MODE)
-    pid_file = pid_file_for(socket_path)
-    pid_file.write_text(f"{os.getpid()}\n")
-    ours = {socket_path: os.lstat(socket_path).st_ino, pid_file: os.lstat(pid_file).st_ino}
-    stop, hurry = asyncio.Event(), asyncio.Event()
-
-    def on_signal() -> None:
-        (hurry if stop.is_set() else stop).set()  # a second signal cuts the grace period short
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal)
-    supervisor.start()
-    log.info("pipeline daemon (pid %d) listening on %s", os.getpid(), socket_path)
-    if ready is not None:
-        ready()
-    try:
-        await stop.wait()
-        grace_s = server.config.grace_s
-        log.info("pipeline daemon shutting down: %d requests in flight get up to %g s to finish",
-                 server.num_in_flight, grace_s)
-        listener.close()
-        server.begin_shutdown()
-        supervisor.stop_restarting()
-        await _wait_first(server.wait_idle(), hurry.wait(), timeout_s=grace_s)
-    finally:
-        listener.close()
-        server.shut_down()
-        # Closing transports flush their last replies first; a client that reads nothing
-        # would hold that up for ever, so whatever is left after a grace period is cut off.
-        deadline = loop.time() + SHUTDOWN_FLUSH_S
-        while server.connections and loop.time() < deadline:
-            await asyncio.sleep(0.01)
-        for connection in list(server.connections):
-            connection.abort()
-        await loop.run_in_executor(None, supervisor.stop, SUPERVISOR_STOP_S)
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
-        for path, inode in ours.items():
-            _unlink_if_ours(path, inode)
-
-
-def run_daemon(config: EngineConfig, socket_path: Path | str, backend_factory: BackendFactory = Backend,
-               ready: Callable[[], None] | None = None, settings: DaemonConfig | None = None) -> int:
-    """Serves until SIGTERM or SIGINT, then shuts down as DaemonConfig says (grace period),
-    closes the stages and removes the socket; returns 0.
-
-    `ready` is called once the socket answers. Raises DaemonAlreadyRunning when another daemon
-    serves `socket_path`, ValueError naming a bad setting.
-    """
-    settings = settings or DaemonConfig()
-    settings.check()
-    socket_path = Path(socket_path)
-    claim_socket_path(socket_path)
-    raise_open_file_limit()
-    with _exit_on_sigterm():
-        backend = backend_factory(config, new_instance_id())  # sweeps what dead instances left in /dev/shm
-    loop = uvloop.new_event_loop()
-    server = DaemonServer(backend, config.max_num_seqs, settings)
-    supervisor = StageSupervisor(backend, backend_factory, config, settings.restart_policy(), server, loop)
-    try:
-        loop.run_until_complete(_serve(server, supervisor, socket_path, ready))
-    finally:
-        supervisor.stop(SUPERVISOR_STOP_S)  # closes the stages, if _serve did not get that far
-        loop.close()
-    return 0
-
-
-__all__ = ["BackendState", "DaemonAlreadyRunning", "DaemonConfig", "DaemonServer", "claim_socket_path", "pid_file_for",
-           "raise_open_file_limit", "run_daemon"]

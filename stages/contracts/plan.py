@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.sampling_params import SamplingParams
+from stages.contracts.params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -34,7 +34,7 @@ def ensure_default_model(target: Path | None = None) -> Path:
     target = default_model_dir() if target is None else Path(target)
     if all((target / name).is_file() for name in _REQUIRED_FILES):
         return target
-    from pipeline.tiny_model import make_tiny_model  # imports torch: only when a build is needed
+    from pipeline.models.tiny_model import make_tiny_model  # imports torch: only when a build is needed
 
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".default-model-", dir=target.parent))

@@ -1,4 +1,4 @@
-"""KV connector interface: an external KV store beside the device prefix cache.
+"""KV connector interfaces: an external KV store beside the device prefix cache.
 
 The scheduler side decides (which blocks the store can supply, which to copy where) and
 writes it into each plan's `connector_meta`; the runner side only executes that metadata.
@@ -6,9 +6,10 @@ writes it into each plan's `connector_meta`; the runner side only executes that 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class KVConnectorScheduler(ABC):

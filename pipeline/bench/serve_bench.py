@@ -32,7 +32,7 @@ import numpy as np
 from pipeline.client import AsyncClient, Prompt
 from pipeline.errors import PipelineError
 from pipeline.paths import default_socket_path
-from pipeline.sampling_params import InvalidParams, SamplingParams
+from stages.contracts.params import InvalidParams, SamplingParams
 
 PERCENTILES = (50, 90, 99)
 TABLE_WIDTH = 50

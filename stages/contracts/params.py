@@ -1,8 +1,8 @@
-"""Sampling parameters of one request, validated where they are made."""
+"""Sampling parameters of one request and their limits, validated where a request enters."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # Limits on what one request may ask for. Each bounds work or memory a client could otherwise
 # make the daemon spend, and each value must fit the stages' binary layouts (int32 token ids).
@@ -69,6 +69,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.validate()
 
+    @classmethod
+    def trusted(cls, **values: object) -> SamplingParams:
+        """Params that were validated where the request entered (the daemon or `LLM`), rebuilt
+        inside the engine from a ring record: every field given, nothing checked again."""
+        params = object.__new__(cls)
+        for name in _FIELD_NAMES:
+            setattr(params, name, values[name])
+        return params
+
     def validate(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, MAX_MAX_TOKENS)
         _check_range("temperature", self.temperature, 0.0, 100.0)
@@ -102,3 +111,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))

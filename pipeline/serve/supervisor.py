@@ -16,21 +16,32 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from pipeline.backend import Backend, EngineConfig
 from pipeline.errors import StageFailed
+from pipeline.serve.backend import Backend, BackendFactory
 from shm.naming import new_instance_id
+from stages.contracts.config import EngineConfig
+from stages.contracts.outputs import OutputEvent
 
-if TYPE_CHECKING:
-    from pipeline.daemon import DaemonServer
-
-log = logging.getLogger("pipeline.supervisor")
+log = logging.getLogger("pipeline.serve.supervisor")
 
 EVENT_POLL_S = 0.1  # how long one read_events call blocks: bounds how late the thread sees a stop
 LOOP_CALL_POLL_S = 0.1
 
-BackendFactory = Callable[[EngineConfig, str], Backend]
+
+class BackendEvents(Protocol):
+    """What the supervisor reports, each call made on the daemon's event loop."""
+
+    def on_events(self, events: list[OutputEvent]) -> None: ...
+
+    def on_backend_failed(self, reason: str) -> None:
+        """A stage died: end or park the requests in flight; let go of the backend."""
+
+    def on_backend_restarted(self, backend: Backend) -> None: ...
+
+    def on_restarts_stopped(self, reason: str) -> None:
+        """No restart is allowed (or it failed): the daemon stays down, saying why."""
 
 
 @dataclass(slots=True)
@@ -69,7 +80,7 @@ class StageSupervisor:
     """Owns the daemon's backends from the first one on: pumps, restarts, and finally closes them."""
 
     def __init__(self, backend: Backend, factory: BackendFactory, config: EngineConfig, policy: RestartPolicy,
-                 server: DaemonServer, loop: asyncio.AbstractEventLoop) -> None:
+                 server: BackendEvents, loop: asyncio.AbstractEventLoop) -> None:
         self._backend: Backend | None = backend
         self._factory = factory
         self._config = config

@@ -1,13 +1,10 @@
-"""The daemon's handle on the stage processes: submit requests, abort them, read their output.
+"""The stage processes as the daemon's backend: submit requests, abort them, read their output.
 
-`Backend` creates every ring of its instance (`/pipeline-<instance>-<link>`) and the status
-board, spawns the stages (runner, scheduler, detokenizer, `num_tokenizers` tokenizer workers),
-waits until each reports ready, and then only writes requests and aborts and reads output
-events. The runner makes the token mailbox itself, since its kind follows the runner's device.
-
-    daemon -generate{i}-> tokenizer{i} -tokenized{i}-> scheduler -plan-> runner
-    daemon -abort-> scheduler            runner -done-> scheduler, detokenizer (broadcast)
-    scheduler -manifest-> detokenizer -events-> daemon;   detokenizer -stop_strings-> scheduler
+`StageBackend` creates every link of its instance (`/pipeline-<instance>-<link>`, from the table
+in stages/contracts/topology.py) and the status board, spawns the stages the table names
+(runner, scheduler, detokenizer, `num_tokenizers` tokenizer workers), waits until each reports
+ready, and then only writes requests and aborts and reads output events. The runner makes the
+token mailbox itself, since its kind follows the runner's device.
 """
 from __future__ import annotations
 
@@ -21,31 +18,25 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
-from pathlib import Path
-
-import numpy as np
 
 from pipeline.errors import Overloaded, StageFailed
-from pipeline.sampling_params import SamplingParams
+from pipeline.serve.backend import BackendStats, StageHealth
+from pipeline.serve.profile_control import ProfileControl
+from shm.mailbox import unlink_mailbox
 from shm.naming import pid_alive, ring_name, sweep_stale, unlink_instance
 from shm.ring import RingReader, RingTimeout, RingWriter
 from shm.segment import PeerDied, RingSegment
-from stages.gpu_runner.mailbox import unlink_mailbox
-from stages.messages import Kind, decode_events, encode_generate, encode_req_id
+from stages.contracts.config import EngineConfig
+from stages.contracts.outputs import OutputEvent
+from stages.contracts.params import SamplingParams
+from stages.contracts.topology import DAEMON, links, stages
+from stages.events import decode_events
+from stages.messages import Kind, encode_generate, encode_req_id
 from stages.process import EXIT_PEER_DIED, launch
-from stages.profiling import ProfileControl
 from stages.status import StatusBoard
 
-log = logging.getLogger("pipeline.backend")
+log = logging.getLogger("pipeline.serve.stage_backend")
 
-TOKENIZER_FILE = "tokenizer.json"
-REQUEST_RING_BYTES = 4 << 20
-PLAN_RING_BYTES = 16 << 20  # a plan carries every admitted request's whole prompt
-EVENT_RING_BYTES = 8 << 20
-CONTROL_RING_BYTES = 1 << 16
-MIN_MAILBOX_SLOTS = 3  # two steps in flight (async) plus the one being written
-MAX_TOKENIZERS = 32
 LIVENESS_CHECK_S = 0.1  # read_events looks at the stage processes at least this often
 MAX_RECORDS_PER_READ = 64  # event batches one read_events call returns at most
 READY_POLL_S = 0.01
@@ -54,62 +45,7 @@ REAP_WAIT_S = 1.0  # how long a stage seen dead may take to become reapable (its
 MIN_RATE_WINDOW_S = 0.5
 
 
-@dataclass(slots=True)
-class EngineConfig:
-    model: str  # checkpoint directory
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    max_num_batched_tokens: int = 8192
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    num_tokenizers: int = 1
-    async_scheduling: bool = True
-    enable_prefix_caching: bool = True
-    kv_connector: str | None = None  # None | "offload"
-    seed: int | None = None  # the runner's generator, for unseeded sampling
-    mailbox_slots: int = 8  # token mailbox slots: more than the steps that can be in flight
-    start_timeout_s: float = 300.0  # how long the stages may take to load the model and get ready
-
-
-@dataclass(slots=True)
-class OutputEvent:
-    """New output of one request. The last event of a request has finish_reason or error set."""
-
-    req_id: int
-    text: str  # new text since the last event
-    token_ids: np.ndarray  # int32: new token ids since the last event
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
-    prompt_token_ids: np.ndarray | None = None  # int32, in the request's first event
-    logprobs: np.ndarray | None = None  # float32 [len(token_ids), 1 + k] when asked
-    logprob_token_ids: np.ndarray | None = None  # int32 [len(token_ids), 1 + k]
-    error_code: str | None = None  # wire error code when the request was refused
-    error_message: str | None = None
-    error_field: str | None = None
-    stop_reason: str | int | None = None  # the stop string or stop token id that ended it; None for EOS
-
-
-@dataclass(slots=True)
-class StageHealth:
-    name: str
-    pid: int
-    alive: bool
-    heartbeat_age_s: float  # seconds since the stage's loop last went round
-
-
-@dataclass(slots=True)
-class BackendStats:
-    num_waiting: int
-    num_running: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    generated_tokens_per_s: float
-    num_restarts: int
-    prefix_cache_hit_rate: float = 0.0
-
-
-class Backend:
+class StageBackend:
     """The stage processes of one engine instance and the daemon's ends of their rings.
 
     Threads: `read_events` is meant for one thread; `submit`, `abort`, `health`, `stats` may be
@@ -118,7 +54,8 @@ class Backend:
 
     def __init__(self, config: EngineConfig, instance: str) -> None:
         """Creates the rings and the mailbox, spawns the stages, returns once all are ready."""
-        _check_config(config)
+        if not config.tokenizer_path.is_file():
+            raise ValueError(f"model {config.model!r} has no {config.tokenizer_path.name}")
         self.config = config
         self.instance = instance
         self._lock = threading.Lock()
@@ -145,52 +82,33 @@ class Backend:
         self._board = StatusBoard.create(instance)
         self._profile = ProfileControl(
             self._board, lambda: {index: name for index, (name, p) in enumerate(self._procs) if p.is_alive()})
-        segments: dict[str, RingSegment] = {}
-
-        def ring(link: str, capacity_bytes: int, num_readers: int = 1) -> str:
-            segments[link] = RingSegment.create(instance, link, capacity_bytes, num_readers)
-            return segments[link].name
-
-        num_tok = config.num_tokenizers
-        rings = {
-            "generate": [ring(f"generate{i}", REQUEST_RING_BYTES) for i in range(num_tok)],
-            "tokenized": [ring(f"tokenized{i}", REQUEST_RING_BYTES) for i in range(num_tok)],
-            "abort": ring("abort", CONTROL_RING_BYTES),
-            "plan": ring("plan", PLAN_RING_BYTES),
-            "done": ring("done", CONTROL_RING_BYTES, num_readers=2),
-            "manifest": ring("manifest", PLAN_RING_BYTES),
-            "stop_strings": ring("stop_strings", CONTROL_RING_BYTES),
-            "events": ring("events", EVENT_RING_BYTES),
-        }
-        # The daemon's own ends; the creator's mappings of the others are not needed.
-        self._generate = [RingWriter(segments[f"generate{i}"]) for i in range(num_tok)]
-        self._abort = RingWriter(segments["abort"])
-        self._events = RingReader(segments["events"])
-        self._writers = [*self._generate, self._abort]
-        self._readers = [self._events]
-        for link, segment in segments.items():
-            if not (link.startswith("generate") or link in ("abort", "events")):
-                segment.close()
-        model_dir = Path(config.model)
-        tokenizer_file = model_dir / TOKENIZER_FILE
-        common = {
-            "instance": instance, "parent_pid": os.getpid(), "status": self._board.name,
-            "mailbox": ring_name(instance, "mailbox"), "tokenizer_path": str(tokenizer_file),
-            "start_timeout_s": config.start_timeout_s, "config": _plain(config),
-        }
-        stages = [("runner", "stages.gpu_runner.stage", {"plan": rings["plan"], "done": rings["done"]}),
-                  ("scheduler", "stages.scheduler.stage", rings),
-                  ("detokenizer", "stages.detokenizer.stage", rings)]
-        stages += [(f"tokenizer{i}", "stages.tokenizer.stage",
-                    {"generate": rings["generate"][i], "tokenized": rings["tokenized"][i]}) for i in range(num_tok)]
+        ring_names: dict[str, str] = {}
+        writers: dict[str, RingWriter] = {}
+        readers: dict[str, RingReader] = {}
+        for link in links(config.num_tokenizers):
+            segment = RingSegment.create(instance, link.name, link.capacity_bytes, len(link.readers))
+            ring_names[link.name] = segment.name
+            if link.writer == DAEMON:
+                writers[link.name] = RingWriter(segment)
+            elif DAEMON in link.readers:
+                readers[link.name] = RingReader(segment, link.reader_index(DAEMON))
+            else:
+                segment.close()  # the creator's mapping is not needed: the stages attach by name
+        self._writers, self._readers = list(writers.values()), list(readers.values())
+        self._generate = [writers[f"generate{i}"] for i in range(config.num_tokenizers)]
+        self._abort = writers["abort"]
+        self._events = readers["events"]
+        common = {"instance": instance, "parent_pid": os.getpid(), "status": self._board.name,
+                  "mailbox": ring_name(instance, "mailbox"), "links": ring_names, "config": config.to_dict()}
         ctx = mp.get_context("spawn")
-        for index, (name, module, stage_rings) in enumerate(stages):
-            spec = dict(common, name=name, index=index, rings=stage_rings)
+        for index, stage in enumerate(stages(config.num_tokenizers)):
+            spec = dict(common, name=stage.name, index=index)
             # Not daemonic, so a daemon that is itself a multiprocessing child may start stages;
             # the atexit hook registered in __init__ stops them if the owner exits without close().
-            process = ctx.Process(target=_stage_process, args=(module, json.dumps(spec)), name=f"pipeline-{name}")
+            process = ctx.Process(target=_stage_process, args=(stage.module, json.dumps(spec)),
+                                  name=f"pipeline-{stage.name}")
             process.start()
-            self._procs.append((name, process))
+            self._procs.append((stage.name, process))
         self._wait_ready()
         # Every end has attached: the rings unlinked themselves; these two are ours to unlink.
         unlink_mailbox(ring_name(instance, "mailbox"))
@@ -237,7 +155,7 @@ class Backend:
         """Queue a request without ever waiting (the daemon calls this on its event loop).
 
         Raises Overloaded when the tokenizer worker's request ring is full (it is that far behind),
-        RecordTooLarge when the prompt cannot fit a record (REQUEST_RING_BYTES), StageFailed if
+        RecordTooLarge when the prompt cannot fit a record of the request ring, StageFailed if
         the tokenizer worker died.
         """
         _check_req_id(req_id)
@@ -249,8 +167,8 @@ class Backend:
             index = self._next_tokenizer
             self._next_tokenizer = (index + 1) % len(self._generate)
             if not self._write(self._generate[index], Kind.GENERATE, parts):
-                raise Overloaded(f"the request ring of tokenizer{index} is full ({REQUEST_RING_BYTES} bytes of "
-                                 "requests not yet tokenized); retry later")
+                raise Overloaded(f"the request ring of tokenizer{index} is full ({self._generate[index].capacity_bytes} "
+                                 "bytes of requests not yet tokenized); retry later")
             self._live.add(req_id)
 
     def abort(self, req_id: int) -> None:
@@ -305,12 +223,12 @@ class Backend:
                 return []
         events: list[OutputEvent] = []
         for _ in range(MAX_RECORDS_PER_READ):
-            events.extend(decode_events(record.payload, OutputEvent))
+            events.extend(decode_events(record.payload))
             record = self._events.try_read()
             if record is None:
                 break
         self._events.release()
-        finished = [e.req_id for e in events if e.finish_reason is not None or e.error_code is not None]
+        finished = [e.req_id for e in events if e.is_last]
         if finished:
             with self._lock:
                 self._live.difference_update(finished)
@@ -403,31 +321,7 @@ def _stage_process(module: str, spec_json: str) -> None:
         os._exit(code)
 
 
-def _plain(config: EngineConfig) -> dict[str, object]:
-    """The config as JSON-able values, for the stage specs."""
-    return {name: getattr(config, name) for name in EngineConfig.__slots__}
-
 
 def _check_req_id(req_id: int) -> None:
     if isinstance(req_id, bool) or not isinstance(req_id, int) or not 0 <= req_id < 2**63:
         raise ValueError(f"req_id must be an integer in [0, 2**63), got {req_id!r}")
-
-
-def _check_config(config: EngineConfig) -> None:
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_tokenizers", "mailbox_slots"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if config.mailbox_slots < MIN_MAILBOX_SLOTS:
-        raise ValueError(f"mailbox_slots must be at least {MIN_MAILBOX_SLOTS} (the steps that can be in flight "
-                         f"plus one), got {config.mailbox_slots}")
-    if config.num_tokenizers > MAX_TOKENIZERS:
-        raise ValueError(f"num_tokenizers must be at most {MAX_TOKENIZERS}, got {config.num_tokenizers}")
-    if config.device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {config.device!r}")
-    if config.kv_connector not in (None, "offload"):
-        raise ValueError(f"kv_connector must be None or 'offload', got {config.kv_connector!r}")
-    if not (Path(config.model) / TOKENIZER_FILE).is_file():
-        raise ValueError(f"model {config.model!r} has no {TOKENIZER_FILE}")
-    if not config.start_timeout_s > 0:
-        raise ValueError(f"start_timeout_s must be positive, got {config.start_timeout_s!r}")

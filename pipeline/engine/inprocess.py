@@ -1,0 +1,146 @@
+"""The engine in the daemon's own process: a Backend stepped by one thread, no rings, no stages.
+
+The same scheduler, runner and output processor as the stage processes, driven by the one-process
+engine loop (`Engine`) in a thread: the daemon cannot tell the difference, requests go in and
+`OutputEvent`s come out. `pipeline start --in-process` serves with it; it suits debugging and
+small deployments, and gives up only the overlap of host work across processes.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from pipeline.engine.llm import LLM
+from pipeline.errors import StageFailed
+from pipeline.serve.backend import BackendStats, StageHealth
+from stages.contracts.config import EngineConfig
+from stages.contracts.outputs import OutputEvent
+from stages.contracts.params import SamplingParams
+from stages.tokenizer.prompt_check import check_prompt
+
+IDLE_WAIT_S = 0.1  # how long the idle engine thread blocks for a request before it beats again
+
+
+@dataclass(slots=True)
+class _Submit:
+    req_id: int
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class _Abort:
+    req_id: int
+
+
+class InProcessBackend:
+    def __init__(self, config: EngineConfig, instance: str) -> None:
+        self.instance = instance
+        self.llm = LLM(config.model, **{name: value for name, value in config.to_dict().items() if name != "model"})
+        self._engine = self.llm.engine
+        self._inbox: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
+        self._events: list[OutputEvent] = []
+        self._events_ready = threading.Condition()
+        self._failure: str | None = None
+        self._closing = threading.Event()
+        self._num_generated = 0
+        self._started_at = time.monotonic()
+        self._heartbeat = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="pipeline-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the Backend protocol
+
+    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> None:
+        if self._failure is not None:
+            raise StageFailed(self._failure)
+        self._inbox.put(_Submit(req_id, prompt, params))
+
+    def abort(self, req_id: int) -> None:
+        self._inbox.put(_Abort(req_id))
+
+    def read_events(self, timeout_s: float) -> list[OutputEvent]:
+        with self._events_ready:
+            self._events_ready.wait_for(lambda: self._events or self._failure is not None, timeout=timeout_s)
+            if self._failure is not None:
+                raise StageFailed(self._failure)
+            events, self._events = self._events, []
+        return events
+
+    def health(self) -> list[StageHealth]:
+        return [StageHealth("engine", os.getpid(), self._thread.is_alive(), time.monotonic() - self._heartbeat)]
+
+    def stats(self) -> BackendStats:
+        stats = self.llm.scheduler.stats()
+        elapsed_s = max(time.monotonic() - self._started_at, 1e-9)
+        return BackendStats(stats.num_waiting, stats.num_running + stats.num_draining, stats.num_used_blocks,
+                            stats.num_free_blocks, self._num_generated / elapsed_s, 0,
+                            prefix_cache_hit_rate=stats.num_prefix_hit_tokens / max(stats.num_prefix_queried_tokens, 1))
+
+    def start_profile(self, directory: str) -> None:
+        raise StageFailed("the in-process engine has no stage processes to profile; profile the daemon itself")
+
+    def stop_profile(self) -> list[str]:
+        raise StageFailed("the in-process engine has no stage processes to profile")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._closing.set()
+        self._inbox.put(None)
+        self._thread.join(timeout_s)
+
+    # ---- the engine thread
+
+    def _run(self) -> None:
+        try:
+            while not self._closing.is_set():
+                self._take_inbox(block=not self._engine.busy)
+                self._heartbeat = time.monotonic()
+                if self._engine.busy:
+                    self._emit(self._engine.step())
+        except Exception as exc:  # noqa: BLE001 - a dead engine, as the daemon will see it
+            with self._events_ready:
+                self._failure = f"the engine thread died: {type(exc).__name__}: {exc}"
+                self._events_ready.notify_all()
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        events: list[OutputEvent] = []
+        while item is not None:
+            if isinstance(item, _Submit):
+                events.extend(self.add(item.req_id, item.prompt, item.params))
+            else:
+                event = self._engine.abort(item.req_id)
+                if event is not None:
+                    events.append(event)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        self._emit(events)
+
+    def add(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> list[OutputEvent]:
+        """Tokenizes and checks the prompt, then hands the request to the engine; a refused prompt
+        gives its one error event."""
+        token_ids = prompt
+        if isinstance(prompt, str):
+            token_ids = self.llm.tokenizer.encode(prompt, add_special_tokens=False).ids
+        problem = check_prompt(token_ids, self.llm.vocab_size, self.llm.max_model_len)
+        if problem is not None:
+            return [self._engine.outputs.reject(req_id, problem.code, problem.message, problem.field or None)]
+        self._engine.add_request(req_id, token_ids, params)
+        return []
+
+    def _emit(self, events: list[OutputEvent]) -> None:
+        if not events:
+            return
+        self._num_generated += sum(len(event.token_ids) for event in events)
+        with self._events_ready:
+            self._events.extend(events)
+            self._events_ready.notify_all()
+

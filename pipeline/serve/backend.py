@@ -1,0 +1,64 @@
+"""What the daemon needs of an engine: the `Backend` protocol, and the health and stats it reports.
+
+Two backends serve it: `StageBackend` (pipeline/serve/stage_backend.py), the stage processes
+joined by rings, and `InProcessBackend` (pipeline/engine/inprocess.py), the same engine stepped
+by a thread of the daemon's own process. The daemon and the stage supervisor see only this.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from stages.contracts.config import EngineConfig
+from stages.contracts.outputs import OutputEvent
+from stages.contracts.params import SamplingParams
+
+
+@dataclass(slots=True)
+class StageHealth:
+    name: str
+    pid: int
+    alive: bool
+    heartbeat_age_s: float  # seconds since the stage's loop last went round
+
+
+@dataclass(slots=True)
+class BackendStats:
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    generated_tokens_per_s: float
+    num_restarts: int
+    prefix_cache_hit_rate: float = 0.0
+
+
+class Backend(Protocol):
+    """The engine behind the daemon. `read_events` is called by one thread (the supervisor's);
+    the other methods may be called from another (the event loop's)."""
+
+    instance: str
+
+    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> None:
+        """Queue a request without waiting; Overloaded when there is no room now, StageFailed
+        when the engine is down."""
+
+    def abort(self, req_id: int) -> None:
+        """Stop a request; its last event has finish_reason "abort". Unknown ids are ignored."""
+
+    def read_events(self, timeout_s: float) -> list[OutputEvent]:
+        """Output events, waiting up to timeout_s for some; StageFailed when the engine died."""
+
+    def health(self) -> list[StageHealth]: ...
+
+    def stats(self) -> BackendStats: ...
+
+    def start_profile(self, directory: str) -> None: ...
+
+    def stop_profile(self) -> list[str]: ...
+
+    def close(self, timeout_s: float = 5.0) -> None: ...
+
+
+BackendFactory = Callable[[EngineConfig, str], Backend]  # (config, instance id) -> a started backend

@@ -1,0 +1,103 @@
+"""The engine's configuration, validated once, and the model limits the runner publishes.
+
+`EngineConfig` is the one shape of every engine setting: the CLI, `LLM(...)`, the daemon's
+backend and every stage read the same fields (stages get it as JSON and rebuild it with
+`EngineConfig.from_dict`). `ModelLimits` is what only the loaded model can tell.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CONNECTORS = ("offload",)
+TOKENIZER_FILE = "tokenizer.json"
+MIN_MAILBOX_SLOTS = 3  # two steps in flight (async) plus the one being written
+MAX_TOKENIZERS = 32
+
+
+def check_positive(name: str, value: object) -> int:
+    """`value` if it is an int >= 1, else ValueError naming `name` and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the engine runs. Every field is checked when the config is made."""
+
+    model: str = ""  # checkpoint directory ("" only where a ready-made runner is given to LLM)
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    max_num_seqs: int = 256  # batch rows: requests holding KV at once
+    max_model_len: int | None = None  # prompt + outputs of one request; None: the model's, bounded by the KV pool
+    max_num_batched_tokens: int = 8192  # tokens computed per step, all rows together
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None: as many as kv_cache_memory_bytes holds
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, most of the free memory on CUDA
+    num_tokenizers: int = 1  # tokenizer worker processes
+    async_scheduling: bool = True  # plan step N+1 while step N runs
+    enable_prefix_caching: bool = True
+    kv_connector: str | None = None  # None | "offload"
+    kv_offload_num_blocks: int | None = None  # the offload connector's host pool; None: as many as the device's
+    seed: int | None = None  # the runner's generator, for unseeded sampling
+    mailbox_slots: int = 8  # token mailbox slots: more than the steps that can be in flight
+    start_timeout_s: float = 300.0  # how long the stages may take to load the model and get ready
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str):
+            raise ValueError(f"model must be a checkpoint directory path (str), got {self.model!r}")
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_tokenizers", "mailbox_slots"):
+            check_positive(name, getattr(self, name))
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "kv_offload_num_blocks"):
+            if getattr(self, name) is not None:
+                check_positive(name, getattr(self, name))
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must leave room for a prompt token and an output, got {self.max_model_len}")
+        if self.num_tokenizers > MAX_TOKENIZERS:
+            raise ValueError(f"num_tokenizers must be at most {MAX_TOKENIZERS}, got {self.num_tokenizers}")
+        if self.mailbox_slots < MIN_MAILBOX_SLOTS:
+            raise ValueError(f"mailbox_slots must be at least {MIN_MAILBOX_SLOTS} (the steps that can be in flight "
+                             f"plus one), got {self.mailbox_slots}")
+        for name in ("async_scheduling", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.kv_connector is not None:
+            _check_choice("kv_connector", self.kv_connector, KV_CONNECTORS)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if isinstance(self.start_timeout_s, bool) or not isinstance(self.start_timeout_s, (int, float)) \
+                or not self.start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s must be positive, got {self.start_timeout_s!r}")
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return Path(self.model) / TOKENIZER_FILE
+
+    def to_dict(self) -> dict[str, object]:
+        """The config as JSON-able values (how a stage process receives it)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, object]) -> EngineConfig:
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
+
+
+@dataclass(slots=True)
+class ModelLimits:
+    """What the runner learns when it loads the model, and the other stages need."""
+
+    num_kv_blocks: int
+    max_model_len: int  # bounded by the KV pool as well as the model
+    vocab_size: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    num_host_blocks: int = 0  # the KV connector's host pool (0 without one)

@@ -1,0 +1,77 @@
+"""What a step produces: sampled tokens on the host, the scheduler's reading of them, and the
+per-request output events the detokenizer sends to the daemon."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended; the values are the wire strings clients see."""
+
+    STOP = "stop"  # EOS, a stop token id, or a stop string reported by the detokenizer
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"
+
+
+class StepTokens(Protocol):
+    """One step's sampled tokens in row order: a HostStepOutput, or a mailbox slot's copy."""
+
+    token_ids: np.ndarray  # int32 [m]
+    logprobs: np.ndarray | None  # float32 [m, 1 + k]
+    logprob_token_ids: np.ndarray | None  # int32 [m, 1 + k]
+
+
+@dataclass(slots=True)
+class HostStepOutput:
+    """Step `step`'s sampled tokens on the host, one per sampled row of its plan."""
+
+    step: int
+    rows: np.ndarray  # int32 [m]: the plan's sampled rows, in plan order
+    token_ids: np.ndarray  # int32 [m]
+    logprobs: np.ndarray | None  # float32 [m, 1 + k]
+    logprob_token_ids: np.ndarray | None  # int32 [m, 1 + k]
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """Tokens that became part of a request's output this step, in plan order.
+
+    Tokens sampled for a request that had already finished (or was aborted) are dropped
+    here and never appear. A request in `finished` got its last token in this same update
+    (a stop token is reported, then the request ends)."""
+
+    step: int
+    req_ids: np.ndarray  # int64 [m]
+    token_ids: np.ndarray  # int32 [m]
+    output_index: np.ndarray  # int64 [m]: index into `output`'s arrays
+    finished: list[tuple[int, FinishReason]]
+    output: HostStepOutput  # the step's sampled tokens (and logprobs), row by row
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.req_ids.shape[0])
+
+
+@dataclass(slots=True)
+class OutputEvent:
+    """New output of one request. The last event of a request has finish_reason or error set."""
+
+    req_id: int
+    text: str  # new text since the last event
+    token_ids: np.ndarray  # int32: new token ids since the last event
+    finish_reason: str | None = None  # a FinishReason value once finished
+    prompt_token_ids: np.ndarray | None = None  # int32, in the request's first event
+    logprobs: np.ndarray | None = None  # float32 [len(token_ids), 1 + k] when asked
+    logprob_token_ids: np.ndarray | None = None  # int32 [len(token_ids), 1 + k]
+    error_code: str | None = None  # an ErrorCode value when the request was refused
+    error_message: str | None = None
+    error_field: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it; None for EOS
+
+    @property
+    def is_last(self) -> bool:
+        return self.finish_reason is not None or self.error_code is not None

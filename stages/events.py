@@ -1,0 +1,136 @@
+"""Output events on the events ring: one columnar batch per record, and cutting a list of events
+into batches that each fit a record."""
+from __future__ import annotations
+
+import numpy as np
+
+from shm.codec import Layout
+from stages.contracts.outputs import FinishReason, OutputEvent
+from stages.messages import NO_REASON, REASON_CODE, REASONS
+
+_EMPTY = np.zeros(0, np.int32)
+
+EVENTS = Layout("events", [
+    ("num_events", "I"), ("num_text_bytes", "I"), ("num_tokens", "I"), ("num_prompt_tokens", "I"),
+    ("num_logprob_values", "I"), ("num_error_bytes", "I"), ("num_stop_bytes", "I"),
+], [
+    ("req_ids", "int64", "num_events"), ("reasons", "int8", "num_events"), ("has_prompt", "bool", "num_events"),
+    ("text_ends", "int32", "num_events"), ("token_ends", "int32", "num_events"),
+    ("prompt_ends", "int32", "num_events"), ("logprob_widths", "int32", "num_events"),
+    ("error_ends", "int32", "num_events"), ("text", "uint8", "num_text_bytes"), ("token_ids", "int32", "num_tokens"),
+    ("prompt_token_ids", "int32", "num_prompt_tokens"), ("logprobs", "float32", "num_logprob_values"),
+    ("logprob_token_ids", "int32", "num_logprob_values"), ("errors", "uint8", "num_error_bytes"),
+    ("stop_token_ids", "int32", "num_events"), ("stop_ends", "int32", "num_events"),
+    ("stop_strings", "uint8", "num_stop_bytes"),
+])
+NO_STOP_TOKEN = -1  # stop_token_ids entry of an event whose stop_reason is not a token id
+_ERROR_SEPARATOR = "\x00"  # joins code, field and message of an error event
+
+
+def encode_events(events: list[OutputEvent]) -> bytes:
+    """A batch of events, column by column: one record per batch, so the cost per event is a
+    few list appends rather than a message of its own."""
+    texts, errors, widths, reasons = [], [], [], []
+    tokens, prompts, logprobs, logprob_ids = [], [], [], []
+    stop_tokens, stop_strings = [], []
+    for event in events:
+        stop = event.stop_reason
+        stop_tokens.append(stop if isinstance(stop, int) else NO_STOP_TOKEN)
+        stop_strings.append(stop.encode("utf-8") if isinstance(stop, str) else b"")
+        texts.append(event.text.encode("utf-8"))
+        tokens.append(event.token_ids)
+        prompts.append(_EMPTY if event.prompt_token_ids is None else event.prompt_token_ids)
+        reasons.append(NO_REASON if event.finish_reason is None else REASON_CODE[FinishReason(event.finish_reason)])
+        if event.logprobs is None:
+            widths.append(0)
+        else:
+            widths.append(event.logprobs.shape[1])
+            logprobs.append(event.logprobs.reshape(-1))
+            logprob_ids.append(event.logprob_token_ids.reshape(-1))
+        errors.append(b"" if event.error_code is None else _ERROR_SEPARATOR.join(
+            (event.error_code, event.error_field or "", event.error_message or "")).encode("utf-8"))
+    return EVENTS.encode({}, {
+        "req_ids": np.array([e.req_id for e in events], np.int64), "reasons": np.array(reasons, np.int8),
+        "has_prompt": np.array([e.prompt_token_ids is not None for e in events], np.bool_),
+        "text_ends": np.cumsum([len(t) for t in texts], dtype=np.int32),
+        "token_ends": np.cumsum([len(t) for t in tokens], dtype=np.int32),
+        "prompt_ends": np.cumsum([len(p) for p in prompts], dtype=np.int32),
+        "logprob_widths": np.array(widths, np.int32),
+        "error_ends": np.cumsum([len(e) for e in errors], dtype=np.int32),
+        "text": np.frombuffer(b"".join(texts), np.uint8), "token_ids": _concat(tokens, np.int32),
+        "prompt_token_ids": _concat(prompts, np.int32), "logprobs": _concat(logprobs, np.float32),
+        "logprob_token_ids": _concat(logprob_ids, np.int32), "errors": np.frombuffer(b"".join(errors), np.uint8),
+        "stop_token_ids": np.array(stop_tokens, np.int32),
+        "stop_ends": np.cumsum([len(s) for s in stop_strings], dtype=np.int32),
+        "stop_strings": np.frombuffer(b"".join(stop_strings), np.uint8),
+    })
+
+
+def _concat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+
+
+def decode_events(payload: memoryview | bytes) -> list[OutputEvent]:
+    """The batch's events; arrays are copies."""
+    m = EVENTS.decode(payload, copy=True)
+    text = m["text"].tobytes()
+    errors = m["errors"].tobytes()
+    stop_strings = m["stop_strings"].tobytes()
+    events = []
+    text_start = token_start = prompt_start = logprob_start = error_start = stop_start = 0
+    for req_id, reason, has_prompt, text_end, token_end, prompt_end, width, error_end, stop_token, stop_end in zip(
+            m["req_ids"].tolist(), m["reasons"].tolist(), m["has_prompt"].tolist(), m["text_ends"].tolist(),
+            m["token_ends"].tolist(), m["prompt_ends"].tolist(), m["logprob_widths"].tolist(),
+            m["error_ends"].tolist(), m["stop_token_ids"].tolist(), m["stop_ends"].tolist()):
+        token_ids = m["token_ids"][token_start:token_end]
+        logprobs = logprob_ids = None
+        if width:
+            logprob_end = logprob_start + len(token_ids) * width
+            logprobs = m["logprobs"][logprob_start:logprob_end].reshape(-1, width)
+            logprob_ids = m["logprob_token_ids"][logprob_start:logprob_end].reshape(-1, width)
+            logprob_start = logprob_end
+        error_code = error_field = error_message = None
+        if error_end > error_start:
+            error_code, error_field, error_message = errors[error_start:error_end].decode("utf-8").split(
+                _ERROR_SEPARATOR, 2)
+        events.append(OutputEvent(
+            req_id=req_id, text=text[text_start:text_end].decode("utf-8"), token_ids=token_ids,
+            finish_reason=None if reason == NO_REASON else REASONS[reason].value,
+            prompt_token_ids=m["prompt_token_ids"][prompt_start:prompt_end] if has_prompt else None,
+            logprobs=logprobs, logprob_token_ids=logprob_ids, error_code=error_code,
+            error_message=error_message, error_field=error_field or None,
+            stop_reason=stop_strings[stop_start:stop_end].decode("utf-8") if stop_end > stop_start else
+            (None if stop_token == NO_STOP_TOKEN else stop_token)))
+        text_start, token_start, prompt_start, error_start = text_end, token_end, prompt_end, error_end
+        stop_start = stop_end
+    return events
+
+
+def event_batches(events: list[OutputEvent], max_bytes: int) -> list[list[OutputEvent]]:
+    """`events` in order, cut into batches that each encode to at most about `max_bytes` (an
+    event larger than that goes alone), so every batch fits one record of the events ring."""
+    batches: list[list[OutputEvent]] = []
+    start, size = 0, 0
+    for index, event in enumerate(events):
+        num_bytes = _event_bytes(event)
+        if index > start and size + num_bytes > max_bytes:
+            batches.append(events[start:index])
+            start, size = index, 0
+        size += num_bytes
+    if start < len(events):
+        batches.append(events[start:])
+    return batches
+
+
+def _event_bytes(event: OutputEvent) -> int:
+    """An upper bound of the encoded size of one event."""
+    size = 64 + 4 * len(event.text) + 4 * len(event.token_ids)
+    if event.prompt_token_ids is not None:
+        size += 4 * len(event.prompt_token_ids)
+    if event.logprobs is not None:
+        size += 8 * event.logprobs.size
+    if event.error_message is not None:
+        size += 4 * len(event.error_message) + 64
+    if isinstance(event.stop_reason, str):
+        size += 4 * len(event.stop_reason) + 8
+    return size

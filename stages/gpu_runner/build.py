@@ -1,0 +1,31 @@
+"""Building the runner from the engine config, and the model limits it tells the other stages."""
+from __future__ import annotations
+
+from stages.contracts.config import EngineConfig, ModelLimits
+from stages.gpu_runner.offload import OffloadConnectorWorker
+from stages.gpu_runner.runner import ModelRunner
+
+
+def build_runner(config: EngineConfig) -> ModelRunner:
+    """The model runner as `LLM`, the in-process backend and the runner stage build it."""
+    worker = OffloadConnectorWorker(config.kv_offload_num_blocks) if config.kv_connector == "offload" else None
+    return ModelRunner(config, kv_connector=worker)
+
+
+def serving_max_model_len(runner_max_model_len: int, num_kv_blocks: int, block_size: int,
+                          max_model_len: int | None) -> int:
+    """The longest sequence served: the KV pool bounds a sequence as much as the model does."""
+    if max_model_len is not None:
+        return max_model_len
+    return min(runner_max_model_len, num_kv_blocks * block_size)
+
+
+def model_limits(runner: ModelRunner, config: EngineConfig) -> ModelLimits:
+    """What the scheduler and tokenizers need of the loaded model."""
+    worker = runner.kv_connector
+    return ModelLimits(
+        num_kv_blocks=runner.num_kv_blocks,
+        max_model_len=serving_max_model_len(runner.max_model_len, runner.num_kv_blocks, config.block_size,
+                                            config.max_model_len),
+        vocab_size=runner.vocab_size, eos_token_ids=runner.eos_token_ids,
+        num_host_blocks=0 if worker is None else worker.num_host_blocks)
