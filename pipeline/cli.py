@@ -96,6 +96,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-async-scheduling", action="store_true")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--kv-connector", choices=["offload"], default=None)
+    parser.add_argument("--in-process", action="store_true",
+                        help="run the engine in the daemon's own process (one thread, no stage processes): for "
+                             "debugging and small deployments; host work then no longer overlaps across processes")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -126,12 +129,18 @@ def _start(args: argparse.Namespace) -> int:
     if args.detach:
         return _start_detached(args, socket_path)
     from pipeline.serve.daemon import run_daemon
+    from pipeline.serve.stage_backend import StageBackend
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = engine_config(args)
+    backend_factory = StageBackend
+    if args.in_process:
+        from pipeline.engine.inprocess import InProcessBackend
+
+        backend_factory = InProcessBackend
     try:
-        return run_daemon(config, socket_path, ready=lambda: print(f"listening on {socket_path}", flush=True),
-                          settings=settings)
+        return run_daemon(config, socket_path, backend_factory, ready=lambda: print(f"listening on {socket_path}",
+                                                                                     flush=True), settings=settings)
     except PipelineError:
         raise
     except Exception as exc:  # noqa: BLE001 - the stages failed to come up: say why, exit non-zero

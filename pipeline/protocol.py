@@ -23,8 +23,10 @@ the client library sends one request per connection at a time, and that request'
 """
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import struct
+import typing
 from typing import Annotated, Generic, Literal, NoReturn, TypeVar, Union
 
 import msgspec
@@ -48,29 +50,11 @@ def new_request_id() -> str:
     return secrets.token_hex(REQUEST_ID_BYTES)
 
 
-class WireSamplingParams(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """SamplingParams as sent on the wire: same fields, same defaults (a test keeps them so).
-
-    msgspec checks the types; `to_params` checks the ranges. Unknown fields are refused, so a
-    misspelt parameter is an error rather than silently ignored.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    stop: list[str] = msgspec.field(default_factory=list)
-    stop_token_ids: list[int] = msgspec.field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+class _WireParams(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """SamplingParams as sent on the wire: its fields, types and defaults, taken from the
+    dataclass itself (`WireSamplingParams` below). msgspec checks the types; `to_params` checks
+    the ranges. Unknown fields are refused, so a misspelt parameter is an error rather than
+    silently ignored."""
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> WireSamplingParams:
@@ -79,6 +63,16 @@ class WireSamplingParams(Struct, forbid_unknown_fields=True, omit_defaults=True)
     def to_params(self) -> SamplingParams:
         """Raises InvalidParams naming the field and its allowed range."""
         return SamplingParams(**{name: getattr(self, name) for name in self.__struct_fields__})
+
+
+def _wire_fields() -> list[tuple[str, object, object]]:
+    types = typing.get_type_hints(SamplingParams)
+    return [(f.name, types[f.name],
+             msgspec.field(default_factory=f.default_factory) if f.default is dataclasses.MISSING else f.default)
+            for f in dataclasses.fields(SamplingParams)]
+
+
+WireSamplingParams = msgspec.defstruct("WireSamplingParams", _wire_fields(), bases=(_WireParams,), module=__name__)
 
 
 # --- client -> daemon ---

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pipeline.engine.llm import LLM
 from pipeline.errors import StageFailed
-from pipeline.serve.backend import BackendStats, StageHealth
+from pipeline.engine.backend import BackendStats, StageHealth
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams

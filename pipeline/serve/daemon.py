@@ -23,7 +23,7 @@ import uvloop
 
 from pipeline.errors import PipelineError
 from pipeline.paths import ensure_socket_dir
-from pipeline.serve.backend import BackendFactory
+from pipeline.engine.backend import BackendFactory
 from pipeline.serve.server import DaemonConfig, DaemonServer
 from pipeline.serve.socket_connection import SocketConnection
 from pipeline.serve.stage_backend import StageBackend

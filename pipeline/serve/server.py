@@ -42,7 +42,7 @@ from pipeline.protocol import (
     error_for,
     new_request_id,
 )
-from pipeline.serve.backend import Backend
+from pipeline.engine.backend import Backend
 from pipeline.serve.supervisor import RestartPolicy
 from shm.ring import RecordTooLarge
 from stages.contracts.outputs import OutputEvent

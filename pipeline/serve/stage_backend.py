@@ -20,7 +20,7 @@ import traceback
 from collections import deque
 
 from pipeline.errors import Overloaded, StageFailed
-from pipeline.serve.backend import BackendStats, StageHealth
+from pipeline.engine.backend import BackendStats, StageHealth
 from pipeline.serve.profile_control import ProfileControl
 from shm.mailbox import unlink_mailbox
 from shm.naming import pid_alive, ring_name, sweep_stale, unlink_instance

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pipeline.errors import StageFailed
-from pipeline.serve.backend import Backend, BackendFactory
+from pipeline.engine.backend import Backend, BackendFactory
 from shm.naming import new_instance_id
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent

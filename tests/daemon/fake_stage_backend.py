@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 
-from pipeline.serve.backend import BackendStats, StageHealth
+from pipeline.engine.backend import BackendStats, StageHealth
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent
 from pipeline.errors import StageFailed

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from pipeline.bench.serve_bench import LatencyStats, RequestRecord, arrival_offsets_s, compute_metrics, parse_range, random_requests
+from pipeline.bench.metrics import LatencyStats, RequestRecord, compute_metrics
+from pipeline.bench.workload import arrival_offsets_s, parse_range, random_requests
 
 pytestmark = pytest.mark.timeout(10)
 

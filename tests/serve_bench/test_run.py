@@ -13,16 +13,9 @@ from paced_daemon import PacedDaemon
 
 from pipeline.errors import DaemonNotRunning
 from stages.contracts.params import InvalidParams
-from pipeline.bench.serve_bench import (
-    BenchRequest,
-    compare_sync,
-    format_comparison,
-    load_dataset,
-    main,
-    plot_result,
-    random_requests,
-    run_benchmark,
-)
+from pipeline.bench.report import format_comparison, plot_result
+from pipeline.bench.serve_bench import compare_sync, main, run_benchmark
+from pipeline.bench.workload import BenchRequest, load_dataset, random_requests
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -261,3 +261,13 @@ def test_greedy_on_cuda_matches_llm(make_backend: MakeBackend, stage_model: Path
     assert [r.text for r in results] == [e.text for e in expected]
     for result in results:
         assert np.concatenate(result.logprobs).shape == (len(result.token_ids), 2)
+
+
+def test_every_stage_process_carries_its_title(shared_backend: StageBackend) -> None:
+    for stage in shared_backend.health():
+        with open(f"/proc/{stage.pid}/cmdline", "rb") as cmdline:
+            title = cmdline.read().split(b"\0")[0].decode()
+        with open(f"/proc/{stage.pid}/comm") as comm:
+            name = comm.read().strip()
+        assert title == f"pipeline: {stage.name}"
+        assert name == f"pipeline: {stage.name}"[:15]  # what top and ps -o comm show

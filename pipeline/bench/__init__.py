@@ -1,0 +1,1 @@
+"""`pipeline bench`: load a serving engine and report latency percentiles and throughput."""

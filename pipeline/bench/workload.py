@@ -1,0 +1,101 @@
+"""Serving benchmark workloads: random or dataset prompts, Poisson arrival times, sampling params."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.client import Prompt
+from stages.contracts.params import SamplingParams
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    prompt: Prompt
+    max_tokens: int
+    prompt_len: int | None = None  # known for token-id prompts; text prompts learn it from Done
+
+
+def parse_range(text: str, name: str) -> tuple[int, int]:
+    """`"N"` or `"MIN:MAX"` (inclusive) into (min, max); ValueError naming `name` otherwise."""
+    parts = text.split(":")
+    try:
+        if len(parts) not in (1, 2):
+            raise ValueError
+        low, high = int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise ValueError(f"{name} must be N or MIN:MAX with integers, got {text!r}") from None
+    if low < 1 or high < low:
+        raise ValueError(f"{name} must satisfy 1 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
+def random_requests(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], *,
+                    vocab_size: int, min_token_id: int = 0, seed: int = 0) -> list[BenchRequest]:
+    """Prompts of random token ids in [min_token_id, vocab_size), lengths uniform in the ranges."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    if not 0 <= min_token_id < vocab_size:
+        raise ValueError(f"need 0 <= min_token_id < vocab_size, got min_token_id={min_token_id}, vocab_size={vocab_size}")
+    rng = np.random.default_rng(seed)
+    input_lens = rng.integers(input_len[0], input_len[1] + 1, num_prompts)
+    output_lens = rng.integers(output_len[0], output_len[1] + 1, num_prompts)
+    return [
+        BenchRequest(rng.integers(min_token_id, vocab_size, int(n_in)).tolist(), int(n_out), int(n_in))
+        for n_in, n_out in zip(input_lens, output_lens)
+    ]
+
+
+def load_dataset(path: Path | str, output_len: tuple[int, int], *, num_prompts: int | None = None,
+                 seed: int = 0) -> list[BenchRequest]:
+    """JSONL, one object a line: `prompt` (text or token ids), optional `output_len` or
+    `max_tokens`; a line without either draws its length from `output_len`."""
+    rng = np.random.default_rng(seed)
+    requests: list[BenchRequest] = []
+    with open(path, encoding="utf-8") as lines:
+        for line_no, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            if num_prompts is not None and len(requests) == num_prompts:
+                break
+            where = f"{path}:{line_no}"
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+            if not isinstance(entry, dict):
+                raise ValueError(f"{where}: each line must be a JSON object, got {type(entry).__name__}")
+            prompt = entry.get("prompt")
+            is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            if not prompt or not (isinstance(prompt, str) or is_ids):
+                raise ValueError(f"{where}: prompt must be a non-empty string or list of token ids, got {prompt!r}")
+            max_tokens = entry.get("output_len", entry.get("max_tokens"))
+            if max_tokens is None:
+                max_tokens = int(rng.integers(output_len[0], output_len[1] + 1))
+            elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+                raise ValueError(f"{where}: output_len/max_tokens must be a positive integer, got {max_tokens!r}")
+            requests.append(BenchRequest(prompt, max_tokens, len(prompt) if is_ids else None))
+    if not requests:
+        raise ValueError(f"dataset {path} has no requests")
+    if num_prompts is not None and len(requests) < num_prompts:
+        raise ValueError(f"num_prompts is {num_prompts} but dataset {path} has only {len(requests)} requests")
+    return requests
+
+
+def arrival_offsets_s(num_requests: int, request_rate: float, seed: int = 0) -> list[float]:
+    """Send times after the start: a Poisson process of `request_rate` req/s (inf: all at 0)."""
+    if not request_rate > 0:  # also refuses NaN
+        raise ValueError(f"request_rate must be > 0 req/s (or inf), got {request_rate}")
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, max(num_requests - 1, 0))
+    return [0.0, *np.cumsum(gaps).tolist()][:num_requests]
+
+
+def bench_params(max_tokens: int, *, temperature: float, top_p: float, top_k: int,
+                    ignore_eos: bool) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                          ignore_eos=ignore_eos)
