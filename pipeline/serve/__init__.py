@@ -1,0 +1,1 @@
+"""The daemon side: socket and HTTP servers, supervisor, backends."""
