@@ -1,4 +1,4 @@
-"""Write a small random HF-format checkpoint (config, safetensors, BPE tokenizer) for tests and benchmarks.
+"""Write a small random HF-format checkpoint (config, safetensors, BPE tokenizer, chat template) for tests and benchmarks.
 
 Usage: python tools/make_tiny_model.py OUTDIR --arch llama|mistral|qwen2|qwen3 [--seed N]
        [--preset tiny|20m] [--hidden-size H] [--num-layers L] [--shards N] [--rope-scaling-llama3]

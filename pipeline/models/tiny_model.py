@@ -1,5 +1,6 @@
-"""Small random HF-format checkpoints (config, safetensors, BPE tokenizer) for tests, benchmarks
-and the daemon's embedded default model. The command line is `tools/make_tiny_model.py`.
+"""Small random HF-format checkpoints (config, safetensors, BPE tokenizer, chat template) for
+tests, benchmarks and the daemon's embedded default model. The command line is
+`tools/make_tiny_model.py`.
 
 Everything is deterministic from the seed: the same command writes byte-identical weights and
 the same tokenizer on any machine (the tokenizer's corpus is generated from text embedded here,
@@ -32,6 +33,15 @@ PRESETS: dict[str, dict[str, int]] = {
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
+# ChatML, the template of Qwen and many others, so the default model can serve chat. Its
+# markers are plain text to this tokenizer (whose only special tokens are BOS and EOS): adding
+# them as tokens would change the tokenizer, and a random model gains nothing from them.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 _WORDS = (
     "the a an of to in on for with by from at as is are was were be been being have has had do does did "
@@ -223,6 +233,7 @@ def make_tiny_model(
         "eos_token": EOS_TOKEN,
         "model_max_length": resolved["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }, indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN}, indent=2))
     config = _config(arch, resolved, dtype, rope_scaling_llama3)

@@ -1,0 +1,1 @@
+"""The daemon side: the Unix-socket and HTTP servers, the supervisor, the stage backend."""

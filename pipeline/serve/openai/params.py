@@ -1,0 +1,146 @@
+"""Request bodies -> one SamplingParams per choice, with OpenAI's defaults and this server's limits.
+
+A request makes `n` choices per prompt; a completion request may hold a batch of prompts, and
+choice `prompt_index * n + i` is prompt `prompt_index`'s i-th (vLLM's numbering). With a `seed`,
+choice i samples with `derive_seed(seed, i)`, so the n choices differ from each other and a
+repeated request repeats every one of them. Every range error is a 400 naming the field, as
+the request spells it, and its allowed range.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+
+from stages.contracts.params import MAX_SEED, MAX_TOKEN_ID, InvalidParams, SamplingParams
+from pipeline.serve.openai.errors import OpenAIError
+from pipeline.serve.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+MAX_N = 128  # choices per prompt: each is a full request to the engine
+MAX_CHOICES = 256  # choices per HTTP request, over all its prompts (prompts x n)
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+# Fields with the same name and meaning in a request and in SamplingParams; a request's None
+# leaves SamplingParams' default.
+_SHARED_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+    "include_stop_str_in_output",
+)
+
+
+@dataclass(slots=True)
+class ChoiceRequest:
+    """One engine request of a completion request: the choice it fills, its prompt, its params."""
+
+    index: int
+    prompt: str | list[int]  # text, or token ids that skip the tokenizer
+    params: SamplingParams
+
+
+def derive_seed(seed: int, choice: int) -> int:
+    """Choice `choice`'s seed: `seed` itself for choice 0, else a hash of both (the same on
+    every run and machine, and in [0, MAX_SEED])."""
+    if choice == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{choice}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & MAX_SEED
+
+
+def completion_requests(request: CompletionRequest) -> list[ChoiceRequest]:
+    """The engine requests of a `/v1/completions` body, in choice-index order."""
+    prompts = _prompts(request.prompt)
+    n = _num_choices(request, len(prompts))
+    if request.echo and request.logprobs is not None:
+        raise OpenAIError.bad_request(
+            "echo: echo with logprobs needs the prompt's logprobs, which this server does not compute", "echo"
+        )
+    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
+    choice_params = _choice_params(request, n, max_tokens=max_tokens, logprobs=request.logprobs, renames={})
+    return [
+        ChoiceRequest(prompt_index * n + i, prompt, params)
+        for prompt_index, prompt in enumerate(prompts)
+        for i, params in enumerate(choice_params)
+    ]
+
+
+def chat_params(request: ChatCompletionRequest, *, default_max_tokens: int) -> list[SamplingParams]:
+    """The params of each of a `/v1/chat/completions` body's n choices, in index order.
+
+    `default_max_tokens` applies when the body sets neither max_completion_tokens nor
+    max_tokens (OpenAI's default is "up to the context length": max_model_len - prompt tokens).
+    """
+    n = _num_choices(request, 1)
+    renames = {"logprobs": "top_logprobs"}
+    if request.max_completion_tokens is not None:
+        max_tokens = request.max_completion_tokens
+        renames["max_tokens"] = "max_completion_tokens"
+    else:
+        max_tokens = default_max_tokens if request.max_tokens is None else request.max_tokens
+    if request.top_logprobs is not None and not request.logprobs:
+        raise OpenAIError.bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return _choice_params(request, n, max_tokens=max_tokens, logprobs=logprobs, renames=renames)
+
+
+def stream_usage(request: SamplingRequest) -> bool:
+    """Whether a streamed response ends with a usage chunk (`stream_options.include_usage`)."""
+    return bool(request.stream and request.stream_options is not None and request.stream_options.include_usage)
+
+
+def _choice_params(
+    request: SamplingRequest, n: int, *, max_tokens: int, logprobs: int | None, renames: dict[str, str]
+) -> list[SamplingParams]:
+    values = {name: getattr(request, name) for name in _SHARED_FIELDS if getattr(request, name) is not None}
+    try:
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
+    except InvalidParams as exc:
+        raise OpenAIError.from_invalid_params(exc, renames.get(exc.field)) from None
+    if params.seed is None:
+        return [params] + [dataclasses.replace(params) for _ in range(n - 1)]
+    return [dataclasses.replace(params, seed=derive_seed(params.seed, i)) for i in range(n)]
+
+
+def _num_choices(request: SamplingRequest, num_prompts: int) -> int:
+    n = 1 if request.n is None else request.n
+    if not 1 <= n <= MAX_N:
+        raise OpenAIError.bad_request(f"n: must be in [1, {MAX_N}], got {n}", "n")
+    if num_prompts * n > MAX_CHOICES:
+        raise OpenAIError.bad_request(
+            f"prompt: {num_prompts} prompts with n={n} make {num_prompts * n} choices, more than the "
+            f"{MAX_CHOICES} one request may ask for",
+            "prompt",
+        )
+    return n
+
+
+def _prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
+    """A completion body's prompt as a batch: one string or token-id list per prompt."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise OpenAIError.bad_request("prompt: must not be an empty list", "prompt")
+    if all(isinstance(item, int) for item in prompt):
+        _check_token_ids("prompt", prompt)
+        return [prompt]
+    if all(isinstance(item, str) for item in prompt):
+        return list(prompt)
+    if all(isinstance(item, list) for item in prompt):
+        for i, token_ids in enumerate(prompt):
+            if not token_ids:
+                raise OpenAIError.bad_request(f"prompt[{i}]: must hold at least one token id", f"prompt[{i}]")
+            _check_token_ids(f"prompt[{i}]", token_ids)
+        return list(prompt)
+    raise OpenAIError.bad_request(
+        "prompt: must be a string, a list of token ids, a list of strings or a list of token-id lists, "
+        "not a list that mixes them",
+        "prompt",
+    )
+
+
+def _check_token_ids(name: str, token_ids: list[int]) -> None:
+    for i, token_id in enumerate(token_ids):
+        if not 0 <= token_id <= MAX_TOKEN_ID:
+            raise OpenAIError.bad_request(
+                f"{name}[{i}]: a token id must be in [0, {MAX_TOKEN_ID}], got {token_id}", f"{name}[{i}]"
+            )

@@ -1,0 +1,215 @@
+"""The JSON bodies of `POST /v1/completions` and `POST /v1/chat/completions`, as msgspec Structs.
+
+Requests: msgspec checks each field's type while decoding; ranges are checked where the
+sampling parameters are made (`params.py`), so each error is found once. Unknown fields are
+ignored, because OpenAI clients send fields this server has no use for (`logit_bias`,
+`response_format`, ...). Every optional field also accepts JSON null, as OpenAI's API does.
+
+Responses and stream chunks have OpenAI's field names and order. A field that is `UNSET` is
+left out of the JSON: a chunk has no `usage` key unless `stream_options.include_usage`.
+"""
+from __future__ import annotations
+
+import re
+from typing import TypeVar
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+from pipeline.serve.openai.errors import OpenAIError
+
+# --- requests ---
+
+
+class StreamOptions(Struct):
+    include_usage: bool | None = None
+
+
+class SamplingRequest(Struct, kw_only=True):
+    """The fields both endpoints share."""
+
+    model: str | None = None  # None: the served model
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+
+class CompletionRequest(SamplingRequest, kw_only=True):
+    # A string, token ids, a list of strings, or a list of token-id lists: msgspec allows one
+    # array type in a union, so the list's shape is checked in params.py.
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = None
+    logprobs: int | None = None  # how many alternatives per token
+    echo: bool | None = None
+
+
+class ContentPart(Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None  # how many alternatives per token, with logprobs
+
+
+R = TypeVar("R", "CompletionRequest", "ChatCompletionRequest")
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+
+
+def decode_completion_request(body: bytes) -> CompletionRequest:
+    """The request, or a 400 OpenAIError whose message and `param` name the bad field."""
+    return _decode(_completion_decoder, body)
+
+
+def decode_chat_request(body: bytes) -> ChatCompletionRequest:
+    """The request, or a 400 OpenAIError whose message and `param` name the bad field."""
+    return _decode(_chat_decoder, body)
+
+
+# msgspec's messages end in " - at `$.path`" (absent for the body itself) and name a missing
+# field inside the message; the error's `param` is that path without the "$.".
+_AT_PATH = re.compile(r"^(?P<problem>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?$", re.DOTALL)
+_MISSING_FIELD = re.compile(r"^Object missing required field `(?P<name>[^`]*)`$")
+
+
+def _decode(decoder: msgspec.json.Decoder[R], body: bytes) -> R:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise _field_error(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise OpenAIError.bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+def _field_error(message: str) -> OpenAIError:
+    match = _AT_PATH.match(message)
+    problem, path = match["problem"], match["path"] or ""
+    missing = _MISSING_FIELD.match(problem)
+    if missing:
+        path = f"{path}.{missing['name']}" if path else missing["name"]
+        problem = "this field is required"
+    elif problem:
+        problem = problem[0].lower() + problem[1:]
+    if not path:
+        return OpenAIError.bad_request(f"the request body: {problem}")
+    return OpenAIError.bad_request(f"{path}: {problem}", param=path)
+
+
+# --- responses ---
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]  # per token: alternative text -> logprob
+    text_offset: list[int]  # per token: where its text starts in the choice's text
+
+
+class CompletionChoice(Struct):
+    text: str
+    index: int
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class _ResponseHead(Struct, kw_only=True):
+    """The fields every body and chunk starts with; each kind sets its `object`."""
+
+    id: str
+    object: str
+    created: int  # Unix time, seconds
+    model: str
+
+
+class Completion(_ResponseHead, kw_only=True):
+    """A `text_completion` body, and also each streamed chunk of one (same shape)."""
+
+    object: str = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None | UnsetType = UNSET
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(Struct, kw_only=True):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(_ResponseHead, kw_only=True):
+    object: str = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(Struct):
+    role: str | UnsetType = UNSET  # only in a choice's first chunk
+    content: str | UnsetType = UNSET  # absent in a chunk that only finishes the choice
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(_ResponseHead, kw_only=True):
+    object: str = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None | UnsetType = UNSET

@@ -1,0 +1,103 @@
+"""Server-Sent-Event frames of a streamed response, byte for byte as OpenAI's API sends them.
+
+Each chunk is one frame, `data: {json}\\n\\n`, holding one choice; the stream ends with
+`data: [DONE]\\n\\n`. A chat choice's first chunk carries `role: "assistant"` in its delta, and
+its last carries `finish_reason`. With `stream_options.include_usage` every chunk has
+`"usage": null` and the last one before [DONE] has empty `choices` and the request's usage.
+A stream object keeps only what the next chunk needs (where each choice's text has reached),
+so building a frame costs one small encode.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from msgspec import UNSET, UnsetType
+
+from pipeline.protocol import TokenLogprobs
+from pipeline.serve.openai.responses import TokenText, chat_logprobs, completion_logprobs, count_usage, encoder
+from pipeline.serve.openai.schemas import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    Usage,
+)
+
+DONE = b"data: [DONE]\n\n"
+SSE_CONTENT_TYPE = "text/event-stream"
+_DATA = b"data: "
+_END = b"\n\n"
+
+
+class _Stream:
+    """What both streams share: the response's identity, chunk framing and the usage chunk."""
+
+    _chunk_type: type[Completion] | type[ChatCompletionChunk]
+
+    def __init__(self, response_id: str, model: str, created: int, token_text: TokenText, *, include_usage: bool) -> None:
+        self._response_id = response_id
+        self._model = model
+        self._created = created
+        self._token_text = token_text
+        self._usage = None if include_usage else UNSET
+        self._chars_streamed: dict[int, int] = {}  # choice index -> characters of text sent so far
+
+    def chunk(
+        self,
+        index: int,
+        text: str,
+        *,
+        logprobs: Sequence[TokenLogprobs] | None = None,
+        finish_reason: str | None = None,
+    ) -> bytes:
+        """The frame of choice `index`'s next text (and its tokens' logprobs, when asked for);
+        the choice's last frame gives `finish_reason`."""
+        offset = self._chars_streamed.get(index)
+        self._chars_streamed[index] = (offset or 0) + len(text)
+        return self._frame([self._choice(index, text, logprobs, finish_reason, offset)], self._usage)
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The last frame before DONE when the request set `stream_options.include_usage`."""
+        return self._frame([], count_usage(prompt_tokens, completion_tokens))
+
+    def _choice(self, index: int, text: str, logprobs: Sequence[TokenLogprobs] | None, finish_reason: str | None,
+                offset: int | None) -> CompletionChoice | ChatChunkChoice:
+        """The chunk's choice; `offset` is where `text` starts in the choice's text, None for
+        the choice's first chunk."""
+        raise NotImplementedError
+
+    def _frame(self, choices: list, usage: Usage | None | UnsetType) -> bytes:
+        chunk = self._chunk_type(id=self._response_id, created=self._created, model=self._model, choices=choices, usage=usage)
+        return _DATA + encoder.encode(chunk) + _END
+
+
+class CompletionStream(_Stream):
+    """The frames of one streamed `/v1/completions` response (`object: "text_completion"`).
+    An echoed prompt is sent as a choice's first chunk; logprobs' `text_offset` counts it."""
+
+    _chunk_type = Completion
+
+    def _choice(self, index: int, text: str, logprobs: Sequence[TokenLogprobs] | None, finish_reason: str | None,
+                offset: int | None) -> CompletionChoice:
+        choice_logprobs = None if logprobs is None else completion_logprobs(logprobs, self._token_text, offset or 0)
+        return CompletionChoice(text, index, choice_logprobs, finish_reason)
+
+
+class ChatStream(_Stream):
+    """The frames of one streamed `/v1/chat/completions` response (`chat.completion.chunk`).
+
+    A choice's first frame carries the role (`chunk(i, "")` opens a choice before any text);
+    a frame that only finishes a choice has an empty delta, as OpenAI's last chunk does.
+    """
+
+    _chunk_type = ChatCompletionChunk
+
+    def _choice(self, index: int, text: str, logprobs: Sequence[TokenLogprobs] | None, finish_reason: str | None,
+                offset: int | None) -> ChatChunkChoice:
+        if offset is None:
+            delta = ChatDelta(role="assistant", content=text)
+        else:
+            delta = ChatDelta(content=text) if text else ChatDelta()
+        choice_logprobs = None if logprobs is None else chat_logprobs(logprobs, self._token_text)
+        return ChatChunkChoice(index, delta, choice_logprobs, finish_reason)

@@ -1,0 +1,94 @@
+"""Prometheus metrics: the exposition parses, carries the model name, and moves with requests."""
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipeline.serve.openai.metrics import FINISHED_REASONS, Metrics
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    body, content_type = metrics.render()
+    assert content_type.startswith("text/plain")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    }
+
+
+def value(metrics: Metrics, name: str, **labels: str) -> float:
+    return samples(metrics)[(name, tuple(sorted({"model_name": "tiny", **labels}.items())))]
+
+
+def test_every_metric_is_exposed_with_the_model_name_before_any_request():
+    names = {name for name, _ in samples(Metrics("tiny"))}
+    for expected in (
+        "pipeline:num_requests_running", "pipeline:num_requests_waiting", "pipeline:kv_cache_usage_perc",
+        "pipeline:prefix_cache_hit_rate", "pipeline:prompt_tokens_total", "pipeline:generation_tokens_total",
+        "pipeline:stage_restarts_total", "pipeline:request_success_total",
+        "pipeline:time_to_first_token_seconds_count", "pipeline:time_per_output_token_seconds_count",
+        "pipeline:e2e_request_latency_seconds_count", "pipeline:request_queue_time_seconds_count",
+    ):
+        assert expected in names
+    assert all(dict(labels).get("model_name") == "tiny" for _, labels in samples(Metrics("tiny")))
+    for reason in FINISHED_REASONS:
+        assert value(Metrics("tiny"), "pipeline:request_success_total", finished_reason=reason) == 0
+
+
+def test_a_requests_life_moves_the_counters_and_histograms():
+    metrics = Metrics("tiny")
+    timeline = metrics.request_arrived(now=100.0)
+    metrics.tokens_generated(timeline, 1, now=100.05)  # first token after 50 ms
+    metrics.tokens_generated(timeline, 2, now=100.07)
+    metrics.tokens_generated(timeline, 1, now=100.08)  # 3 more tokens in 30 ms: 10 ms each
+    metrics.request_finished(timeline, "length", num_prompt_tokens=7, queue_time_s=0.02, now=100.1)
+
+    assert value(metrics, "pipeline:generation_tokens_total") == 4
+    assert value(metrics, "pipeline:prompt_tokens_total") == 7
+    assert value(metrics, "pipeline:request_success_total", finished_reason="length") == 1
+    assert value(metrics, "pipeline:request_success_total", finished_reason="stop") == 0
+    assert value(metrics, "pipeline:time_to_first_token_seconds_sum") == pytest.approx(0.05)
+    assert value(metrics, "pipeline:time_to_first_token_seconds_bucket", le="0.04") == 0
+    assert value(metrics, "pipeline:time_to_first_token_seconds_bucket", le="0.06") == 1
+    assert value(metrics, "pipeline:time_per_output_token_seconds_sum") == pytest.approx(0.01)
+    assert value(metrics, "pipeline:e2e_request_latency_seconds_sum") == pytest.approx(0.1)
+    assert value(metrics, "pipeline:request_queue_time_seconds_count") == 1
+
+
+def test_a_request_aborted_before_its_first_token_counts_no_latency_per_token():
+    metrics = Metrics("tiny")
+    metrics.request_finished(metrics.request_arrived(now=5.0), "abort", num_prompt_tokens=3, now=6.0)
+    assert value(metrics, "pipeline:request_success_total", finished_reason="abort") == 1
+    assert value(metrics, "pipeline:time_to_first_token_seconds_count") == 0
+    assert value(metrics, "pipeline:time_per_output_token_seconds_count") == 0
+    assert value(metrics, "pipeline:e2e_request_latency_seconds_count") == 1
+
+
+def test_an_unknown_finish_reason_is_refused_by_name():
+    metrics = Metrics("tiny")
+    with pytest.raises(ValueError, match="'done'"):
+        metrics.request_finished(metrics.request_arrived(), "done", num_prompt_tokens=1)
+
+
+def test_stats_set_the_gauges_and_restarts_count_only_their_rise():
+    metrics = Metrics("tiny")
+    metrics.set_stats(num_requests_running=3, num_requests_waiting=2, kv_cache_usage=0.25,
+                      prefix_cache_hit_rate=0.5, num_stage_restarts=1)
+    metrics.set_stats(num_requests_running=1, num_requests_waiting=0, kv_cache_usage=0.125,
+                      prefix_cache_hit_rate=0.5, num_stage_restarts=1)
+    assert value(metrics, "pipeline:num_requests_running") == 1
+    assert value(metrics, "pipeline:num_requests_waiting") == 0
+    assert value(metrics, "pipeline:kv_cache_usage_perc") == 0.125
+    assert value(metrics, "pipeline:prefix_cache_hit_rate") == 0.5
+    assert value(metrics, "pipeline:stage_restarts_total") == 1
+    metrics.set_stats(num_requests_running=0, num_requests_waiting=0, kv_cache_usage=0.0,
+                      prefix_cache_hit_rate=0.0, num_stage_restarts=3)
+    assert value(metrics, "pipeline:stage_restarts_total") == 3
+
+
+def test_two_instances_share_nothing():
+    first, second = Metrics("tiny"), Metrics("tiny")
+    first.tokens_generated(first.request_arrived(now=0.0), 5, now=1.0)
+    assert value(first, "pipeline:generation_tokens_total") == 5
+    assert value(second, "pipeline:generation_tokens_total") == 0
