@@ -13,11 +13,13 @@ from pathlib import Path
 
 from stages.contracts.config import EngineConfig
 from pipeline.client import Client
-from pipeline.serve.server import DaemonConfig
+from pipeline.serve.config import DaemonConfig
+from pipeline.serve.model import DEFAULT_MODEL_NAME
 from pipeline.errors import DaemonNotRunning, PipelineError
 from pipeline.paths import default_socket_path
 from stages.contracts.params import InvalidParams
 
+API_KEY_ENV = "PIPELINE_API_KEY"
 DETACH_READY_TIMEOUT_S = 300.0  # building the default model and spawning the stages
 STOP_MARGIN_S = 30.0  # `stop` waits the daemon's grace period and this much more for it to exit
 POLL_S = 0.1
@@ -45,6 +47,13 @@ positive_int = _int_at_least(1, "positive")
 _non_negative_int = _int_at_least(0, "non-negative")
 
 
+def _port(text: str) -> int:
+    port = _non_negative_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {port}")
+    return port
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -67,14 +76,29 @@ def add_daemon_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=_non_negative_int, default=defaults.max_waiting,
                         help="requests admitted beyond --max-num-seqs; more in flight get `overloaded` "
                              "(default %(default)s)")
+    parser.add_argument("--port", type=_port, default=None,
+                        help="also serve the OpenAI-compatible HTTP API on this TCP port (0: any free port; "
+                             "`pipeline status` shows where)")
+    parser.add_argument("--host", default=defaults.http_host,
+                        help="the HTTP API's address (default %(default)s; 0.0.0.0 listens on all)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model's name in the HTTP API (default: the model directory's name; "
+                             "`default` for the embedded model)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require `Authorization: Bearer KEY` on every /v1/* HTTP request (or set {API_KEY_ENV})")
     parser.add_argument("--max-restarts", type=_non_negative_int, default=defaults.max_restarts,
                         help=f"stage restarts allowed within {defaults.restart_window_s:g} s; beyond that, or when "
                              "a restart fails, the daemon stays degraded (default %(default)s)")
 
 
 def daemon_config(args: argparse.Namespace) -> DaemonConfig:
+    served_model_name = args.served_model_name
+    if served_model_name is None and args.model is None:
+        served_model_name = DEFAULT_MODEL_NAME
     config = DaemonConfig(grace_s=args.grace_seconds, stall_s=args.stall_seconds, max_waiting=args.max_waiting,
-                          max_restarts=args.max_restarts)
+                          max_restarts=args.max_restarts, http_port=args.port, http_host=args.host,
+                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                          served_model_name=served_model_name)
     try:
         config.check()
     except ValueError as exc:
@@ -204,6 +228,8 @@ def _status(args: argparse.Namespace) -> int:
         health = client.health()
         stats = client.stats()
     print(f"daemon: {health.status} (version {health.version}, up {health.uptime_s:.0f} s)")
+    print(f"model: {stats.model or '-'} (vocabulary {stats.vocab_size}, max_model_len {stats.max_model_len})"
+          + (f"; OpenAI API on {health.http_url}" if health.http_url else ""))
     if health.reason:
         print(f"  why: {health.reason}")
     print(f"stages: instance {health.instance or '-'}, {health.num_restarts} restarts"

@@ -170,6 +170,7 @@ class HealthReply(Struct, tag="health_reply"):
     num_restarts: int = 0  # stage restarts since the daemon started
     last_failure: str | None = None  # why the stages last died
     shutdown_grace_s: float = 0.0  # how long a SIGTERM lets requests in flight finish
+    http_url: str | None = None  # where the OpenAI HTTP API listens, when the daemon serves it
 
 
 class StatsReply(Struct, tag="stats_reply"):
@@ -186,6 +187,10 @@ class StatsReply(Struct, tag="stats_reply"):
     num_restarts: int = 0
     num_overloaded_requests: int = 0  # refused with `overloaded` since the daemon started
     max_in_flight_requests: int = 0  # the admission limit: max_num_seqs + max_waiting
+    model: str | None = None  # the served model's name
+    vocab_size: int = 0  # token ids are in [0, vocab_size)
+    max_model_len: int = 0  # prompt + output tokens of one request at most
+    special_token_ids: list[int] = msgspec.field(default_factory=list)  # ids a prompt of text never holds
 
 
 class ProfileReply(Struct, tag="profile_reply"):

@@ -21,9 +21,10 @@ EVENTS = Layout("events", [
     ("prompt_token_ids", "int32", "num_prompt_tokens"), ("logprobs", "float32", "num_logprob_values"),
     ("logprob_token_ids", "int32", "num_logprob_values"), ("errors", "uint8", "num_error_bytes"),
     ("stop_token_ids", "int32", "num_events"), ("stop_ends", "int32", "num_events"),
-    ("stop_strings", "uint8", "num_stop_bytes"),
+    ("stop_strings", "uint8", "num_stop_bytes"), ("scheduled_ns", "int64", "num_events"),
 ])
 NO_STOP_TOKEN = -1  # stop_token_ids entry of an event whose stop_reason is not a token id
+NOT_SCHEDULED = -1  # scheduled_ns entry of an event that does not carry the admission time
 _ERROR_SEPARATOR = "\x00"  # joins code, field and message of an error event
 
 
@@ -63,6 +64,7 @@ def encode_events(events: list[OutputEvent]) -> bytes:
         "stop_token_ids": np.array(stop_tokens, np.int32),
         "stop_ends": np.cumsum([len(s) for s in stop_strings], dtype=np.int32),
         "stop_strings": np.frombuffer(b"".join(stop_strings), np.uint8),
+        "scheduled_ns": np.array([NOT_SCHEDULED if e.scheduled_ns is None else e.scheduled_ns for e in events], np.int64),
     })
 
 
@@ -78,10 +80,12 @@ def decode_events(payload: memoryview | bytes) -> list[OutputEvent]:
     stop_strings = m["stop_strings"].tobytes()
     events = []
     text_start = token_start = prompt_start = logprob_start = error_start = stop_start = 0
-    for req_id, reason, has_prompt, text_end, token_end, prompt_end, width, error_end, stop_token, stop_end in zip(
+    for (req_id, reason, has_prompt, text_end, token_end, prompt_end, width, error_end, stop_token, stop_end,
+         scheduled_ns) in zip(
             m["req_ids"].tolist(), m["reasons"].tolist(), m["has_prompt"].tolist(), m["text_ends"].tolist(),
             m["token_ends"].tolist(), m["prompt_ends"].tolist(), m["logprob_widths"].tolist(),
-            m["error_ends"].tolist(), m["stop_token_ids"].tolist(), m["stop_ends"].tolist()):
+            m["error_ends"].tolist(), m["stop_token_ids"].tolist(), m["stop_ends"].tolist(),
+            m["scheduled_ns"].tolist()):
         token_ids = m["token_ids"][token_start:token_end]
         logprobs = logprob_ids = None
         if width:
@@ -100,7 +104,8 @@ def decode_events(payload: memoryview | bytes) -> list[OutputEvent]:
             logprobs=logprobs, logprob_token_ids=logprob_ids, error_code=error_code,
             error_message=error_message, error_field=error_field or None,
             stop_reason=stop_strings[stop_start:stop_end].decode("utf-8") if stop_end > stop_start else
-            (None if stop_token == NO_STOP_TOKEN else stop_token)))
+            (None if stop_token == NO_STOP_TOKEN else stop_token),
+            scheduled_ns=None if scheduled_ns == NOT_SCHEDULED else scheduled_ns))
         text_start, token_start, prompt_start, error_start = text_end, token_end, prompt_end, error_end
         stop_start = stop_end
     return events

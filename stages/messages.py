@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -313,9 +313,11 @@ def decode_done(payload: memoryview) -> tuple[int, int, int]:
     return m["step"], m["slot"], m["num_rows"]
 
 
-MANIFEST = Layout("manifest", [("step", "q"), ("slot", "I"), ("num_entries", "I"), ("num_finished", "I")], [
+MANIFEST = Layout("manifest", [("step", "q"), ("slot", "I"), ("num_entries", "I"), ("num_finished", "I"),
+                               ("num_admitted", "I")], [
     ("req_ids", "int64", "num_entries"), ("output_index", "int32", "num_entries"),
-    ("finished_ids", "int64", "num_finished"), ("finished_reasons", "int8", "num_finished")])
+    ("finished_ids", "int64", "num_finished"), ("finished_reasons", "int8", "num_finished"),
+    ("admitted_ids", "int64", "num_admitted"), ("admitted_ns", "int64", "num_admitted")])
 
 
 @dataclass(slots=True)
@@ -333,22 +335,26 @@ class Manifest:
     output_index: np.ndarray  # int32
     finished: list[tuple[int, FinishReason]]
     slot: int
+    admitted: list[tuple[int, int]] = field(default_factory=list)  # first admissions: (req_id, ns)
 
     @classmethod
     def for_update(cls, update: StepUpdate, slot: int) -> Manifest:
         return cls(update.step, update.req_ids.astype(np.int64), update.output_index.astype(np.int32),
-                   update.finished, slot)
+                   update.finished, slot, update.admitted)
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
     return MANIFEST.encode({"step": manifest.step, "slot": manifest.slot}, {
         "req_ids": manifest.req_ids, "output_index": manifest.output_index.astype(np.int32),
         "finished_ids": np.array([r for r, _ in manifest.finished], np.int64),
-        "finished_reasons": np.array([REASON_CODE[reason] for _, reason in manifest.finished], np.int8)})
+        "finished_reasons": np.array([REASON_CODE[reason] for _, reason in manifest.finished], np.int8),
+        "admitted_ids": np.array([r for r, _ in manifest.admitted], np.int64),
+        "admitted_ns": np.array([ns for _, ns in manifest.admitted], np.int64)})
 
 
 def decode_manifest(payload: memoryview) -> Manifest:
     m = MANIFEST.decode(payload, copy=True)
     finished = [(req_id, REASONS[code]) for req_id, code in
                 zip(m["finished_ids"].tolist(), m["finished_reasons"].tolist())]
-    return Manifest(m["step"], m["req_ids"], m["output_index"], finished, m["slot"])
+    admitted = list(zip(m["admitted_ids"].tolist(), m["admitted_ns"].tolist()))
+    return Manifest(m["step"], m["req_ids"], m["output_index"], finished, m["slot"], admitted)

@@ -1,8 +1,11 @@
-"""Serving benchmark: drives a running daemon with a workload and reports latency and throughput.
+"""Serving benchmark: drives a running engine with a workload and reports latency and throughput.
 
-Requests are sent at Poisson arrival times and streamed; each stream's timing becomes a
-`RequestRecord`, and the metrics (metrics.py) follow vLLM's `benchmark_serving`, so figures
-compare with those it prints. `--compare-sync` starts an async and a sync daemon and runs both.
+The engine is this daemon through its Unix socket, or any OpenAI-compatible server (`--base-url`:
+ours, vLLM, SGLang) through the same workload. Requests are sent at Poisson arrival times and
+streamed; each stream's timing becomes a `RequestRecord`, and the metrics (metrics.py) follow
+vLLM's `benchmark_serving`, so figures compare with those it prints. Random prompts are drawn
+from the ordinary tokens of the served model's vocabulary, as the target reports it.
+`--compare-sync` starts an async and a sync daemon and runs both.
 """
 from __future__ import annotations
 
@@ -29,11 +32,12 @@ from pipeline.bench.workload import (
     load_dataset,
     parse_range,
     random_requests,
+    random_text_requests,
 )
-from pipeline.client import AsyncClient
+from pipeline.bench.targets import ENDPOINTS, HttpTarget, ModelInfo, SocketTarget, Target
 from pipeline.errors import PipelineError
 from pipeline.paths import default_socket_path
-from stages.contracts.params import InvalidParams, SamplingParams
+from stages.contracts.params import InvalidParams
 
 PROGRESS_BAR_CHARS = 30
 DAEMON_START_TIMEOUT_S = 300.0
@@ -68,42 +72,14 @@ class ProgressBar:
         self._stream.flush()
 
 
-async def _send_one(client: AsyncClient, request: BenchRequest, params: SamplingParams, run_start_s: float) -> RequestRecord:
-    sent_s = time.perf_counter()
-    ttft_ms: float | None = None
-    itl_ms: list[float] = []
-    chunk_tokens: list[int] = []
-    last_s = sent_s
-    try:
-        stream = client.stream(request.prompt, params)
-        async for delta in stream:
-            now_s = time.perf_counter()
-            if not delta.token_ids:
-                continue
-            if ttft_ms is None:
-                ttft_ms = (now_s - sent_s) * 1e3
-            else:
-                itl_ms.append((now_s - last_s) * 1e3)
-            last_s = now_s
-            chunk_tokens.append(len(delta.token_ids))
-        completion = stream.completion
-        if completion is None:  # the loop ends only on Done or an error, so this is a daemon bug
-            raise PipelineError("stream ended without a Done reply")
-    except (PipelineError, OSError) as exc:  # OSError: the connection broke below the protocol
-        return RequestRecord(request.prompt_len or 0, sum(chunk_tokens), sent_s - run_start_s, ttft_ms, itl_ms,
-                             chunk_tokens, None, False, f"{type(exc).__name__}: {exc}")
-    latency_ms = (time.perf_counter() - sent_s) * 1e3
-    return RequestRecord(completion.usage.prompt_tokens, completion.usage.completion_tokens, sent_s - run_start_s,
-                         ttft_ms, itl_ms, chunk_tokens, latency_ms, True)
-
-
 async def run_benchmark(socket_path: Path | str | None, requests: Sequence[BenchRequest], *,
                         request_rate: float = math.inf, max_concurrency: int | None = None,
                         temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, ignore_eos: bool = False,
-                        seed: int = 0, progress: TextIO | None = None) -> BenchResult:
+                        seed: int = 0, progress: TextIO | None = None, target: Target | None = None) -> BenchResult:
     """Sends `requests` at Poisson arrival times (`seed` fixes them), at most `max_concurrency`
-    in flight, and measures each stream. Raises DaemonNotRunning before sending anything if no
-    daemon answers; a request the daemon refuses or fails is recorded, not raised."""
+    in flight, to `target` (default: the daemon on `socket_path`), and measures each stream.
+    Raises DaemonNotRunning (or the HTTP target's error) before sending anything if nothing
+    answers; a request the engine refuses or fails is recorded, not raised."""
     if not requests:
         raise ValueError("requests must not be empty")
     if max_concurrency is not None and max_concurrency < 1:
@@ -111,8 +87,15 @@ async def run_benchmark(socket_path: Path | str | None, requests: Sequence[Bench
     params = [bench_params(r.max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
               for r in requests]  # InvalidParams, naming the field, before any load is sent
     offsets_s = arrival_offsets_s(len(requests), request_rate, seed)
-    client = AsyncClient(socket_path)
-    await client.health()
+    own_target = target is None
+    if target is None:
+        target = SocketTarget(socket_path)
+    try:
+        await target.model_info()
+    except BaseException:
+        if own_target:
+            await target.close()
+        raise
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency is not None else None
     bar = ProgressBar(len(requests), progress) if progress is not None else None
     run_start_s = time.perf_counter()
@@ -120,10 +103,10 @@ async def run_benchmark(socket_path: Path | str | None, requests: Sequence[Bench
     async def issue(index: int) -> RequestRecord:
         await asyncio.sleep(max(0.0, run_start_s + offsets_s[index] - time.perf_counter()))
         if limit is None:
-            record = await _send_one(client, requests[index], params[index], run_start_s)
+            record = await target.send(requests[index], params[index], run_start_s)
         else:
             async with limit:
-                record = await _send_one(client, requests[index], params[index], run_start_s)
+                record = await target.send(requests[index], params[index], run_start_s)
         if bar is not None:
             bar.advance(record.success)
         return record
@@ -131,7 +114,8 @@ async def run_benchmark(socket_path: Path | str | None, requests: Sequence[Bench
     try:
         records = await asyncio.gather(*(issue(i) for i in range(len(requests))))
     finally:
-        await client.close()
+        if own_target:
+            await target.close()
         if bar is not None:
             bar.close()
     duration_s = time.perf_counter() - run_start_s
@@ -200,6 +184,14 @@ def range_arg(name: str) -> Callable[[str], tuple[int, int]]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipeline bench", description=__doc__.splitlines()[0])
     parser.add_argument("--socket", type=Path, default=None, help=f"daemon socket (default {default_socket_path()})")
+    parser.add_argument("--base-url", default=None, metavar="http://HOST:PORT",
+                        help="drive an OpenAI-compatible HTTP server instead (ours with --port, vLLM, SGLang)")
+    parser.add_argument("--endpoint", choices=ENDPOINTS, default="completions",
+                        help="with --base-url: /v1/completions (token-id prompts) or /v1/chat/completions "
+                             "(random prompts are then words, about one token each)")
+    parser.add_argument("--model-name", default=None, help="with --base-url: the served model (default: the first)")
+    parser.add_argument("--api-key", default=os.environ.get("PIPELINE_API_KEY"),
+                        help="with --base-url: sent as `Authorization: Bearer KEY` (default $PIPELINE_API_KEY)")
     parser.add_argument("--num-prompts", type=int, default=None, help="requests to send (default 100; "
                         "with --dataset, its whole length)")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals in req/s; inf sends all at once")
@@ -208,8 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt length in tokens, uniform in the range (default 128)")
     parser.add_argument("--output-len", type=range_arg("--output-len"), default=(64, 64), metavar="MIN[:MAX]",
                         help="max_tokens, uniform in the range (default 64)")
-    parser.add_argument("--vocab-size", type=int, default=1024, help="random prompt token ids are below this")
-    parser.add_argument("--min-token-id", type=int, default=2, help="and at least this (skips BOS/EOS)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="random prompt token ids are below this (default: the vocabulary the target reports)")
+    parser.add_argument("--min-token-id", type=int, default=0,
+                        help="and at least this; special tokens the target reports are skipped too")
     parser.add_argument("--dataset", type=Path, default=None, metavar="FILE.jsonl",
                         help="prompts from JSONL: {prompt: text|ids, output_len|max_tokens?} per line")
     parser.add_argument("--ignore-eos", action="store_true", help="generate max_tokens even past EOS")
@@ -228,15 +222,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def make_requests(args: argparse.Namespace, info: ModelInfo) -> list[BenchRequest]:
+    """The workload the options ask for, for the model the target serves."""
+    if args.dataset is not None:
+        return load_dataset(args.dataset, args.output_len, num_prompts=args.num_prompts, seed=args.seed)
+    num_prompts = args.num_prompts if args.num_prompts is not None else 100
+    if args.base_url is not None and args.endpoint == "chat":
+        return random_text_requests(num_prompts, args.input_len, args.output_len, seed=args.seed)
+    vocab_size = args.vocab_size or info.vocab_size
+    if vocab_size is None:
+        raise ValueError("the target does not report its vocabulary size: pass --vocab-size")
+    return random_requests(num_prompts, args.input_len, args.output_len, vocab_size=vocab_size,
+                           min_token_id=args.min_token_id, special_token_ids=info.special_token_ids, seed=args.seed)
+
+
+def checkpoint_info(model_dir: Path) -> ModelInfo:
+    """What a daemon on `model_dir` will report: its vocabulary and special tokens."""
+    from tokenizers import Tokenizer
+
+    config = json.loads((model_dir / "config.json").read_text())
+    added = Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_added_tokens_decoder()
+    return ModelInfo(model_dir.name, config.get("vocab_size"), None,
+                     sorted(token_id for token_id, token in added.items() if token.special))
+
+
+async def _bench(args: argparse.Namespace, options: dict[str, Any]) -> BenchResult:
+    target: Target
+    if args.base_url is not None:
+        target = HttpTarget(args.base_url, args.endpoint, model=args.model_name, api_key=args.api_key)
+    else:
+        target = SocketTarget(args.socket)
+    try:
+        requests = make_requests(args, await target.model_info())
+        return await run_benchmark(None, requests, target=target, **options)
+    finally:
+        await target.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.dataset is not None:
-            requests = load_dataset(args.dataset, args.output_len, num_prompts=args.num_prompts, seed=args.seed)
-        else:
-            requests = random_requests(args.num_prompts if args.num_prompts is not None else 100, args.input_len,
-                                       args.output_len, vocab_size=args.vocab_size, min_token_id=args.min_token_id,
-                                       seed=args.seed)
         if args.compare_sync and args.model is None:
             raise ValueError("--compare-sync needs --model DIR")
         options = dict(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
@@ -245,12 +270,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.compare_sync:
             # SIGTERM unwinds like Ctrl-C, so the daemons compare_sync starts are stopped on the way out.
             signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+            requests = make_requests(args, checkpoint_info(args.model))
             async_result, sync_result = compare_sync(args.model, requests, **options)
             table = format_comparison(async_result, sync_result)
             report: dict[str, Any] = {"async": async_result.to_json(), "sync": sync_result.to_json()}
             plotted = async_result
         else:
-            result = asyncio.run(run_benchmark(args.socket, requests, **options))
+            result = asyncio.run(_bench(args, options))
             table = format_table(result)
             report = result.to_json()
             plotted = result

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,19 +35,39 @@ def parse_range(text: str, name: str) -> tuple[int, int]:
 
 
 def random_requests(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], *,
-                    vocab_size: int, min_token_id: int = 0, seed: int = 0) -> list[BenchRequest]:
-    """Prompts of random token ids in [min_token_id, vocab_size), lengths uniform in the ranges."""
+                    vocab_size: int, min_token_id: int = 0, special_token_ids: Sequence[int] = (),
+                    seed: int = 0) -> list[BenchRequest]:
+    """Prompts of random token ids in [min_token_id, vocab_size) that are not special, lengths
+    uniform in the ranges."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-    if not 0 <= min_token_id < vocab_size:
-        raise ValueError(f"need 0 <= min_token_id < vocab_size, got min_token_id={min_token_id}, vocab_size={vocab_size}")
+    ordinary = np.setdiff1d(np.arange(min_token_id, vocab_size), np.asarray(special_token_ids, np.int64))
+    if not len(ordinary):
+        raise ValueError(f"no ordinary token id in [{min_token_id}, {vocab_size}) to draw prompts from")
     rng = np.random.default_rng(seed)
     input_lens = rng.integers(input_len[0], input_len[1] + 1, num_prompts)
     output_lens = rng.integers(output_len[0], output_len[1] + 1, num_prompts)
     return [
-        BenchRequest(rng.integers(min_token_id, vocab_size, int(n_in)).tolist(), int(n_out), int(n_in))
+        BenchRequest(ordinary[rng.integers(0, len(ordinary), int(n_in))].tolist(), int(n_out), int(n_in))
         for n_in, n_out in zip(input_lens, output_lens)
     ]
+
+
+# Short common words: each is about one token for the usual tokenizers, space included.
+_WORDS = ("time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school",
+          "state", "family", "student", "group", "country", "problem", "hand", "part", "place", "case", "week",
+          "company", "system", "program", "question", "work", "number", "night", "point", "home", "water", "room")
+
+
+def random_text_requests(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], *,
+                         seed: int = 0) -> list[BenchRequest]:
+    """Prompts of random common words (input_len counts words: about one token each), for
+    endpoints that take text only (chat)."""
+    rng = np.random.default_rng(seed)
+    input_lens = rng.integers(input_len[0], input_len[1] + 1, num_prompts)
+    output_lens = rng.integers(output_len[0], output_len[1] + 1, num_prompts)
+    return [BenchRequest(" ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), int(n_in))), int(n_out))
+            for n_in, n_out in zip(input_lens, output_lens)]
 
 
 def load_dataset(path: Path | str, output_len: tuple[int, int], *, num_prompts: int | None = None,

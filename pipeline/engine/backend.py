@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from stages.contracts.config import EngineConfig
+from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
 
@@ -39,6 +39,7 @@ class Backend(Protocol):
     the other methods may be called from another (the event loop's)."""
 
     instance: str
+    limits: ModelLimits  # what the loaded model allows (the same after a restart)
 
     def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> None:
         """Queue a request without waiting; Overloaded when there is no room now, StageFailed

@@ -41,6 +41,7 @@ class InProcessBackend:
         self.instance = instance
         self.llm = LLM(config.model, **{name: value for name, value in config.to_dict().items() if name != "model"})
         self._engine = self.llm.engine
+        self.limits = self.llm.limits
         self._inbox: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
         self._events: list[OutputEvent] = []
         self._events_ready = threading.Condition()

@@ -5,6 +5,7 @@ with nothing to download, on any machine.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -14,7 +15,17 @@ DEFAULT_MODEL_ARCH = "llama"
 DEFAULT_MODEL_SEED = 0
 # Files whose presence marks a finished build; the build renames a complete directory into
 # place, so a directory holding them is never half-written.
-_REQUIRED_FILES = ("config.json", "tokenizer.json", "model.safetensors")
+_REQUIRED_FILES = ("config.json", "tokenizer.json", "model.safetensors", "tokenizer_config.json")
+
+
+def _is_current(target: Path) -> bool:
+    """A finished build of this version: one made before chat templates is rebuilt."""
+    if not all((target / name).is_file() for name in _REQUIRED_FILES):
+        return False
+    try:
+        return "chat_template" in json.loads((target / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
 
 
 def default_model_dir() -> Path:
@@ -32,7 +43,7 @@ def ensure_default_model(target: Path | None = None) -> Path:
     complete copy (the loser of the rename discards its own).
     """
     target = default_model_dir() if target is None else Path(target)
-    if all((target / name).is_file() for name in _REQUIRED_FILES):
+    if _is_current(target):
         return target
     from pipeline.models.tiny_model import make_tiny_model  # imports torch: only when a build is needed
 
@@ -40,10 +51,14 @@ def ensure_default_model(target: Path | None = None) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=".default-model-", dir=target.parent))
     try:
         make_tiny_model(scratch, DEFAULT_MODEL_ARCH, DEFAULT_MODEL_SEED)
+        if target.is_dir() and not _is_current(target):  # an earlier version's build: replaced
+            stale = Path(tempfile.mkdtemp(prefix=".default-model-old-", dir=target.parent))
+            os.rename(target, stale / "model")
+            shutil.rmtree(stale, ignore_errors=True)
         try:
             os.rename(scratch, target)
         except OSError:
-            if not all((target / name).is_file() for name in _REQUIRED_FILES):
+            if not _is_current(target):
                 raise  # not a lost race: something else is in the way
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

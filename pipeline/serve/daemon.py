@@ -1,8 +1,9 @@
-"""The daemon process: `pipeline start` serves the Unix socket on an asyncio (uvloop) event loop.
+"""The daemon process: `pipeline start` serves the Unix socket (and, with a port, the OpenAI HTTP
+API) on an asyncio (uvloop) event loop.
 
-It claims the socket path (refusing when another daemon answers there), starts the backend and
-its supervisor, writes a pid file beside the socket, and routes through `DaemonServer`
-(server.py). SIGTERM (`pipeline stop`) or SIGINT: stop accepting, let the requests in flight
+It claims the socket path (refusing when another daemon answers there) and the HTTP port,
+starts the backend and its supervisor, writes a pid file beside the socket, and routes both
+listeners' requests through one `DaemonServer` (server.py). SIGTERM (`pipeline stop`) or SIGINT: stop accepting, let the requests in flight
 finish for up to `grace_s`, end the rest with `aborted`, close the stages, exit. A second
 signal ends the wait.
 """
@@ -24,7 +25,11 @@ import uvloop
 from pipeline.errors import PipelineError
 from pipeline.paths import ensure_socket_dir
 from pipeline.engine.backend import BackendFactory
-from pipeline.serve.server import DaemonConfig, DaemonServer
+from pipeline.serve.config import DaemonConfig
+from pipeline.serve.http import HttpListener, bind
+from pipeline.serve.model import ServedModel
+from pipeline.serve.openai.app import OpenAIApi
+from pipeline.serve.server import DaemonServer
 from pipeline.serve.socket_connection import SocketConnection
 from pipeline.serve.stage_backend import StageBackend
 from pipeline.serve.supervisor import StageSupervisor
@@ -133,8 +138,13 @@ def _unlink_if_ours(path: Path, inode: int) -> None:
 
 
 async def _serve(server: DaemonServer, supervisor: StageSupervisor, socket_path: Path,
-                 ready: Callable[[], None] | None) -> None:
+                 ready: Callable[[], None] | None, http_socket: socket.socket | None) -> None:
     loop = asyncio.get_running_loop()
+    http = None
+    if http_socket is not None:
+        http = HttpListener(OpenAIApi(server, server.config.api_key).app(), http_socket)
+        await http.start()
+        server.http_url = http.url
     old_umask = os.umask(0o177)  # the socket is born 0600: no window in which others may connect
     try:
         listener = await loop.create_unix_server(lambda: SocketConnection(server), path=str(socket_path),
@@ -162,6 +172,8 @@ async def _serve(server: DaemonServer, supervisor: StageSupervisor, socket_path:
         log.info("pipeline daemon shutting down: %d requests in flight get up to %g s to finish",
                  server.num_in_flight, grace_s)
         listener.close()
+        if http is not None:
+            http.stop_accepting()
         server.begin_shutdown()
         supervisor.stop_restarting()
         await _wait_first(server.wait_idle(), hurry.wait(), timeout_s=grace_s)
@@ -175,6 +187,8 @@ async def _serve(server: DaemonServer, supervisor: StageSupervisor, socket_path:
             await asyncio.sleep(0.01)
         for connection in list(server.connections):
             connection.abort()
+        if http is not None:
+            await http.stop()
         await loop.run_in_executor(None, supervisor.stop, SUPERVISOR_STOP_S)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
@@ -195,16 +209,26 @@ def run_daemon(config: EngineConfig, socket_path: Path | str, backend_factory: B
     socket_path = Path(socket_path)
     claim_socket_path(socket_path)
     raise_open_file_limit()
-    with _exit_on_sigterm():
-        backend = backend_factory(config, new_instance_id())  # sweeps what dead instances left in /dev/shm
-    loop = uvloop.new_event_loop()
-    server = DaemonServer(backend, config.max_num_seqs, settings)
-    supervisor = StageSupervisor(backend, backend_factory, config, settings.restart_policy(), server, loop)
+    http_socket = None if settings.http_port is None else bind(settings.http_host, settings.http_port)
     try:
-        loop.run_until_complete(_serve(server, supervisor, socket_path, ready))
+        with _exit_on_sigterm():
+            backend = backend_factory(config, new_instance_id())  # sweeps what dead instances left in /dev/shm
+        try:
+            model = ServedModel.load(config, backend.limits, settings.served_model_name)
+        except BaseException:
+            backend.close()
+            raise
+        loop = uvloop.new_event_loop()
+        server = DaemonServer(backend, config.max_num_seqs, settings, model)
+        supervisor = StageSupervisor(backend, backend_factory, config, settings.restart_policy(), server, loop)
+        try:
+            loop.run_until_complete(_serve(server, supervisor, socket_path, ready, http_socket))
+        finally:
+            supervisor.stop(SUPERVISOR_STOP_S)  # closes the stages, if _serve did not get that far
+            loop.close()
     finally:
-        supervisor.stop(SUPERVISOR_STOP_S)  # closes the stages, if _serve did not get that far
-        loop.close()
+        if http_socket is not None:
+            http_socket.close()
     return 0
 
 

@@ -1,14 +1,14 @@
 """The daemon's routing: requests from connections to the backend, output events back.
 
-Each `Generate` gets a small integer `req_id` (the backend's name for it) and a public request
-id nobody can guess (what clients see). The stage supervisor's thread (supervisor.py) blocks in
-`backend.read_events` and hands each batch of events to the event loop, which fans them out to
-the connections; when a stage dies it ends every request in flight with `stage_failed` and
-restarts the stages. Nothing on the event loop waits: a write to a connection only grows that
-client's transport buffer (past `max_unread_bytes` the daemon drops the connection, aborting
-its requests, rather than let one slow reader hold memory or stall the others), and a request
-that finds no room (`max_num_seqs + max_waiting` requests in flight, or a full request ring) is
-refused with `overloaded` at once.
+Each request gets a small integer `req_id` (the backend's name for it) and a public request id
+nobody can guess (what clients see). A connection is anything that takes replies without
+waiting: a Unix-socket client (socket_connection.py) or one HTTP call (openai/call.py). The
+stage supervisor's thread (supervisor.py) blocks in `backend.read_events` and hands each batch
+of events to the event loop, which fans them out to the connections; when a stage dies it ends
+every request in flight with `stage_failed` and restarts the stages. Nothing on the event loop
+waits: a write to a connection only grows that client's buffer, and a request that finds no
+room (`max_num_seqs + max_waiting` requests in flight, or a full request ring) is refused with
+`overloaded` at once. Every request's life is recorded in the daemon's metrics (metrics.py).
 """
 from __future__ import annotations
 
@@ -17,10 +17,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from importlib import metadata
 from typing import Protocol
 
-from pipeline.errors import ErrorCode, Overloaded, PipelineError
+from pipeline.errors import Overloaded, PipelineError, PromptTooLong, RequestAborted, StageFailed
 from pipeline.protocol import (
     Abort,
     Aborted,
@@ -31,67 +30,26 @@ from pipeline.protocol import (
     Error,
     Generate,
     Health,
-    HealthReply,
     Profile,
     ProfileReply,
     ServerMessage,
     Stats,
-    StatsReply,
     TokenLogprobs,
     Usage,
     error_for,
     new_request_id,
 )
 from pipeline.engine.backend import Backend
-from pipeline.serve.supervisor import RestartPolicy
+from pipeline.serve.config import DaemonConfig
+from pipeline.serve.metrics import Metrics, RequestTimeline
+from pipeline.serve.model import ServedModel
+from pipeline.serve.status import health_reply, stats_reply
 from shm.ring import RecordTooLarge
+from stages.contracts.errors import ErrorCode
 from stages.contracts.outputs import OutputEvent
-from stages.contracts.params import InvalidParams
-from stages.process import IDLE_TICK_S
+from stages.contracts.params import InvalidParams, SamplingParams
 
 log = logging.getLogger("pipeline.serve")
-
-DEFAULT_MAX_UNREAD_BYTES = 64 * 1024 * 1024
-DEFAULT_GRACE_S = 30.0
-MIN_STALL_S = 2 * IDLE_TICK_S
-DEFAULT_STALL_S = 30.0  # generous: one CPU step of a large batch can take seconds
-DEFAULT_MAX_WAITING = 1024
-
-
-def _version() -> str:
-    try:
-        return metadata.version("pipeline")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-@dataclass(slots=True)
-class DaemonConfig:
-    """How the daemon serves, as opposed to how the engine runs (EngineConfig)."""
-
-    grace_s: float = DEFAULT_GRACE_S  # on SIGTERM, how long requests in flight may take to finish
-    stall_s: float = DEFAULT_STALL_S  # a stage whose loop has not gone round for this long is stuck
-    max_waiting: int = DEFAULT_MAX_WAITING  # requests admitted beyond max_num_seqs
-    max_restarts: int = 5  # stage restarts allowed within restart_window_s
-    restart_window_s: float = 600.0
-    max_unread_bytes: int = DEFAULT_MAX_UNREAD_BYTES  # per connection, before it is dropped
-
-    def check(self) -> None:
-        """Raises ValueError naming the first bad value."""
-        if not self.grace_s >= 0:
-            raise ValueError(f"grace_s must be >= 0, got {self.grace_s!r}")
-        if not self.stall_s >= MIN_STALL_S:
-            raise ValueError(f"stall_s must be at least {MIN_STALL_S:g} s (an idle stage beats every "
-                             f"{IDLE_TICK_S:g} s), got {self.stall_s!r}")
-        for name in ("max_waiting", "max_unread_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "max_unread_bytes" else 0):
-                raise ValueError(f"{name} must be a {'positive' if name == 'max_unread_bytes' else 'non-negative'} "
-                                 f"integer, got {value!r}")
-        self.restart_policy().check()
-
-    def restart_policy(self) -> RestartPolicy:
-        return RestartPolicy(self.max_restarts, self.restart_window_s)
 
 
 class Connection(Protocol):
@@ -119,8 +77,10 @@ class Request:
     connection: Connection
     stream: bool
     num_logprobs: int | None
+    timeline: RequestTimeline
     prompt_token_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
+    queue_time_s: float | None = None  # from arrival to the scheduler's first admission
     # Whole output, kept only for requests that are not streamed (Done carries it).
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -138,11 +98,14 @@ def _token_logprobs(event: OutputEvent) -> list[TokenLogprobs] | None:
 class DaemonServer:
     """Routing between connections and the backend. Runs on the event loop's thread only."""
 
-    def __init__(self, backend: Backend, max_num_seqs: int, config: DaemonConfig | None = None) -> None:
+    def __init__(self, backend: Backend, max_num_seqs: int, config: DaemonConfig | None = None,
+                 model: ServedModel | None = None) -> None:
         config = config or DaemonConfig()
         config.check()
         self.config = config
         self.backend: Backend | None = backend  # None while the stages restart or stay down
+        self.model = model
+        self.metrics = Metrics(model.name if model is not None else "default")
         self.max_unread_bytes = config.max_unread_bytes
         self.max_num_seqs = max_num_seqs
         self.max_in_flight_requests = max_num_seqs + config.max_waiting
@@ -153,14 +116,15 @@ class DaemonServer:
         self.down_reason: str | None = None  # why they were not restarted (state DOWN)
         self.num_restarts = 0
         self.shutting_down = False
+        self.http_url: str | None = None  # where the HTTP API listens, once it does
         self._requests: dict[int, Request] = {}  # by backend req_id: accepted and not finished
         self._idle = asyncio.Event()  # no request in flight
         self._idle.set()
         self._next_req_id = 0
-        self._num_finished = 0
-        self._num_overloaded = 0
-        self._num_prompt_tokens = 0
-        self._num_generated_tokens = 0
+        self.num_finished = 0
+        self.num_overloaded = 0
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
 
     # ---- client messages
 
@@ -170,9 +134,9 @@ class DaemonServer:
         elif isinstance(message, Abort):
             self._abort(connection, message.request_id)
         elif isinstance(message, Health):
-            connection.send(self._health())
+            connection.send(self.health())
         elif isinstance(message, Stats):
-            connection.send(self._stats())
+            connection.send(self.stats())
         elif isinstance(message, Profile):
             self._profile(connection, message)
 
@@ -195,58 +159,48 @@ class DaemonServer:
 
     def _generate(self, connection: Connection, message: Generate) -> None:
         try:
-            params = message.params.to_params()
-        except InvalidParams as exc:
-            connection.send(error_for(exc))
-            return
-        refusal = self._unavailable() or self._overloaded()
-        if refusal is not None:
-            connection.send(refusal)
-            return
-        request_id = new_request_id()
-        req_id = self._next_req_id
-        self._next_req_id += 1
-        request = Request(req_id, request_id, connection, message.stream, params.logprobs)
-        if isinstance(message.prompt, list):
-            request.prompt_token_ids = list(message.prompt)
-        try:
-            self.backend.submit(req_id, message.prompt, params)
-        except Overloaded as exc:
-            self._num_overloaded += 1
-            connection.send(error_for(exc))
-            return
+            request_id = self.start_request(connection, message.prompt, message.params.to_params(), message.stream)
         except (PipelineError, InvalidParams) as exc:
             connection.send(error_for(exc))
             return
-        except RecordTooLarge:  # far longer than any max_model_len: refused before tokenizing
-            unit = "characters" if isinstance(message.prompt, str) else "token ids"
-            connection.send(Error(ErrorCode.PROMPT_TOO_LONG.value,
-                                  f"prompt of {len(message.prompt)} {unit} is too large to queue"))
-            return
-        self._requests[req_id] = request
-        self._idle.clear()
-        connection.requests[request_id] = request
         connection.send(Accepted(request_id))
 
-    def _unavailable(self) -> Error | None:
-        """The error for a new request when the daemon cannot take one at all, or None."""
-        if self.shutting_down:
-            return Error(ErrorCode.ABORTED.value, "the daemon is shutting down and accepts no new requests")
-        if self.state is BackendState.RESTARTING:
-            return Error(ErrorCode.STAGE_FAILED.value, f"stages are restarting after: {self.last_failure}; retry")
-        if self.state is BackendState.DOWN:
-            return Error(ErrorCode.STAGE_FAILED.value,
-                         f"stages failed ({self.last_failure}) and are not restarted: {self.down_reason}")
-        return None
+    def start_request(self, connection: Connection, prompt: str | list[int], params: SamplingParams,
+                      stream: bool) -> str:
+        """Hands a request to the backend for `connection`, which then gets its Delta (when
+        streamed) and Done or Error messages; returns its public id. Raises Overloaded,
+        StageFailed, RequestAborted (shutting down) or PromptTooLong when it is refused."""
+        self._check_available()
+        if len(self._requests) >= self.max_in_flight_requests:
+            self.num_overloaded += 1
+            raise Overloaded(f"the daemon is at its limit of {self.max_in_flight_requests} requests in flight "
+                             f"(max_num_seqs {self.max_num_seqs} + max_waiting {self.config.max_waiting}); retry later")
+        req_id = self._next_req_id
+        self._next_req_id += 1
+        request = Request(req_id, new_request_id(), connection, stream, params.logprobs, self.metrics.request_arrived())
+        if isinstance(prompt, list):
+            request.prompt_token_ids = list(prompt)
+        try:
+            self.backend.submit(req_id, prompt, params)
+        except Overloaded:
+            self.num_overloaded += 1
+            raise
+        except RecordTooLarge:  # far longer than any max_model_len: refused before tokenizing
+            unit = "characters" if isinstance(prompt, str) else "token ids"
+            raise PromptTooLong(f"prompt of {len(prompt)} {unit} is too large to queue") from None
+        self._requests[req_id] = request
+        self._idle.clear()
+        connection.requests[request.request_id] = request
+        return request.request_id
 
-    def _overloaded(self) -> Error | None:
-        """Error(overloaded) when as many requests are in flight as admission allows, else None."""
-        if len(self._requests) < self.max_in_flight_requests:
-            return None
-        self._num_overloaded += 1
-        return Error(ErrorCode.OVERLOADED.value,
-                     f"the daemon is at its limit of {self.max_in_flight_requests} requests in flight "
-                     f"(max_num_seqs {self.max_num_seqs} + max_waiting {self.config.max_waiting}); retry later")
+    def _check_available(self) -> None:
+        """Raises why the daemon cannot take a request at all now, if it cannot."""
+        if self.shutting_down:
+            raise RequestAborted("the daemon is shutting down and accepts no new requests")
+        if self.state is BackendState.RESTARTING:
+            raise StageFailed(f"stages are restarting after: {self.last_failure}; retry")
+        if self.state is BackendState.DOWN:
+            raise StageFailed(f"stages failed ({self.last_failure}) and are not restarted: {self.down_reason}")
 
     def _abort(self, connection: Connection, request_id: str) -> None:
         # Only the connection that made a request may abort it by message.
@@ -255,7 +209,7 @@ class DaemonServer:
             connection.send(Error(ErrorCode.NOT_FOUND.value, f"no running request {request_id} on this connection",
                                   None, request_id))
             return
-        self._forget(request)
+        self._end(request, "abort")
         self._abort_in_backend(request.req_id)
         connection.send(Error(ErrorCode.ABORTED.value, "aborted by the client", None, request_id))
         connection.send(Aborted(request_id))
@@ -264,7 +218,7 @@ class DaemonServer:
         """A closed connection aborts every request still running on it."""
         self.connections.discard(connection)
         for request in list(connection.requests.values()):
-            self._forget(request)
+            self._end(request, "abort")
             self._abort_in_backend(request.req_id)
 
     def _abort_in_backend(self, req_id: int) -> None:
@@ -275,11 +229,14 @@ class DaemonServer:
         except PipelineError as exc:  # a stage died; the supervisor ends every request in a moment
             log.warning("could not abort request %d: %s", req_id, exc.message)
 
-    def _forget(self, request: Request) -> None:
+    def _end(self, request: Request, reason: str) -> None:
+        """The request is over for the daemon ("stop", "length", "abort" or "error")."""
         self._requests.pop(request.req_id, None)
         request.connection.requests.pop(request.request_id, None)
         if not self._requests:
             self._idle.set()
+        self.metrics.request_finished(request.timeline, reason, num_prompt_tokens=len(request.prompt_token_ids),
+                                      queue_time_s=request.queue_time_s)
 
     # ---- backend output
 
@@ -294,14 +251,18 @@ class DaemonServer:
         connection = request.connection
         if event.prompt_token_ids is not None:
             request.prompt_token_ids = event.prompt_token_ids.tolist()
+        if event.scheduled_ns is not None:
+            request.queue_time_s = max(0.0, event.scheduled_ns / 1e9 - request.timeline.arrival_s)
         if event.error_code is not None:
-            self._forget(request)
+            self._end(request, "error")
             connection.send(Error(event.error_code, event.error_message or event.error_code, event.error_field,
                                   request.request_id))
             return
         token_ids = event.token_ids.tolist()
-        request.num_output_tokens += len(token_ids)
-        self._num_generated_tokens += len(token_ids)
+        if token_ids:
+            request.num_output_tokens += len(token_ids)
+            self.num_generated_tokens += len(token_ids)
+            self.metrics.tokens_generated(request.timeline, len(token_ids))
         logprobs = _token_logprobs(event) if request.num_logprobs is not None else None
         if request.stream:
             if event.text or token_ids:
@@ -313,13 +274,14 @@ class DaemonServer:
                 request.logprobs.extend(logprobs)
         if event.finish_reason is None:
             return
-        self._forget(request)
         if event.finish_reason not in ("stop", "length"):
+            self._end(request, "abort")
             connection.send(Error(ErrorCode.ABORTED.value, f"request ended: {event.finish_reason}", None,
                                   request.request_id))
             return
-        self._num_finished += 1
-        self._num_prompt_tokens += len(request.prompt_token_ids)
+        self._end(request, event.finish_reason)
+        self.num_finished += 1
+        self.num_prompt_tokens += len(request.prompt_token_ids)
         usage = Usage(len(request.prompt_token_ids), request.num_output_tokens)
         if request.stream:
             done = Done(request.request_id, event.finish_reason, request.prompt_token_ids, usage,
@@ -331,7 +293,7 @@ class DaemonServer:
                         stop_reason=event.stop_reason)
         connection.send(done)
 
-    # ---- the supervisor's (called on the loop; see pipeline/supervisor.py)
+    # ---- the supervisor's (called on the loop; see pipeline/serve/supervisor.py)
 
     def on_backend_failed(self, reason: str) -> None:
         """A stage died: every request in flight ends with stage_failed at once, new ones are
@@ -341,7 +303,7 @@ class DaemonServer:
         self.state = BackendState.RESTARTING
         self.last_failure = reason
         for request in list(self._requests.values()):
-            self._forget(request)
+            self._end(request, "error")
             request.connection.send(Error(ErrorCode.STAGE_FAILED.value, reason, None, request.request_id))
 
     def on_backend_restarted(self, backend: Backend) -> None:
@@ -370,7 +332,7 @@ class DaemonServer:
     def shut_down(self) -> None:
         """Ends every request still running with `aborted`, then closes every connection."""
         for request in list(self._requests.values()):
-            self._forget(request)
+            self._end(request, "abort")
             request.connection.send(Error(
                 ErrorCode.ABORTED.value,
                 f"the daemon shut down before the request finished (grace period {self.config.grace_s:g} s)",
@@ -378,64 +340,13 @@ class DaemonServer:
         for connection in list(self.connections):
             connection.close()
 
-    # ---- health and stats
+    # ---- health and stats (status.py)
 
-    def _health(self) -> HealthReply:
-        """"ok" only while every stage lives and none has stalled, with no restart under way."""
-        reply = HealthReply("ok", _version(), time.monotonic() - self.started_at, num_restarts=self.num_restarts,
-                            last_failure=self.last_failure, shutdown_grace_s=self.config.grace_s)
-        problems = ["the daemon is shutting down"] if self.shutting_down else []
-        if self.state is BackendState.RESTARTING:
-            problems.append(f"stages are restarting after: {self.last_failure}")
-        elif self.state is BackendState.DOWN:
-            problems.append(f"stages failed ({self.last_failure}) and are not restarted: {self.down_reason}")
-        if self.backend is not None:
-            reply.instance = getattr(self.backend, "instance", None)
-            try:
-                stages = self.backend.health()
-            except Exception as exc:  # noqa: BLE001 - a broken backend is what health must report
-                stages = []
-                problems.append(f"the stages' health is unreadable: {exc}")
-            for stage in stages:
-                reply.stages[stage.name] = (f"{'alive' if stage.alive else 'dead'} pid {stage.pid} "
-                                            f"heartbeat {stage.heartbeat_age_s:.2f}s")
-                reply.stage_pids[stage.name] = stage.pid
-                if not stage.alive:
-                    problems.append(f"stage {stage.name!r} is dead")
-                elif stage.heartbeat_age_s > self.config.stall_s:
-                    problems.append(f"stage {stage.name!r} has not gone round its loop for "
-                                    f"{stage.heartbeat_age_s:.1f} s (stall limit {self.config.stall_s:g} s)")
-        if problems:
-            reply.status = "degraded"
-            reply.reason = "; ".join(problems)
-            if self.state is not BackendState.SERVING:
-                reply.stages["backend"] = f"failed: {self.last_failure}; {self.state.value}"
-        return reply
+    def health(self) -> ServerMessage:
+        return health_reply(self)
 
-    def _stats(self) -> StatsReply:
-        uptime_s = time.monotonic() - self.started_at
-        reply = StatsReply(
-            num_finished_requests=self._num_finished,
-            num_prompt_tokens_total=self._num_prompt_tokens,
-            num_generated_tokens_total=self._num_generated_tokens,
-            uptime_s=uptime_s,
-            num_restarts=self.num_restarts,
-            num_overloaded_requests=self._num_overloaded,
-            max_in_flight_requests=self.max_in_flight_requests,
-        )
-        if self.backend is None:
-            return reply
-        try:
-            stats = self.backend.stats()
-        except Exception:  # noqa: BLE001 - the daemon's own counters still answer
-            return reply
-        reply.num_running_requests = stats.num_running
-        reply.num_waiting_requests = stats.num_waiting
-        reply.kv_blocks_used = stats.kv_blocks_used
-        reply.kv_blocks_total = stats.kv_blocks_used + stats.kv_blocks_free
-        reply.generated_tokens_per_s = stats.generated_tokens_per_s
-        reply.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
-        return reply
+    def stats(self) -> ServerMessage:
+        return stats_reply(self)
 
 
 def _profile_reply(action: str, done: asyncio.Future) -> ServerMessage:

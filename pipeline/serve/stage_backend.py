@@ -110,6 +110,7 @@ class StageBackend:
             process.start()
             self._procs.append((stage.name, process))
         self._wait_ready()
+        self.limits = self._board.limits()
         # Every end has attached: the rings unlinked themselves; these two are ours to unlink.
         unlink_mailbox(ring_name(instance, "mailbox"))
         self._board.unlink()

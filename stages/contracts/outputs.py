@@ -3,7 +3,7 @@ per-request output events the detokenizer sends to the daemon."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -50,6 +50,9 @@ class StepUpdate:
     output_index: np.ndarray  # int64 [m]: index into `output`'s arrays
     finished: list[tuple[int, FinishReason]]
     output: HostStepOutput  # the step's sampled tokens (and logprobs), row by row
+    # Requests this step's plan admitted for the first time: (req_id, CLOCK_MONOTONIC ns of the
+    # admission), so whoever saw them arrive can tell how long they waited.
+    admitted: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +74,7 @@ class OutputEvent:
     error_message: str | None = None
     error_field: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it; None for EOS
+    scheduled_ns: int | None = None  # when the scheduler first admitted it (CLOCK_MONOTONIC ns), once
 
     @property
     def is_last(self) -> bool:

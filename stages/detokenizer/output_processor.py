@@ -27,6 +27,7 @@ class StepEntries(Protocol):
     req_ids: np.ndarray  # int64 [m]
     output_index: np.ndarray  # [m]: row index of entry i's token in the step's tokens
     finished: list[tuple[int, FinishReason]]  # requests that end with this step
+    admitted: list[tuple[int, int]]  # requests first admitted in this step: (req_id, CLOCK_MONOTONIC ns)
 
 
 @dataclass(slots=True)
@@ -40,6 +41,7 @@ class _Stream:
     detokenizer: IncrementalDetokenizer | None  # None without a tokenizer: token ids only
     prompt_token_ids: np.ndarray | None  # sent with the request's first event, then None
     params: SamplingParams
+    scheduled_ns: int | None = None  # its admission time, sent with its next event, then None
 
 
 class OutputProcessor:
@@ -67,6 +69,10 @@ class OutputProcessor:
         entries.output_index[i] of the step's `tokens`; entries.finished end with this step."""
         out = StepEvents()
         this_step: dict[int, OutputEvent] = {}
+        for req_id, scheduled_ns in entries.admitted:
+            stream = self._streams.get(req_id)
+            if stream is not None:
+                stream.scheduled_ns = scheduled_ns
         for req_id, index in zip(entries.req_ids.tolist(), entries.output_index.tolist()):
             stream = self._streams.get(req_id)
             if stream is None:
@@ -122,6 +128,7 @@ class OutputProcessor:
         return OutputEvent(req_id, "", _NO_TOKENS, error_code=code, error_message=message, error_field=field_name)
 
     def _event(self, req_id: int, stream: _Stream) -> OutputEvent:
-        event = OutputEvent(req_id, "", _NO_TOKENS, prompt_token_ids=stream.prompt_token_ids)
-        stream.prompt_token_ids = None
+        event = OutputEvent(req_id, "", _NO_TOKENS, prompt_token_ids=stream.prompt_token_ids,
+                            scheduled_ns=stream.scheduled_ns)
+        stream.prompt_token_ids = stream.scheduled_ns = None
         return event

@@ -34,6 +34,7 @@ class Request:
     output_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     finish_reason: FinishReason | None = None
     preempted: bool = False  # set while draining after preemption: re-admit, do not finish
+    admitted: bool = False  # has held a row at least once
     num_preemptions: int = 0
 
     @property

@@ -10,6 +10,7 @@ only when no step that used them is still unprocessed.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -72,6 +73,7 @@ class Scheduler:
         self._num_draining = 0
         self._connector_pins: list[int] = []  # blocks a pending connector save will read
         self._in_flight: deque[StepPlan] = deque()  # scheduled, not yet updated, oldest first
+        self._first_admitted: deque[list[tuple[int, int]]] = deque()  # per step in flight: (req_id, ns)
         self._next_step = 0
         self.num_preemptions = 0
         self.num_prefix_queried_tokens = 0
@@ -171,8 +173,9 @@ class Scheduler:
                 parts.append((rows, num_computed, num_new, sample, blocks_needed))
 
         new_requests: list[NewRequest] = []
+        first_admissions: set[int] = set()
         if not preempted:
-            admitted = self._admit(budget, new_requests, new_block_ids)
+            admitted = self._admit(budget, new_requests, new_block_ids, first_admissions)
             if admitted is not None:
                 parts.append(admitted)
 
@@ -204,10 +207,13 @@ class Scheduler:
         self._rows_to_free = []
         self._next_step += 1
         self._in_flight.append(plan)
+        now_ns = time.monotonic_ns()
+        self._first_admitted.append([(new.req_id, now_ns) for new in new_requests if new.req_id in first_admissions])
         return plan
 
-    def _admit(self, budget: int, new_requests: list[NewRequest], new_block_ids: list[int]):
-        """Admit waiting requests in order while rows, token budget and blocks allow."""
+    def _admit(self, budget: int, new_requests: list[NewRequest], new_block_ids: list[int], first_admissions: set[int]):
+        """Admit waiting requests in order while rows, token budget and blocks allow; the ids of
+        those admitted for the first time go into `first_admissions`."""
         rows_t, manager, size = self._rows, self.block_manager, self.block_size
         entries: list[tuple[int, int, int, bool, int]] = []
         while self._waiting and budget > 0 and self._free_rows:
@@ -234,6 +240,9 @@ class Scheduler:
                 self.connector.on_load(hashes[len(hit_blocks):len(hit_blocks) + num_loaded], fresh[:num_loaded])
             row = self._free_rows.pop()
             request.row, request.status = row, RequestStatus.RUNNING
+            if not request.admitted:
+                request.admitted = True
+                first_admissions.add(request.req_id)
             request.block_ids = hit_blocks + fresh
             self._row_request[row] = request
             rows_t.assign(row, request.req_id, token_ids, request.num_prompt_tokens, request.params)
@@ -286,6 +295,7 @@ class Scheduler:
         if output.step != self._in_flight[0].step:
             raise RuntimeError(f"update for step {output.step}, expected step {self._in_flight[0].step}")
         plan = self._in_flight.popleft()
+        admitted = self._first_admitted.popleft()
         rows_t = self._rows
         rows = plan.rows.astype(np.int64)
         rows_t.num_in_flight[rows] -= plan.num_scheduled_tokens
@@ -307,7 +317,7 @@ class Scheduler:
             stop[i] |= int(token_ids[i]) in self._row_request[live[i]].params.stop_token_ids
         stop &= num_outputs >= rows_t.min_tokens[live]
         length = (num_outputs >= rows_t.max_tokens[live]) | (position + 1 >= self.max_model_len)
-        result = StepUpdate(plan.step, rows_t.req_id[live], token_ids, output_index, [], output)
+        result = StepUpdate(plan.step, rows_t.req_id[live], token_ids, output_index, [], output, admitted)
         self._commit_blocks(rows)  # before finishing: a finished request may release its blocks now
         for i in np.flatnonzero(stop | length).tolist():
             request = self._row_request[live[i]]

@@ -147,7 +147,8 @@ class FakeDaemon:
         elif isinstance(message, Health):
             await self._send(writer, HealthReply("ok", "fake", 1.5, {"scheduler": "running"}))
         elif isinstance(message, Stats):
-            await self._send(writer, StatsReply(num_running_requests=len(self._running)))
+            await self._send(writer, StatsReply(num_running_requests=len(self._running), model="fake", vocab_size=1024,
+                                                max_model_len=2048, special_token_ids=[0, 1]))
 
     async def _generate(self, request_id: str, message: Generate, writer: asyncio.StreamWriter) -> None:
         try:

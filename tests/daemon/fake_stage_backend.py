@@ -10,7 +10,7 @@ import os
 import threading
 
 from pipeline.engine.backend import BackendStats, StageHealth
-from stages.contracts.config import EngineConfig
+from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.outputs import OutputEvent
 from pipeline.errors import StageFailed
 from stages.contracts.params import SamplingParams
@@ -19,6 +19,7 @@ from stages.contracts.params import SamplingParams
 class FakeBackend:
     def __init__(self, config: EngineConfig, instance: str) -> None:
         self.instance = instance
+        self.limits = ModelLimits(num_kv_blocks=64, max_model_len=2048, vocab_size=1024, eos_token_ids=[1])
         self.submitted: list[int] = []
         self.aborted: list[int] = []
         self.closed = False

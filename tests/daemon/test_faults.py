@@ -23,7 +23,8 @@ from live_daemon import REAL_BACKEND, AsyncRawConnection, LiveDaemon, short_dir,
 from stages.contracts.config import EngineConfig
 from pipeline.client import AsyncClient, AsyncStream, Client, Completion, StreamDelta
 from pipeline.serve.daemon import pid_file_for
-from pipeline.serve.server import BackendState, DaemonConfig, DaemonServer
+from pipeline.serve.config import DaemonConfig
+from pipeline.serve.server import BackendState, DaemonServer
 from pipeline.errors import DaemonNotRunning, PipelineError, RequestAborted, StageFailed
 from pipeline.protocol import Error, Generate, Health, HealthReply, ServerMessage
 from pipeline.serve.supervisor import RestartBudget, RestartPolicy, StageSupervisor
@@ -104,7 +105,7 @@ def test_supervisor_fails_requests_restarts_and_reports_degraded_meanwhile() -> 
         await _until(lambda: server.state is BackendState.RESTARTING)
         failed = running.sent[-1]
         assert isinstance(failed, Error) and failed.code == "stage_failed" and "killed by signal 9" in failed.message
-        health = server._health()
+        health = server.health()
         assert health.status == "degraded" and "restarting after: stage 'runner'" in str(health.reason)
         refused = _generate(server).sent[-1]
         assert isinstance(refused, Error) and refused.code == "stage_failed"
@@ -114,7 +115,7 @@ def test_supervisor_fails_requests_restarts_and_reports_degraded_meanwhile() -> 
         await _until(lambda: server.state is BackendState.SERVING)
         second = factory.made[1]
         assert first.closed and server.backend is second and second.instance != first.instance
-        health = server._health()
+        health = server.health()
         assert health.status == "ok" and health.num_restarts == 1 and health.instance == second.instance
         assert health.last_failure == "stage 'runner' was killed by signal 9"
         _generate(server)
@@ -124,7 +125,7 @@ def test_supervisor_fails_requests_restarts_and_reports_degraded_meanwhile() -> 
         factory.failures.append(RuntimeError("model.safetensors is corrupt"))
         second.fail("stage 'scheduler' exited with code 1")
         await _until(lambda: server.state is BackendState.DOWN)
-        health = server._health()
+        health = server.health()
         assert health.status == "degraded" and "the restart failed: RuntimeError: model.safetensors is corrupt" in str(
             health.reason)
         refused = _generate(server).sent[-1]
@@ -143,7 +144,7 @@ def test_supervisor_stops_restarting_stages_that_die_again_and_again() -> None:
         factory.made[-1].fail("stage 'runner' exited with code 1: CUDA error")
         await _until(lambda: server.state is BackendState.DOWN)
         assert len(factory.made) == 3
-        reason = str(server._health().reason)
+        reason = str(server.health().reason)
         assert "not restarting after 2 restarts within 600 s already (the limit is 2)" in reason
 
     _run_supervised(scenario, max_restarts=2)

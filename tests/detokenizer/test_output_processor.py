@@ -19,6 +19,7 @@ class Entries:
     req_ids: np.ndarray
     output_index: np.ndarray
     finished: list[tuple[int, FinishReason]] = field(default_factory=list)
+    admitted: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -115,3 +116,15 @@ def test_finish_outside_a_step_and_rejections(bpe: Tokenizer) -> None:
     assert outputs.finish(1, FinishReason.ABORT) is None  # ended already
     refused = outputs.reject(9, "prompt_too_long", "prompt has 9 tokens", None)
     assert (refused.error_code, refused.error_message, refused.is_last) == ("prompt_too_long", "prompt has 9 tokens", True)
+
+
+def test_the_admission_time_rides_on_the_requests_next_event(bpe: Tokenizer) -> None:
+    outputs = OutputProcessor(bpe)
+    outputs.add(1, [5], SamplingParams())
+    tokens = Tokens(np.zeros(0, np.int32))
+    # Admitted in a step that only computed part of its prompt: no token, no event yet.
+    empty = outputs.on_step(Entries(np.zeros(0, np.int64), np.zeros(0, np.int64), admitted=[(1, 123)]), tokens)
+    assert empty.events == []
+    first = step(outputs, {1: 9}).events[0]
+    second = step(outputs, {1: 9}).events[0]
+    assert (first.scheduled_ns, second.scheduled_ns) == (123, None)

@@ -53,7 +53,7 @@ def test_daemon_errors_map_to_the_status_a_client_expects():
     assert from_pipeline_error(Overloaded("no room")).status == 503
     assert from_pipeline_error(RequestNotFound("no such request")).status == 404
     failed = from_pipeline_error(StageFailed("the runner died"))
-    assert (failed.status, failed.type, failed.code) == (500, "server_error", "stage_failed")
+    assert (failed.status, failed.type, failed.code) == (503, "service_unavailable_error", "stage_failed")
 
 
 def test_an_error_status_outside_4xx_and_5xx_is_refused():

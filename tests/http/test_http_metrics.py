@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.serve.openai.metrics import FINISHED_REASONS, Metrics
+from pipeline.serve.metrics import FINISHED_REASONS, Metrics
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

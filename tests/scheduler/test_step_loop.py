@@ -96,3 +96,18 @@ def test_an_early_abort_waits_for_its_request_and_a_late_one_is_dropped() -> Non
     # Only the last `recently_ended` are remembered; an older id looks early again.
     assert registry.abort(9) is False and registry.early_aborts == set()
     assert registry.abort(6) is False and registry.early_aborts == {6}
+
+
+def test_updates_name_each_request_first_admitted_in_their_step_once() -> None:
+    scheduler = make_scheduler(6, BLOCK, max_model_len=24, max_num_batched_tokens=4)
+    loop = StepLoop(scheduler, RecordingExecutor(), async_scheduling=False)
+    for req_id in (0, 1):  # 2 x 10 prompt tokens in 4-token steps, and KV for one at a time: preemption
+        scheduler.add_request(req_id, list(range(2, 12)), SamplingParams(max_tokens=8, ignore_eos=True))
+    admitted = []
+    while loop.busy:
+        update = loop.turn()
+        if update is not None:
+            admitted += update.admitted
+    assert sorted(req_id for req_id, _ in admitted) == [0, 1]
+    assert all(isinstance(ns, int) and ns > 0 for _, ns in admitted)
+    assert scheduler.num_preemptions > 0  # re-admitted after preemption, yet named once

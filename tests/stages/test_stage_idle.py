@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.serve.server import MIN_STALL_S, DaemonConfig
+from pipeline.serve.config import MIN_STALL_S, DaemonConfig
 from stages.process import IDLE_AFTER_S, IDLE_TICK_S, MIN_SHARE_S, TICK_S, input_wait_s
 
 

@@ -16,6 +16,7 @@ from pipeline.errors import (
     PromptTooLong,
     RequestAborted,
     RequestNotFound,
+    StageFailed,
 )
 from stages.contracts.params import InvalidParams
 
@@ -99,5 +100,7 @@ def from_pipeline_error(exc: PipelineError) -> OpenAIError:
         return OpenAIError(404, exc.message)
     if isinstance(exc, RequestAborted):
         return OpenAIError(503, exc.message, code="aborted")
+    if isinstance(exc, StageFailed):
+        return OpenAIError(503, exc.message, code="stage_failed")
     code = exc.code.value if exc.code is not None else None
     return OpenAIError(500, exc.message, code=code)

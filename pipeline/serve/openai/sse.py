@@ -36,9 +36,10 @@ class _Stream:
     _chunk_type: type[Completion] | type[ChatCompletionChunk]
 
     def __init__(self, response_id: str, model: str, created: int, token_text: TokenText, *, include_usage: bool) -> None:
-        self._response_id = response_id
+        self.response_id = response_id
+        self.created = created
+        self.include_usage = include_usage
         self._model = model
-        self._created = created
         self._token_text = token_text
         self._usage = None if include_usage else UNSET
         self._chars_streamed: dict[int, int] = {}  # choice index -> characters of text sent so far
@@ -68,7 +69,8 @@ class _Stream:
         raise NotImplementedError
 
     def _frame(self, choices: list, usage: Usage | None | UnsetType) -> bytes:
-        chunk = self._chunk_type(id=self._response_id, created=self._created, model=self._model, choices=choices, usage=usage)
+        chunk = self._chunk_type(id=self.response_id, created=self.created, model=self._model, choices=choices,
+                                 usage=usage)
         return _DATA + encoder.encode(chunk) + _END
 
 

@@ -1,0 +1,237 @@
+"""The OpenAI-compatible HTTP API of the daemon, as an ASGI (starlette) app on the daemon's loop.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+`GET /version`, `GET /metrics`. Bodies are decoded and encoded with msgspec; every error is
+OpenAI's `{"error": {...}}` with the status the `openai` SDK maps to its exception classes.
+Requests go through the same `DaemonServer` as the Unix socket's (openai/call.py); a client that
+disconnects aborts its requests.
+"""
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from pipeline.errors import PipelineError
+from pipeline.protocol import new_request_id
+from pipeline.serve.config import version
+from pipeline.serve.openai.call import Choice, HttpCall
+from pipeline.serve.openai.errors import OpenAIError, error_body, from_pipeline_error
+from pipeline.serve.openai.params import ChoiceRequest, chat_params, completion_requests, stream_usage
+from pipeline.serve.openai.responses import FinishedChoice, chat_completion_body, completion_body, count_usage, encoder
+from pipeline.serve.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_chat_request,
+    decode_completion_request,
+)
+from pipeline.serve.openai.sse import DONE, SSE_CONTENT_TYPE, ChatStream, CompletionStream
+from pipeline.serve.server import DaemonServer
+
+MAX_BODY_BYTES = 16 * 1024 * 1024  # as the socket's frame limit: far above any max_model_len's prompt
+JSON = "application/json"
+
+
+def json_response(body: bytes, status: int = 200) -> Response:
+    return Response(body, status_code=status, media_type=JSON)
+
+
+def error_response(error: OpenAIError) -> Response:
+    return json_response(error_body(error), error.status)
+
+
+class OpenAIApi:
+    """The handlers; `server` does the routing to the engine, `server.model` says what it serves."""
+
+    def __init__(self, server: DaemonServer, api_key: str | None = None) -> None:
+        self.server = server
+        self.model = server.model
+        self.api_key = api_key
+        self.created = int(time.time())
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+
+        async def http_error(request: Request, exc: HTTPException) -> Response:
+            status = exc.status_code if 400 <= exc.status_code <= 599 else 500
+            what = "no such route" if status == 404 else exc.detail
+            return error_response(OpenAIError(status, f"{request.method} {request.url.path}: {what}"))
+
+        return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+
+    # ---- the API
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            self._check_key(request)
+            body = decode_completion_request(await self._body(request))
+            self._check_model(body.model)
+            call = self._start(completion_requests(body), body)
+        except OpenAIError as error:
+            return error_response(error)
+        stream = CompletionStream(f"cmpl-{new_request_id()}", self.model.name, int(time.time()), self.model.token_text,
+                                  include_usage=stream_usage(body))
+        if body.stream:
+            return self._streaming(call, stream, echo=bool(body.echo))
+        return await self._finished(call, lambda choices, usage: completion_body(
+            stream.response_id, self.model.name, stream.created, choices, usage, self.model.token_text),
+            echo=bool(body.echo))
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            self._check_key(request)
+            body = decode_chat_request(await self._body(request))
+            self._check_model(body.model)
+            prompt = self.model.chat_template.render(body.messages)
+            params = chat_params(body, default_max_tokens=self.model.max_model_len)
+            call = self._start([ChoiceRequest(i, prompt, p) for i, p in enumerate(params)], body)
+        except OpenAIError as error:
+            return error_response(error)
+        stream = ChatStream(f"chatcmpl-{new_request_id()}", self.model.name, int(time.time()), self.model.token_text,
+                            include_usage=stream_usage(body))
+        if body.stream:
+            return self._streaming(call, stream, echo=False)
+        return await self._finished(call, lambda choices, usage: chat_completion_body(
+            stream.response_id, self.model.name, stream.created, choices, usage, self.model.token_text), echo=False)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._check_key(request)
+        except OpenAIError as error:
+            return error_response(error)
+        model = self.model
+        card = {"id": model.name, "object": "model", "created": self.created, "owned_by": "pipeline",
+                "root": model.path, "parent": None, "max_model_len": model.max_model_len,
+                "vocab_size": model.vocab_size, "special_token_ids": model.special_token_ids}
+        return json_response(encoder.encode({"object": "list", "data": [card]}))
+
+    async def health(self, request: Request) -> Response:
+        reply = self.server.health()
+        if reply.status == "ok":
+            return json_response(encoder.encode({"status": "ok"}))
+        return json_response(encoder.encode({"status": reply.status, "reason": reply.reason}), 503)
+
+    async def version(self, request: Request) -> Response:
+        return json_response(encoder.encode({"version": version()}))
+
+    async def metrics(self, request: Request) -> Response:
+        stats = self.server.stats()
+        self.server.metrics.set_stats(
+            num_requests_running=stats.num_running_requests, num_requests_waiting=stats.num_waiting_requests,
+            kv_cache_usage=stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate, num_stage_restarts=stats.num_restarts)
+        body, content_type = self.server.metrics.render()
+        return Response(body, media_type=content_type)
+
+    # ---- the parts every call shares
+
+    def _check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise OpenAIError(401, "this server needs an API key: send the header `Authorization: Bearer <key>`",
+                              code="invalid_api_key")
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model.name:
+            raise OpenAIError(404, f"model {name!r} is not served here; this server serves {self.model.name!r}",
+                              param="model", code="model_not_found")
+
+    async def _body(self, request: Request) -> bytes:
+        content_type = request.headers.get("content-type")
+        if content_type is not None and content_type.split(";")[0].strip().lower() != JSON:
+            raise OpenAIError(415, f"the request body must be JSON (Content-Type: {JSON}), got {content_type!r}",
+                              type="invalid_request_error")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise _too_large(int(declared))
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise _too_large(size)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise OpenAIError(400, "the client closed the connection before sending the whole body") from None
+        return b"".join(chunks)
+
+    def _start(self, choices: list[ChoiceRequest], body: CompletionRequest | ChatCompletionRequest) -> HttpCall:
+        keep_logprobs = not body.stream
+        call = HttpCall(self.server, choices, keep_logprobs=keep_logprobs)
+        try:
+            call.start()
+        except PipelineError as exc:
+            raise from_pipeline_error(exc) from None
+        return call
+
+    def _streaming(self, call: HttpCall, stream: CompletionStream | ChatStream, *, echo: bool) -> Response:
+        async def frames() -> AsyncIterator[bytes]:
+            try:
+                opened: set[int] = set()
+                if isinstance(stream, ChatStream):  # each choice opens with the assistant's role
+                    yield b"".join(stream.chunk(choice.index, "") for choice in call.choices)
+                    opened.update(choice.index for choice in call.choices)
+                if echo:
+                    yield b"".join(stream.chunk(choice.index, self._prompt_text(choice)) for choice in call.choices)
+                while replies := await call.next_replies():
+                    out = []
+                    for reply in replies:
+                        if reply.error is not None:
+                            out.append(_error_frame(from_pipeline_error(reply.error)))
+                        elif reply.text or reply.logprobs or reply.finish_reason or reply.choice.index not in opened:
+                            opened.add(reply.choice.index)
+                            out.append(stream.chunk(reply.choice.index, reply.text, logprobs=reply.logprobs,
+                                                    finish_reason=reply.finish_reason))
+                    yield b"".join(out)
+                if stream.include_usage:
+                    yield stream.usage_chunk(call.num_prompt_tokens(), call.num_completion_tokens)
+                yield DONE
+            finally:
+                call.close()
+
+        return StreamingResponse(frames(), media_type=SSE_CONTENT_TYPE, headers={"Cache-Control": "no-cache"})
+
+    async def _finished(self, call: HttpCall, body: Any, *, echo: bool) -> Response:
+        try:
+            await call.wait_finished()
+        finally:
+            call.close()
+        failed = next((choice.error for choice in call.choices if choice.error is not None), None)
+        if failed is not None:
+            return error_response(from_pipeline_error(failed))
+        choices = [FinishedChoice((self._prompt_text(choice) if echo else "") + "".join(choice.text),
+                                  choice.done.finish_reason, choice.logprobs) for choice in call.choices]
+        usage = count_usage(call.num_prompt_tokens(), call.num_completion_tokens)
+        return json_response(body(choices, usage))
+
+    def _prompt_text(self, choice: Choice) -> str:
+        if isinstance(choice.prompt, str):
+            return choice.prompt
+        return self.model.decode(list(choice.prompt))
+
+
+def _too_large(num_bytes: int) -> OpenAIError:
+    return OpenAIError(413, f"the request body of {num_bytes} bytes is over this server's limit of "
+                            f"{MAX_BODY_BYTES} bytes")
+
+
+def _error_frame(error: OpenAIError) -> bytes:
+    """An error in the middle of a stream, whose status was sent long ago (as vLLM sends it)."""
+    return b"data: " + error_body(error) + b"\n\n"

@@ -1,0 +1,170 @@
+"""One HTTP call's requests, as a connection of the daemon server.
+
+A completion or chat call asks for several choices (n per prompt, and a batch of prompts); each
+is one engine request. The server sends each request's replies here (`send`, on the event loop,
+never waiting); the response's task takes them in order with `next_replies`. Closing the call
+(the response is done, or the client went away) aborts whatever still runs, as closing a socket
+connection does.
+
+Choices of one prompt share it: only the first is started at once, the others once it has its
+first token, by when the prompt's full KV blocks are committed to the prefix cache, so the
+others compute only the prompt's last block instead of all of it.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from pipeline.errors import PipelineError, error_from_wire
+from pipeline.protocol import Delta, Done, Error, ServerMessage, TokenLogprobs
+from pipeline.serve.openai.params import ChoiceRequest
+from pipeline.serve.server import DaemonServer, Request
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice's progress."""
+
+    index: int
+    prompt: str | list[int]
+    request: ChoiceRequest
+    request_id: str | None = None
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    done: Done | None = None
+    error: PipelineError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.done is not None or self.error is not None
+
+
+@dataclass(slots=True)
+class Reply:
+    """What a response shows next of one choice: new text (and its tokens' logprobs), or its end."""
+
+    choice: Choice
+    text: str
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    error: PipelineError | None = None
+
+
+class HttpCall:
+    """Implements the server's Connection protocol for one HTTP call."""
+
+    def __init__(self, server: DaemonServer, choices: list[ChoiceRequest], *, keep_logprobs: bool) -> None:
+        self.server = server
+        self.requests: dict[str, Request] = {}  # the server's: this call's running requests
+        self.choices = [Choice(c.index, c.prompt, c) for c in choices]
+        self._keep_logprobs = keep_logprobs
+        self._by_request_id: dict[str, Choice] = {}
+        self._waiting: dict[int, list[Choice]] = {}  # lead choice index -> choices of its prompt not started
+        self._replies: list[Reply] = []
+        self._changed = asyncio.Event()
+        self._closed = False
+
+    # ---- starting
+
+    def start(self) -> None:
+        """Starts the first choice of every prompt; raises what refuses one (nothing then runs).
+        The others start once their lead has its first token."""
+        leads: dict[object, Choice] = {}
+        for choice in self.choices:
+            key = choice.prompt if isinstance(choice.prompt, str) else tuple(choice.prompt)
+            lead = leads.setdefault(key, choice)
+            if lead is not choice:
+                self._waiting.setdefault(lead.index, []).append(choice)
+        try:
+            for lead in leads.values():
+                self._start(lead)
+        except PipelineError:
+            self.close()
+            raise
+
+    def _start(self, choice: Choice) -> None:
+        request = choice.request
+        choice.request_id = self.server.start_request(self, request.prompt, request.params, stream=True)
+        self._by_request_id[choice.request_id] = choice
+        if self._keep_logprobs and request.params.logprobs is not None:
+            choice.logprobs = []
+
+    def _start_followers(self, lead: Choice) -> None:
+        for follower in self._waiting.pop(lead.index, ()):
+            try:
+                self._start(follower)
+            except PipelineError as exc:
+                self._finish(follower, error=exc)
+
+    # ---- the server's Connection protocol
+
+    def send(self, message: ServerMessage) -> None:
+        choice = self._by_request_id.get(getattr(message, "request_id", None))
+        if choice is None or self._closed:
+            return
+        if isinstance(message, Delta):
+            choice.text.append(message.text)
+            choice.num_tokens += len(message.token_ids)
+            if choice.logprobs is not None and message.logprobs:
+                choice.logprobs.extend(message.logprobs)
+            self._replies.append(Reply(choice, message.text, message.logprobs))
+            if message.token_ids and choice.index in self._waiting:
+                asyncio.get_running_loop().call_soon(self._start_followers, choice)
+        elif isinstance(message, Done):
+            choice.done = message
+            self._replies.append(Reply(choice, "", finish_reason=message.finish_reason))
+            self._start_followers(choice)
+        elif isinstance(message, Error):
+            self._finish(choice, error=error_from_wire(message.code, message.message, message.field))
+        self._changed.set()
+
+    def _finish(self, choice: Choice, *, error: PipelineError) -> None:
+        choice.error = error
+        self._replies.append(Reply(choice, "", error=error))
+        for follower in self._waiting.pop(choice.index, ()):  # they never started: they fail alike
+            follower.error = error
+            self._replies.append(Reply(follower, "", error=error))
+        self._changed.set()
+
+    def close(self) -> None:
+        """The response is over: whatever still runs is aborted."""
+        if not self._closed:
+            self._closed = True
+            self._waiting.clear()
+            self.server.drop_connection(self)
+
+    def abort(self) -> None:
+        self.close()
+
+    # ---- the response's side
+
+    @property
+    def finished(self) -> bool:
+        return all(choice.finished for choice in self.choices)
+
+    async def next_replies(self) -> list[Reply]:
+        """The replies that came since the last call, waiting for one unless every choice has
+        finished (then [] means there is nothing more)."""
+        while not self._replies and not self.finished:
+            self._changed.clear()
+            await self._changed.wait()
+        replies, self._replies = self._replies, []
+        return replies
+
+    async def wait_finished(self) -> None:
+        while await self.next_replies():
+            pass
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(choice.done.usage.completion_tokens if choice.done else choice.num_tokens for choice in self.choices)
+
+    def num_prompt_tokens(self) -> int:
+        """Each distinct prompt counted once."""
+        seen: dict[object, int] = {}
+        for choice in self.choices:
+            if choice.done is not None:
+                key = choice.prompt if isinstance(choice.prompt, str) else tuple(choice.prompt)
+                seen[key] = choice.done.usage.prompt_tokens
+        return sum(seen.values())

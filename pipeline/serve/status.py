@@ -1,0 +1,78 @@
+"""What the daemon says about itself: health (are the stages alive and going round?) and stats."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from pipeline.protocol import HealthReply, StatsReply
+from pipeline.serve.config import version
+
+if TYPE_CHECKING:
+    from pipeline.serve.server import DaemonServer
+
+
+def health_reply(server: DaemonServer) -> HealthReply:
+    """"ok" only while every stage lives and none has stalled, with no restart under way."""
+    config = server.config
+    reply = HealthReply("ok", version(), time.monotonic() - server.started_at, num_restarts=server.num_restarts,
+                        last_failure=server.last_failure, shutdown_grace_s=config.grace_s, http_url=server.http_url)
+    problems = ["the daemon is shutting down"] if server.shutting_down else []
+    state = server.state.value
+    if state == "restarting":
+        problems.append(f"stages are restarting after: {server.last_failure}")
+    elif state == "down":
+        problems.append(f"stages failed ({server.last_failure}) and are not restarted: {server.down_reason}")
+    backend = server.backend
+    if backend is not None:
+        reply.instance = getattr(backend, "instance", None)
+        try:
+            stages = backend.health()
+        except Exception as exc:  # noqa: BLE001 - a broken backend is what health must report
+            stages = []
+            problems.append(f"the stages' health is unreadable: {exc}")
+        for stage in stages:
+            reply.stages[stage.name] = (f"{'alive' if stage.alive else 'dead'} pid {stage.pid} "
+                                        f"heartbeat {stage.heartbeat_age_s:.2f}s")
+            reply.stage_pids[stage.name] = stage.pid
+            if not stage.alive:
+                problems.append(f"stage {stage.name!r} is dead")
+            elif stage.heartbeat_age_s > config.stall_s:
+                problems.append(f"stage {stage.name!r} has not gone round its loop for "
+                                f"{stage.heartbeat_age_s:.1f} s (stall limit {config.stall_s:g} s)")
+    if problems:
+        reply.status = "degraded"
+        reply.reason = "; ".join(problems)
+        if state != "serving":
+            reply.stages["backend"] = f"failed: {server.last_failure}; {state}"
+    return reply
+
+
+def stats_reply(server: DaemonServer) -> StatsReply:
+    reply = StatsReply(
+        num_finished_requests=server.num_finished,
+        num_prompt_tokens_total=server.num_prompt_tokens,
+        num_generated_tokens_total=server.num_generated_tokens,
+        uptime_s=time.monotonic() - server.started_at,
+        num_restarts=server.num_restarts,
+        num_overloaded_requests=server.num_overloaded,
+        max_in_flight_requests=server.max_in_flight_requests,
+    )
+    model = server.model
+    if model is not None:
+        reply.model = model.name
+        reply.vocab_size = model.vocab_size
+        reply.max_model_len = model.max_model_len
+        reply.special_token_ids = list(model.special_token_ids)
+    if server.backend is None:
+        return reply
+    try:
+        stats = server.backend.stats()
+    except Exception:  # noqa: BLE001 - the daemon's own counters still answer
+        return reply
+    reply.num_running_requests = stats.num_running
+    reply.num_waiting_requests = stats.num_waiting
+    reply.kv_blocks_used = stats.kv_blocks_used
+    reply.kv_blocks_total = stats.kv_blocks_used + stats.kv_blocks_free
+    reply.generated_tokens_per_s = stats.generated_tokens_per_s
+    reply.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
+    return reply

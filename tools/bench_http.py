@@ -1,0 +1,137 @@
+"""The OpenAI HTTP API against the Unix socket: one daemon, the same streamed workload through each.
+
+Starts one daemon (`pipeline start --port 0`) on a tiny model, then runs the serving benchmark
+(pipeline/bench) through the socket and through HTTP (`/v1/completions`, streamed), alternately,
+`--rounds` times each. Reports output tokens/s of each path, their ratio, and the CPU time the
+daemon process and the benchmark's own client spent per streamed chunk (one token per chunk
+here), read from /proc and getrusage around each run.
+
+    python tools/bench_http.py [--quick] [--json] [--rounds N] [--num-prompts N]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
+
+from pipeline.bench.serve_bench import run_benchmark  # noqa: E402
+from pipeline.bench.targets import HttpTarget, SocketTarget  # noqa: E402
+from pipeline.bench.workload import random_requests  # noqa: E402
+from pipeline.client import Client  # noqa: E402
+from pipeline.errors import DaemonNotRunning, PipelineError  # noqa: E402
+from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
+
+START_TIMEOUT_S = 300.0
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of process `pid`, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def start_daemon(model: Path, run_dir: Path) -> tuple[subprocess.Popen, Path, str]:
+    socket_path = run_dir / "pipeline.sock"
+    command = [sys.executable, "-m", "pipeline.cli", "start", "--model", str(model), "--socket", str(socket_path),
+               "--device", "cpu", "--port", "0", "--max-model-len", "1024", "--num-kv-blocks", "4096",
+               "--max-num-seqs", "256"]
+    log = open(run_dir / "daemon.log", "wb")  # noqa: SIM115 - lives as long as the daemon
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"daemon exited with {process.returncode}: {(run_dir / 'daemon.log').read_text()}")
+        try:
+            with Client(socket_path, timeout_s=5) as client:
+                url = client.health().http_url
+            if url:
+                return process, socket_path, url
+        except (DaemonNotRunning, OSError, PipelineError):
+            pass
+        time.sleep(0.05)
+    process.kill()
+    raise RuntimeError("the daemon did not start in time")
+
+
+def measure(target: object, requests: list, pid: int) -> dict[str, float]:
+    daemon_before, own_before = cpu_s(pid), own_cpu_s()
+    result = asyncio.run(_run(target, requests))
+    daemon_used, own_used = cpu_s(pid) - daemon_before, own_cpu_s() - own_before
+    metrics = result.metrics
+    chunks = sum(len(record.chunk_tokens) for record in result.records)
+    return {"output_tok_s": metrics.output_throughput, "failed": metrics.failed, "chunks": chunks,
+            "daemon_cpu_us_per_chunk": daemon_used / chunks * 1e6, "client_cpu_us_per_chunk": own_used / chunks * 1e6}
+
+
+async def _run(make_target: object, requests: list) -> object:
+    target = make_target()
+    try:
+        return await run_benchmark(None, requests, ignore_eos=True, target=target)
+    finally:
+        await target.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--quick", action="store_true", help="64 requests, 2 rounds: a smoke run")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=256, help="requests per run, all sent at once")
+    args = parser.parse_args()
+    num_prompts, rounds = (64, 2) if args.quick else (args.num_prompts, args.rounds)
+    directory = Path(tempfile.mkdtemp(prefix="pl-http-"))
+    run_dir = directory / "run"
+    run_dir.mkdir(mode=0o700)
+    model = make_tiny_model(directory / "model", "llama", seed=0)
+    process, socket_path, url = start_daemon(model, run_dir)
+    runs: dict[str, list[dict[str, float]]] = {"socket": [], "http": []}
+    try:
+        with Client(socket_path) as client:
+            stats = client.stats()
+        requests = random_requests(num_prompts, (64, 128), (128, 128), vocab_size=stats.vocab_size,
+                                   special_token_ids=stats.special_token_ids, seed=0)
+        targets = {"socket": lambda: SocketTarget(socket_path), "http": lambda: HttpTarget(url)}
+        for _ in range(rounds):
+            for name in ("socket", "http"):
+                runs[name].append(measure(targets[name], requests, process.pid))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        shutil.rmtree(directory, ignore_errors=True)
+    summary = {name: {key: statistics.median(run[key] for run in results) for key in results[0]}
+               for name, results in runs.items()}
+    report = {"num_prompts": num_prompts, "rounds": rounds, "socket": summary["socket"], "http": summary["http"],
+              "http_over_socket": summary["http"]["output_tok_s"] / summary["socket"]["output_tok_s"],
+              "runs": runs}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{num_prompts} streamed requests at once, prompts 64-128, 128 output tokens; median of {rounds} runs each")
+    print(f"{'path':<8} {'output tok/s':>13} {'daemon CPU us/chunk':>20} {'client CPU us/chunk':>20}")
+    for name in ("socket", "http"):
+        row = summary[name]
+        print(f"{name:<8} {row['output_tok_s']:>13.1f} {row['daemon_cpu_us_per_chunk']:>20.1f} "
+              f"{row['client_cpu_us_per_chunk']:>20.1f}")
+    print(f"HTTP / socket output tok/s: {report['http_over_socket']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
