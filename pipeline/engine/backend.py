@@ -6,7 +6,7 @@ by a thread of the daemon's own process. The daemon and the stage supervisor see
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,9 +40,12 @@ class Backend(Protocol):
 
     instance: str
 
-    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> None:
+    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams,
+               output_token_ids: Sequence[int] = ()) -> None:
         """Queue a request without waiting; Overloaded when there is no room now, StageFailed
-        when the engine is down."""
+        when the engine is down. A request resumed after a restart gives the outputs it already
+        delivered (`prompt` is then its prompt's token ids): it continues after them, with the
+        same params, as if it had not stopped."""
 
     def abort(self, req_id: int) -> None:
         """Stop a request; its last event has finish_reason "abort". Unknown ids are ignored."""

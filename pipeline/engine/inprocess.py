@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.engine.llm import LLM
@@ -29,6 +30,7 @@ class _Submit:
     req_id: int
     prompt: str | list[int]
     params: SamplingParams
+    output_token_ids: Sequence[int]
 
 
 @dataclass(slots=True)
@@ -54,10 +56,11 @@ class InProcessBackend:
 
     # ---- the Backend protocol
 
-    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> None:
+    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams,
+               output_token_ids: Sequence[int] = ()) -> None:
         if self._failure is not None:
             raise StageFailed(self._failure)
-        self._inbox.put(_Submit(req_id, prompt, params))
+        self._inbox.put(_Submit(req_id, prompt, params, output_token_ids))
 
     def abort(self, req_id: int) -> None:
         self._inbox.put(_Abort(req_id))
@@ -113,7 +116,7 @@ class InProcessBackend:
         events: list[OutputEvent] = []
         while item is not None:
             if isinstance(item, _Submit):
-                events.extend(self.add(item.req_id, item.prompt, item.params))
+                events.extend(self.add(item.req_id, item.prompt, item.params, item.output_token_ids))
             else:
                 event = self._engine.abort(item.req_id)
                 if event is not None:
@@ -124,16 +127,18 @@ class InProcessBackend:
                 break
         self._emit(events)
 
-    def add(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> list[OutputEvent]:
-        """Tokenizes and checks the prompt, then hands the request to the engine; a refused prompt
-        gives its one error event."""
+    def add(self, req_id: int, prompt: str | list[int], params: SamplingParams,
+            output_token_ids: Sequence[int] = ()) -> list[OutputEvent]:
+        """Tokenizes and checks the prompt, then hands the request to the engine (a resumed one
+        with the outputs it already delivered); a refused prompt gives its one error event."""
         token_ids = prompt
         if isinstance(prompt, str):
             token_ids = self.llm.tokenizer.encode(prompt, add_special_tokens=False).ids
-        problem = check_prompt(token_ids, self.llm.vocab_size, self.llm.max_model_len)
+        problem = check_prompt(token_ids, self.llm.vocab_size, self.llm.max_model_len,
+                               num_output_tokens=len(output_token_ids))
         if problem is not None:
             return [self._engine.outputs.reject(req_id, problem.code, problem.message, problem.field or None)]
-        self._engine.add_request(req_id, token_ids, params)
+        self._engine.add_request(req_id, token_ids, params, output_token_ids)
         return []
 
     def _emit(self, events: list[OutputEvent]) -> None:

@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Sequence
 
 from pipeline.errors import Overloaded, StageFailed
 from pipeline.engine.backend import BackendStats, StageHealth
@@ -151,15 +152,17 @@ class StageBackend:
                 reaped = reaped or process.exitcode is not None
         return reaped
 
-    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> None:
-        """Queue a request without ever waiting (the daemon calls this on its event loop).
+    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams,
+               output_token_ids: Sequence[int] = ()) -> None:
+        """Queue a request without ever waiting (the daemon calls this on its event loop);
+        `output_token_ids` are outputs a resumed request already delivered.
 
         Raises Overloaded when the tokenizer worker's request ring is full (it is that far behind),
         RecordTooLarge when the prompt cannot fit a record of the request ring, StageFailed if
         the tokenizer worker died.
         """
         _check_req_id(req_id)
-        parts = encode_generate(req_id, prompt, params)
+        parts = encode_generate(req_id, prompt, params, output_token_ids)
         with self._lock:
             self._check_open()
             if req_id in self._live:

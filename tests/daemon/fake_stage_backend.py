@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 
 from pipeline.engine.backend import BackendStats, StageHealth
 from stages.contracts.config import EngineConfig
@@ -29,7 +30,8 @@ class FakeBackend:
         self._failure = reason
         self._failed.set()
 
-    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> None:
+    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams,
+               output_token_ids: Sequence[int] = ()) -> None:
         self.submitted.append(req_id)
 
     def abort(self, req_id: int) -> None:
