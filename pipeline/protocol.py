@@ -186,6 +186,8 @@ class StatsReply(Struct, tag="stats_reply"):
     num_restarts: int = 0
     num_overloaded_requests: int = 0  # refused with `overloaded` since the daemon started
     max_in_flight_requests: int = 0  # the admission limit: max_num_seqs + max_waiting
+    num_resumed_requests: int = 0  # resubmitted to restarted stages after a crash (each time counts)
+    num_guard_failed_requests: int = 0  # ended by the poison guard: in flight through two crashes of a stage
 
 
 class ProfileReply(Struct, tag="profile_reply"):

@@ -51,7 +51,8 @@ class Backend(Protocol):
         """Stop a request; its last event has finish_reason "abort". Unknown ids are ignored."""
 
     def read_events(self, timeout_s: float) -> list[OutputEvent]:
-        """Output events, waiting up to timeout_s for some; StageFailed when the engine died."""
+        """Output events, waiting up to timeout_s for some; StageFailed (its `stage` naming the
+        stage, where one died) when the engine died."""
 
     def health(self) -> list[StageHealth]: ...
 

@@ -38,6 +38,10 @@ class _Abort:
     req_id: int
 
 
+class _IntakeFailed(Exception):
+    """Taking in a request (tokenizing, checking, adding it) failed: the tokenizer's part of the work."""
+
+
 class InProcessBackend:
     def __init__(self, config: EngineConfig, instance: str) -> None:
         self.instance = instance
@@ -47,6 +51,7 @@ class InProcessBackend:
         self._events: list[OutputEvent] = []
         self._events_ready = threading.Condition()
         self._failure: str | None = None
+        self._failed_stage = "engine"  # the part of the engine's work that failed, as a stage name
         self._closing = threading.Event()
         self._num_generated = 0
         self._started_at = time.monotonic()
@@ -59,7 +64,7 @@ class InProcessBackend:
     def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams,
                output_token_ids: Sequence[int] = ()) -> None:
         if self._failure is not None:
-            raise StageFailed(self._failure)
+            raise StageFailed(self._failure, stage=self._failed_stage)
         self._inbox.put(_Submit(req_id, prompt, params, output_token_ids))
 
     def abort(self, req_id: int) -> None:
@@ -69,7 +74,7 @@ class InProcessBackend:
         with self._events_ready:
             self._events_ready.wait_for(lambda: self._events or self._failure is not None, timeout=timeout_s)
             if self._failure is not None:
-                raise StageFailed(self._failure)
+                raise StageFailed(self._failure, stage=self._failed_stage)
             events, self._events = self._events, []
         return events
 
@@ -103,10 +108,17 @@ class InProcessBackend:
                 self._heartbeat = time.monotonic()
                 if self._engine.busy:
                     self._emit(self._engine.step())
+        except _IntakeFailed as exc:  # the tokenizer's work: the daemon's poison guard suspects fewer requests
+            cause = exc.__cause__
+            self._fail("tokenizer", f"the engine thread died taking in a request: {type(cause).__name__}: {cause}")
         except Exception as exc:  # noqa: BLE001 - a dead engine, as the daemon will see it
-            with self._events_ready:
-                self._failure = f"the engine thread died: {type(exc).__name__}: {exc}"
-                self._events_ready.notify_all()
+            self._fail("engine", f"the engine thread died: {type(exc).__name__}: {exc}")
+
+    def _fail(self, stage: str, message: str) -> None:
+        with self._events_ready:
+            self._failed_stage = stage
+            self._failure = message
+            self._events_ready.notify_all()
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -116,7 +128,10 @@ class InProcessBackend:
         events: list[OutputEvent] = []
         while item is not None:
             if isinstance(item, _Submit):
-                events.extend(self.add(item.req_id, item.prompt, item.params, item.output_token_ids))
+                try:
+                    events.extend(self.add(item.req_id, item.prompt, item.params, item.output_token_ids))
+                except Exception as exc:
+                    raise _IntakeFailed from exc
             else:
                 event = self._engine.abort(item.req_id)
                 if event is not None:

@@ -30,7 +30,7 @@ from shm.segment import PeerDied, RingSegment
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
-from stages.contracts.topology import DAEMON, links, stages
+from stages.contracts.topology import DAEMON, Stage, links, stages
 from stages.events import decode_events
 from stages.messages import Kind, encode_generate, encode_req_id
 from stages.process import EXIT_PEER_DIED, launch
@@ -102,7 +102,7 @@ class StageBackend:
         common = {"instance": instance, "parent_pid": os.getpid(), "status": self._board.name,
                   "mailbox": ring_name(instance, "mailbox"), "links": ring_names, "config": config.to_dict()}
         ctx = mp.get_context("spawn")
-        for index, stage in enumerate(stages(config.num_tokenizers)):
+        for index, stage in enumerate(self.stage_table()):
             spec = dict(common, name=stage.name, index=index)
             # Not daemonic, so a daemon that is itself a multiprocessing child may start stages;
             # the atexit hook registered in __init__ stops them if the owner exits without close().
@@ -114,6 +114,10 @@ class StageBackend:
         # Every end has attached: the rings unlinked themselves; these two are ours to unlink.
         unlink_mailbox(ring_name(instance, "mailbox"))
         self._board.unlink()
+
+    def stage_table(self) -> list[Stage]:
+        """The stage processes to spawn, in order: the link table's (a test double swaps a module)."""
+        return stages(self.config.num_tokenizers)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
@@ -139,7 +143,7 @@ class StageBackend:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         error = self._board.error(index)
         ready = "" if self._board.is_ready(index) else " while starting"
-        return StageFailed(f"stage {name!r} {how}{ready}" + (f": {error}" if error else ""))
+        return StageFailed(f"stage {name!r} {how}{ready}" + (f": {error}" if error else ""), stage=name)
 
     def _reap_dead_peers(self) -> bool:
         """Waits (briefly) for the exit status of stages that are dead but not yet reapable; True
@@ -219,7 +223,7 @@ class StageBackend:
             try:
                 record = self._events.read(timeout=min(LIVENESS_CHECK_S, max(0.0, deadline - time.monotonic())))
             except PeerDied:
-                raise self._failed_stage() or StageFailed("stage 'detokenizer' died") from None
+                raise self._failed_stage() or StageFailed("stage 'detokenizer' died", stage="detokenizer") from None
             if record is not None:
                 break
             if time.monotonic() >= deadline:

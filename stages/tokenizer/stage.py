@@ -21,8 +21,9 @@ def main(spec_json: str) -> None:
     run_stage(spec_json, serve)
 
 
-def serve(ctx: StageContext) -> None:
-    tokenizer = Tokenizer.from_file(str(ctx.config.tokenizer_path))
+def serve(ctx: StageContext, tokenizer: Tokenizer | None = None) -> None:
+    """Serves until stopped; `tokenizer` is the model's own unless one is given (a test double)."""
+    tokenizer = tokenizer or Tokenizer.from_file(str(ctx.config.tokenizer_path))
     inbox, outbox = ctx.reader("generate{i}"), ctx.writer("tokenized{i}")
     limits = ctx.wait_limits()
     tokenize_range = ctx.range("tokenize")
