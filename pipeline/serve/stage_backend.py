@@ -1,10 +1,17 @@
 """The stage processes as the daemon's backend: submit requests, abort them, read their output.
 
 `StageBackend` creates every link of its instance (`/pipeline-<instance>-<link>`, from the table
-in stages/contracts/topology.py) and the status board, spawns the stages the table names
+in stages/contracts/topology.py) and the status board, starts the stages the table names
 (runner, scheduler, detokenizer, `num_tokenizers` tokenizer workers), waits until each reports
 ready, and then only writes requests and aborts and reads output events. The runner makes the
 token mailbox itself, since its kind follows the runner's device.
+
+The stages fork from a server process that the first backend starts and that has imported
+their modules (torch among them) once: a restart after a crash then costs a fork and the
+model's load from the page cache, a fraction of a second, instead of a fresh interpreter and
+seconds of imports per stage. The server has touched no accelerator, so a forked runner starts
+CUDA as a spawned one would. Under Nsight Systems, which traces a process only from its exec,
+the stages are spawned instead.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from collections.abc import Sequence
 
 from pipeline.errors import Overloaded, StageFailed
 from pipeline.engine.backend import BackendStats, StageHealth
+from pipeline.serve.nsys import SESSION_ENV
 from pipeline.serve.profile_control import ProfileControl
 from shm.mailbox import unlink_mailbox
 from shm.naming import pid_alive, ring_name, sweep_stale, unlink_instance
@@ -30,7 +38,7 @@ from shm.segment import PeerDied, RingSegment
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
-from stages.contracts.topology import DAEMON, Stage, links, stages
+from stages.contracts.topology import DAEMON, STAGES, Stage, links, stages
 from stages.events import decode_events
 from stages.messages import Kind, encode_generate, encode_req_id
 from stages.process import EXIT_PEER_DIED, launch
@@ -44,6 +52,10 @@ READY_POLL_S = 0.01
 KILL_GRACE_S = 1.0
 REAP_WAIT_S = 1.0  # how long a stage seen dead may take to become reapable (its threads exiting)
 MIN_RATE_WINDOW_S = 0.5
+# What the stages' server imports before its first fork: every stage's module and torch._dynamo,
+# which the runner's first model construction would import otherwise (nn.init on the meta
+# device goes through it: a second and more).
+PRELOAD_MODULES = sorted({stage.module for stage in STAGES} | {"torch._dynamo"})
 
 
 class StageBackend:
@@ -101,7 +113,7 @@ class StageBackend:
         self._events = readers["events"]
         common = {"instance": instance, "parent_pid": os.getpid(), "status": self._board.name,
                   "mailbox": ring_name(instance, "mailbox"), "links": ring_names, "config": config.to_dict()}
-        ctx = mp.get_context("spawn")
+        ctx = _process_context()
         for index, stage in enumerate(self.stage_table()):
             spec = dict(common, name=stage.name, index=index)
             # Not daemonic, so a daemon that is itself a multiprocessing child may start stages;
@@ -116,7 +128,7 @@ class StageBackend:
         self._board.unlink()
 
     def stage_table(self) -> list[Stage]:
-        """The stage processes to spawn, in order: the link table's (a test double swaps a module)."""
+        """The stage processes to start, in order: the link table's (a test double swaps a module)."""
         return stages(self.config.num_tokenizers)
 
     def _wait_ready(self) -> None:
@@ -327,6 +339,15 @@ def _stage_process(module: str, spec_json: str) -> None:
         sys.stderr.flush()
         os._exit(code)
 
+
+def _process_context() -> mp.context.BaseContext:
+    """How stage processes start: forked from the warm server (see the module's docstring), or
+    spawned under Nsight Systems."""
+    if os.environ.get(SESSION_ENV):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD_MODULES)  # takes effect when the server starts: the same list every time
+    return ctx
 
 
 def _check_req_id(req_id: int) -> None:
