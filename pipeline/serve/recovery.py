@@ -87,12 +87,12 @@ class Recovery:
         return (f"{reason}; the request was in flight during this crash and the one before it, both of stage "
                 f"{stage or UNKNOWN_STAGE!r}, so it is not resumed: it may be what crashes it")
 
-    def resume(self, backend: Backend, requests: dict[int, R], req_ids: Iterable[int]) -> list[tuple[R, str]]:
-        """Resubmits the parked requests `req_ids` (those still in `requests`) to fresh stages, in
-        order; a full request ring keeps the rest for `retry`. Returns the requests the stages
-        refused, each with why."""
-        self._backlog.extend(req_ids)
-        return self.retry(backend, requests)
+    def resume(self, backend: Backend, parked: dict[int, R]) -> list[tuple[R, str]]:
+        """Resubmits every parked request (by req_id, in the order they came) to fresh stages; a
+        full request ring keeps the rest for `retry`. Returns the requests the stages refused,
+        each with why."""
+        self._backlog.extend(parked)
+        return self.retry(backend, parked)
 
     def retry(self, backend: Backend, requests: dict[int, R]) -> list[tuple[R, str]]:
         """Resubmits what still waits for room (call it whenever the stages have made progress)."""

@@ -5,10 +5,10 @@ id nobody can guess (what clients see). The stage supervisor's thread (superviso
 `backend.read_events` and hands each batch of events to the event loop, which fans them out to
 the connections; when a stage dies it restarts the stages, and the requests in flight resume on
 the fresh ones where they were (recovery.py). Nothing on the event loop waits: a write to a
-connection only grows that client's transport buffer (past `max_unread_bytes` the daemon drops the connection, aborting
-its requests, rather than let one slow reader hold memory or stall the others), and a request
-that finds no room (`max_num_seqs + max_waiting` requests in flight, or a full request ring) is
-refused with `overloaded` at once.
+connection only grows that client's transport buffer (past `max_unread_bytes` the daemon drops
+the connection, aborting its requests, rather than let one slow reader hold memory or stall the
+others), and a request that finds no room (`max_num_seqs + max_waiting` requests in flight, or a
+full request ring) is refused with `overloaded` at once.
 """
 from __future__ import annotations
 
@@ -337,7 +337,7 @@ class DaemonServer:
         self.backend = backend
         self.state = BackendState.SERVING
         self.num_restarts += 1
-        self._end_stage_failed(self.recovery.resume(backend, self._requests, list(self._requests)))
+        self._end_stage_failed(self.recovery.resume(backend, self._requests))
 
     def on_restarts_stopped(self, reason: str) -> None:
         """No fresh stages will come: the parked requests end with stage_failed."""
@@ -436,4 +436,3 @@ class DaemonServer:
         reply.generated_tokens_per_s = stats.generated_tokens_per_s
         reply.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
         return reply
-

@@ -36,8 +36,9 @@ async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def _run_supervised(scenario: Callable[[DaemonServer, FakeFactory], object], max_restarts: int) -> None:
-    """Runs `scenario(server, factory)` (a coroutine) with a supervisor over fake stages."""
+def _run_supervised(scenario: Callable[[DaemonServer, FakeFactory, StageSupervisor], object],
+                    max_restarts: int) -> None:
+    """Runs `scenario(server, factory, supervisor)` (a coroutine) with a supervisor over fake stages."""
     config = EngineConfig(model="unused")
 
     async def main() -> None:
@@ -48,7 +49,7 @@ def _run_supervised(scenario: Callable[[DaemonServer, FakeFactory], object], max
         supervisor = StageSupervisor(first, factory, config, server.config.restart_policy(), server, loop)
         supervisor.start()
         try:
-            await scenario(server, factory)  # type: ignore[misc]
+            await scenario(server, factory, supervisor)  # type: ignore[misc]
         finally:
             await loop.run_in_executor(None, supervisor.stop, 5.0)
         assert all(backend.closed for backend in factory.made)
@@ -64,7 +65,7 @@ def _generate(server: DaemonServer) -> RecordingConnection:
 
 @pytest.mark.timeout(30)
 def test_supervisor_parks_requests_restarts_resumes_them_and_reports_degraded_meanwhile() -> None:
-    async def scenario(server: DaemonServer, factory: FakeFactory) -> None:
+    async def scenario(server: DaemonServer, factory: FakeFactory, supervisor: StageSupervisor) -> None:
         first = factory.made[0]
         running = _generate(server)
         factory.allow_start.clear()  # hold the restart, to look at the daemon while it runs
@@ -110,7 +111,7 @@ def test_supervisor_parks_requests_restarts_resumes_them_and_reports_degraded_me
 
 @pytest.mark.timeout(30)
 def test_poison_guard_fails_a_request_in_flight_through_two_crashes_in_a_row_of_one_stage() -> None:
-    async def scenario(server: DaemonServer, factory: FakeFactory) -> None:
+    async def scenario(server: DaemonServer, factory: FakeFactory, supervisor: StageSupervisor) -> None:
         suspect = _generate(server)  # in flight through every crash below
         factory.made[0].fail("stage 'runner' was killed by signal 9", "runner")
         await _until(lambda: server.num_restarts == 1 and server.state is BackendState.SERVING)
@@ -148,7 +149,7 @@ def test_poison_guard_fails_a_request_in_flight_through_two_crashes_in_a_row_of_
 
 @pytest.mark.timeout(30)
 def test_supervisor_stops_restarting_stages_that_die_again_and_again() -> None:
-    async def scenario(server: DaemonServer, factory: FakeFactory) -> None:
+    async def scenario(server: DaemonServer, factory: FakeFactory, supervisor: StageSupervisor) -> None:
         for restarts in (1, 2):
             factory.made[-1].fail("stage 'runner' exited with code 1: CUDA error")
             await _until(lambda: server.num_restarts == restarts and server.state is BackendState.SERVING)
@@ -159,6 +160,25 @@ def test_supervisor_stops_restarting_stages_that_die_again_and_again() -> None:
         assert "not restarting after 2 restarts within 600 s already (the limit is 2)" in reason
 
     _run_supervised(scenario, max_restarts=2)
+
+
+@pytest.mark.timeout(30)
+def test_a_shutdown_during_a_restart_ends_the_parked_requests_at_once() -> None:
+    async def scenario(server: DaemonServer, factory: FakeFactory, supervisor: StageSupervisor) -> None:
+        running = _generate(server)
+        factory.allow_start.clear()  # the restart is under way when the daemon begins to stop
+        factory.made[0].fail("stage 'runner' was killed by signal 9", "runner")
+        await _until(lambda: server.state is BackendState.RESTARTING)
+        server.begin_shutdown()
+        supervisor.stop_restarting()
+        factory.allow_start.set()
+        await asyncio.wait_for(server.wait_idle(), 5)  # the grace period need not run out
+        ended = running.sent[-1]
+        assert isinstance(ended, Error) and ended.code == "stage_failed"
+        assert "not restarted: the daemon is shutting down" in ended.message
+        assert server.state is BackendState.DOWN and factory.made[1].closed and factory.made[1].submitted == []
+
+    _run_supervised(scenario, max_restarts=5)
 
 
 def test_aborts_in_the_restart_gap_and_resubmissions_that_find_the_ring_full() -> None:
