@@ -236,6 +236,8 @@ def _status(args: argparse.Namespace) -> int:
           + (f"; last failure: {health.last_failure}" if health.last_failure else ""))
     for name, state in health.stages.items():
         print(f"  {name}: {state}")
+    print(f"recovery: {stats.num_resumed_requests} requests resumed after stage restarts, "
+          f"{stats.num_guard_failed_requests} failed by the poison guard")
     print(f"requests: {stats.num_running_requests} running, {stats.num_waiting_requests} waiting, "
           f"{stats.num_finished_requests} finished, {stats.num_overloaded_requests} refused as overloaded "
           f"(limit {stats.max_in_flight_requests} in flight)")

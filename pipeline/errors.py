@@ -59,9 +59,17 @@ class Overloaded(PipelineError):
 
 
 class StageFailed(PipelineError):
-    """A stage process died or reported an internal error while serving the request."""
+    """A stage process died or reported an internal error while serving the request.
+
+    `stage` names the stage that failed when the daemon knows it (the poison guard counts crashes
+    per stage); None on the client side and for failures of no one stage.
+    """
 
     code = ErrorCode.STAGE_FAILED
+
+    def __init__(self, message: str, request_id: str | None = None, stage: str | None = None) -> None:
+        super().__init__(message, request_id)
+        self.stage = stage
 
 
 class RequestAborted(PipelineError):

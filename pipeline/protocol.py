@@ -191,6 +191,8 @@ class StatsReply(Struct, tag="stats_reply"):
     vocab_size: int = 0  # token ids are in [0, vocab_size)
     max_model_len: int = 0  # prompt + output tokens of one request at most
     special_token_ids: list[int] = msgspec.field(default_factory=list)  # ids a prompt of text never holds
+    num_resumed_requests: int = 0  # resubmitted to restarted stages after a crash (each time counts)
+    num_guard_failed_requests: int = 0  # ended by the poison guard: in flight through two crashes of a stage
 
 
 class ProfileReply(Struct, tag="profile_reply"):

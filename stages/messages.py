@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -40,6 +41,7 @@ class Kind(enum.IntEnum):
 
 
 _FRAME = struct.Struct("<Q")
+_EMPTY = np.zeros(0, np.int32)
 REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
 REASON_CODE = {reason: code for code, reason in enumerate(REASONS)}
 NO_REASON = -1
@@ -150,8 +152,10 @@ def decode_params(payload: memoryview | bytes) -> SamplingParams:
 
 # ---- requests in
 
-GENERATE = Layout("generate", [("req_id", "q"), ("is_text", "?"), ("num_ids", "I"), ("num_text_bytes", "I")],
-                  [("prompt_ids", "int64", "num_ids"), ("text", "uint8", "num_text_bytes")])
+GENERATE = Layout("generate", [("req_id", "q"), ("is_text", "?"), ("num_ids", "I"), ("num_text_bytes", "I"),
+                               ("num_outputs", "I")],
+                  [("prompt_ids", "int64", "num_ids"), ("text", "uint8", "num_text_bytes"),
+                   ("output_ids", "int32", "num_outputs")])
 
 
 @dataclass(slots=True)
@@ -159,16 +163,21 @@ class Generate:
     req_id: int
     prompt: str | list[int]
     params: SamplingParams
+    # Outputs a resumed request already delivered (after a stage restart): it continues after them.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
-def encode_generate(req_id: int, prompt: str | list[int], params: SamplingParams) -> list[bytes]:
+def encode_generate(req_id: int, prompt: str | list[int], params: SamplingParams,
+                    output_token_ids: Sequence[int] = ()) -> list[bytes]:
+    outputs = np.array(output_token_ids, np.int32)
     if isinstance(prompt, str):
         head = GENERATE.encode({"req_id": req_id, "is_text": True},
-                               {"prompt_ids": np.zeros(0, np.int64), "text": _utf8(prompt)})
+                               {"prompt_ids": np.zeros(0, np.int64), "text": _utf8(prompt), "output_ids": outputs})
     else:
         # int64 so an out-of-vocabulary id reaches the tokenizer stage intact and is refused there.
         head = GENERATE.encode({"req_id": req_id, "is_text": False},
-                               {"prompt_ids": np.array(prompt, np.int64), "text": np.zeros(0, np.uint8)})
+                               {"prompt_ids": np.array(prompt, np.int64), "text": np.zeros(0, np.uint8),
+                                "output_ids": outputs})
     return frames(head, encode_params(params))
 
 
@@ -176,11 +185,11 @@ def decode_generate(payload: memoryview) -> Generate:
     head, params = split_frames(payload)
     m = GENERATE.decode(head)
     prompt = _text(m["text"]) if m["is_text"] else m["prompt_ids"].tolist()
-    return Generate(m["req_id"], prompt, decode_params(params))
+    return Generate(m["req_id"], prompt, decode_params(params), m["output_ids"].tolist())
 
 
-NEW_REQUEST = Layout("new_request", [("req_id", "q"), ("num_tokens", "I")],
-                     [("prompt_ids", "int32", "num_tokens")])
+NEW_REQUEST = Layout("new_request", [("req_id", "q"), ("num_tokens", "I"), ("num_outputs", "I")],
+                     [("prompt_ids", "int32", "num_tokens"), ("output_ids", "int32", "num_outputs")])
 
 
 @dataclass(slots=True)
@@ -188,18 +197,22 @@ class NewPrompt:
     req_id: int
     prompt_ids: np.ndarray  # int32, owned (copied out of the ring)
     params: SamplingParams
+    output_ids: np.ndarray  # int32: the outputs a resumed request already delivered; empty for a new one
 
 
-def encode_new_request(req_id: int, prompt_ids: np.ndarray, params: SamplingParams | bytes) -> list[bytes]:
+def encode_new_request(req_id: int, prompt_ids: np.ndarray, params: SamplingParams | bytes,
+                       output_ids: np.ndarray | None = None) -> list[bytes]:
     """`params` may be already encoded (a stage forwarding a request re-uses the bytes)."""
     encoded = params if isinstance(params, (bytes, memoryview)) else encode_params(params)
-    return frames(NEW_REQUEST.encode({"req_id": req_id}, {"prompt_ids": prompt_ids}), bytes(encoded))
+    outputs = _EMPTY if output_ids is None else output_ids
+    return frames(NEW_REQUEST.encode({"req_id": req_id}, {"prompt_ids": prompt_ids, "output_ids": outputs}),
+                  bytes(encoded))
 
 
 def decode_new_request(payload: memoryview) -> NewPrompt:
     head, params = split_frames(payload)
     m = NEW_REQUEST.decode(head, copy=True)
-    return NewPrompt(m["req_id"], m["prompt_ids"], decode_params(params))
+    return NewPrompt(m["req_id"], m["prompt_ids"], decode_params(params), m["output_ids"])
 
 
 REJECT = Layout("reject", [("req_id", "q"), ("code_len", "I"), ("field_len", "I"), ("message_len", "I")],
@@ -251,7 +264,6 @@ PLAN = Layout("plan", [
 ])
 ADMIT = Layout("admit", [("req_id", "q"), ("row", "i"), ("num_prompt_tokens", "i"), ("num_tokens", "I")],
                [("token_ids", "int32", "num_tokens")])
-_EMPTY = np.zeros(0, np.int32)
 
 
 def encode_plan(plan: StepPlan) -> list[bytes]:

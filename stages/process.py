@@ -7,8 +7,10 @@ process takes the title `pipeline: <stage>`, so ps, top and nvidia-smi tell the 
 builds the stage, calls `ctx.ready()`, and loops calling `ctx.tick()` at least every
 TICK_S while it works and every IDLE_TICK_S once it has had no input for IDLE_AFTER_S (input
 wakes it at once either way: `ctx.read_input`); tick raises StageStop when the daemon asked to
-stop or is gone, so a stage outlives its parent by at most about IDLE_TICK_S. Tick also answers
-the daemon's profile requests, and `ctx.range(name)` marks a loop phase (stages/profiling.py).
+stop or is gone, so a stage outlives its parent by at most about IDLE_TICK_S. The parent is the
+daemon, or the server the daemon forks its stages from, which exits with it: either way a new
+parent means the daemon is gone. Tick also answers the daemon's profile requests, and
+`ctx.range(name)` marks a loop phase (stages/profiling.py).
 
 Exit codes: 0 stopped when asked, EXIT_ERROR its own failure (message on the status board),
 EXIT_PEER_DIED another stage died under it, EXIT_PARENT_GONE the daemon died.
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shm.mailbox import MailboxReader
+from shm.naming import pid_alive
 from shm.ring import Record, RingReader, RingTimeout, RingWriter
 from shm.segment import PeerDied
 from stages.contracts.config import EngineConfig, ModelLimits
@@ -70,7 +73,10 @@ class StageContext:
         self.config = EngineConfig.from_dict(spec["config"])
         self._links = links(self.config.num_tokenizers)
         self._ring_names: dict[str, str] = spec["links"]
-        self._parent_pid: int = spec["parent_pid"]
+        self._daemon_pid: int = spec["parent_pid"]
+        # The parent to watch; none if the daemon went before this process could watch it (the
+        # first tick then stops).
+        self._parent_pid = os.getppid() if pid_alive(self._daemon_pid) else -1
         self.board = StatusBoard.open(spec["status"])
         self.board.mark_started(self.index, os.getpid())
         self.profiler = StageProfiler(self.name)
@@ -120,7 +126,7 @@ class StageContext:
         if board.stop_requested:
             raise StageStop(0, "stop requested")
         if os.getppid() != self._parent_pid:
-            raise StageStop(EXIT_PARENT_GONE, f"the daemon (pid {self._parent_pid}) is gone")
+            raise StageStop(EXIT_PARENT_GONE, f"the daemon (pid {self._daemon_pid}) is gone")
         if board.profile_generation() != self._profile_generation:
             request = board.profile_request()
             self._profile_generation = request.generation

@@ -6,11 +6,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipeline.client import Prompt
 from stages.contracts.params import SamplingParams
+
+if TYPE_CHECKING:  # the offline engine loads torch: only mixed_params needs one, given by its caller
+    from pipeline.engine.llm import LLM
 
 
 @dataclass(slots=True)
@@ -120,3 +124,26 @@ def bench_params(max_tokens: int, *, temperature: float, top_p: float, top_k: in
                     ignore_eos: bool) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           ignore_eos=ignore_eos)
+
+
+def mixed_params(llm: LLM, prompts: list[str], max_tokens: int) -> list[SamplingParams]:
+    """In turn for `prompts`: greedy, seeded sampling, seeded sampling with penalties, and greedy
+    stopped by a string from late in the prompt's own greedy text (found with `llm`). Every kind
+    of state a request carries from token to token, for tests and benchmarks of stage recovery."""
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = []
+    for index, prompt in enumerate(prompts):
+        kind = index % 4
+        if kind == 0:
+            params.append(greedy)
+        elif kind == 1:
+            params.append(SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=40, seed=index,
+                                         ignore_eos=True))
+        elif kind == 2:
+            params.append(SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=index, presence_penalty=0.6,
+                                         frequency_penalty=0.4, repetition_penalty=1.2, ignore_eos=True))
+        else:
+            text = llm.generate(prompt, greedy)[0].text
+            params.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                         stop=[text[len(text) * 3 // 4:][:2]]))
+    return params

@@ -6,7 +6,7 @@ by a thread of the daemon's own process. The daemon and the stage supervisor see
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,15 +41,19 @@ class Backend(Protocol):
     instance: str
     limits: ModelLimits  # what the loaded model allows (the same after a restart)
 
-    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> None:
+    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams,
+               output_token_ids: Sequence[int] = ()) -> None:
         """Queue a request without waiting; Overloaded when there is no room now, StageFailed
-        when the engine is down."""
+        when the engine is down. A request resumed after a restart gives the outputs it already
+        delivered (`prompt` is then its prompt's token ids): it continues after them, with the
+        same params, as if it had not stopped."""
 
     def abort(self, req_id: int) -> None:
         """Stop a request; its last event has finish_reason "abort". Unknown ids are ignored."""
 
     def read_events(self, timeout_s: float) -> list[OutputEvent]:
-        """Output events, waiting up to timeout_s for some; StageFailed when the engine died."""
+        """Output events, waiting up to timeout_s for some; StageFailed (its `stage` naming the
+        stage, where one died) when the engine died."""
 
     def health(self) -> list[StageHealth]: ...
 

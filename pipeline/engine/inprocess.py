@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.engine.llm import LLM
@@ -29,11 +30,16 @@ class _Submit:
     req_id: int
     prompt: str | list[int]
     params: SamplingParams
+    output_token_ids: Sequence[int]
 
 
 @dataclass(slots=True)
 class _Abort:
     req_id: int
+
+
+class _IntakeFailed(Exception):
+    """Taking in a request (tokenizing, checking, adding it) failed: the tokenizer's part of the work."""
 
 
 class InProcessBackend:
@@ -46,6 +52,7 @@ class InProcessBackend:
         self._events: list[OutputEvent] = []
         self._events_ready = threading.Condition()
         self._failure: str | None = None
+        self._failed_stage = "engine"  # the part of the engine's work that failed, as a stage name
         self._closing = threading.Event()
         self._num_generated = 0
         self._started_at = time.monotonic()
@@ -55,10 +62,11 @@ class InProcessBackend:
 
     # ---- the Backend protocol
 
-    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> None:
+    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams,
+               output_token_ids: Sequence[int] = ()) -> None:
         if self._failure is not None:
-            raise StageFailed(self._failure)
-        self._inbox.put(_Submit(req_id, prompt, params))
+            raise StageFailed(self._failure, stage=self._failed_stage)
+        self._inbox.put(_Submit(req_id, prompt, params, output_token_ids))
 
     def abort(self, req_id: int) -> None:
         self._inbox.put(_Abort(req_id))
@@ -67,7 +75,7 @@ class InProcessBackend:
         with self._events_ready:
             self._events_ready.wait_for(lambda: self._events or self._failure is not None, timeout=timeout_s)
             if self._failure is not None:
-                raise StageFailed(self._failure)
+                raise StageFailed(self._failure, stage=self._failed_stage)
             events, self._events = self._events, []
         return events
 
@@ -101,10 +109,17 @@ class InProcessBackend:
                 self._heartbeat = time.monotonic()
                 if self._engine.busy:
                     self._emit(self._engine.step())
+        except _IntakeFailed as exc:  # the tokenizer's work: the daemon's poison guard suspects fewer requests
+            cause = exc.__cause__
+            self._fail("tokenizer", f"the engine thread died taking in a request: {type(cause).__name__}: {cause}")
         except Exception as exc:  # noqa: BLE001 - a dead engine, as the daemon will see it
-            with self._events_ready:
-                self._failure = f"the engine thread died: {type(exc).__name__}: {exc}"
-                self._events_ready.notify_all()
+            self._fail("engine", f"the engine thread died: {type(exc).__name__}: {exc}")
+
+    def _fail(self, stage: str, message: str) -> None:
+        with self._events_ready:
+            self._failed_stage = stage
+            self._failure = message
+            self._events_ready.notify_all()
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -114,7 +129,10 @@ class InProcessBackend:
         events: list[OutputEvent] = []
         while item is not None:
             if isinstance(item, _Submit):
-                events.extend(self.add(item.req_id, item.prompt, item.params))
+                try:
+                    events.extend(self.add(item.req_id, item.prompt, item.params, item.output_token_ids))
+                except Exception as exc:
+                    raise _IntakeFailed from exc
             else:
                 event = self._engine.abort(item.req_id)
                 if event is not None:
@@ -125,16 +143,18 @@ class InProcessBackend:
                 break
         self._emit(events)
 
-    def add(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> list[OutputEvent]:
-        """Tokenizes and checks the prompt, then hands the request to the engine; a refused prompt
-        gives its one error event."""
+    def add(self, req_id: int, prompt: str | list[int], params: SamplingParams,
+            output_token_ids: Sequence[int] = ()) -> list[OutputEvent]:
+        """Tokenizes and checks the prompt, then hands the request to the engine (a resumed one
+        with the outputs it already delivered); a refused prompt gives its one error event."""
         token_ids = prompt
         if isinstance(prompt, str):
             token_ids = self.llm.tokenizer.encode(prompt, add_special_tokens=False).ids
-        problem = check_prompt(token_ids, self.llm.vocab_size, self.llm.max_model_len)
+        problem = check_prompt(token_ids, self.llm.vocab_size, self.llm.max_model_len,
+                               num_output_tokens=len(output_token_ids))
         if problem is not None:
             return [self._engine.outputs.reject(req_id, problem.code, problem.message, problem.field or None)]
-        self._engine.add_request(req_id, token_ids, params)
+        self._engine.add_request(req_id, token_ids, params, output_token_ids)
         return []
 
     def _emit(self, events: list[OutputEvent]) -> None:

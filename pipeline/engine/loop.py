@@ -6,6 +6,8 @@ Async mode overlaps host work with the device: launch step N, then post-process 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenizers import Tokenizer
 
 from stages.contracts.connector import KVConnectorWorker
@@ -34,9 +36,11 @@ class Engine:
     def busy(self) -> bool:
         return self.loop.busy
 
-    def add_request(self, req_id: int, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.scheduler.add_request(req_id, prompt_token_ids, params)
-        self.outputs.add(req_id, prompt_token_ids, params)
+    def add_request(self, req_id: int, prompt_token_ids: list[int], params: SamplingParams,
+                    output_token_ids: Sequence[int] = ()) -> None:
+        """`output_token_ids`: outputs a resumed request already delivered; it continues after them."""
+        self.scheduler.add_request(req_id, prompt_token_ids, params, output_token_ids)
+        self.outputs.add(req_id, prompt_token_ids, params, output_token_ids)
 
     def abort(self, req_id: int) -> OutputEvent | None:
         """Ends a request now; its last event (finish_reason "abort"), or None if it had ended."""

@@ -60,6 +60,10 @@ class Metrics:
         self._prompt_tokens = counter("pipeline:prompt_tokens", "Prompt tokens of finished requests.")
         self._generation_tokens = counter("pipeline:generation_tokens", "Output tokens generated.")
         self._stage_restarts = counter("pipeline:stage_restarts", "Times the stage processes were restarted.")
+        self._resumed = counter("pipeline:requests_resumed",
+                                "Requests resubmitted to restarted stages after a crash (each time counts).")
+        self._guard_failed = counter("pipeline:requests_failed_by_guard",
+                                     "Requests ended because they were in flight during two crashes of one stage.")
         success = Counter("pipeline:request_success", "Finished requests, by finish reason.",
                           [*labels, "finished_reason"], registry=self.registry)
         self._success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
@@ -69,7 +73,7 @@ class Metrics:
         self._e2e = histogram("pipeline:e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS_S)
         self._queue_time = histogram("pipeline:request_queue_time_seconds", "Time waiting before the engine started the request.",
                                      REQUEST_LATENCY_BUCKETS_S)
-        self._num_stage_restarts_seen = 0
+        self._totals_seen: dict[Counter, int] = {}
 
     def request_arrived(self, now: float | None = None) -> RequestTimeline:
         return RequestTimeline(time.monotonic() if now is None else now)
@@ -118,16 +122,21 @@ class Metrics:
         kv_cache_usage: float,
         prefix_cache_hit_rate: float,
         num_stage_restarts: int,
+        num_resumed_requests: int = 0,
+        num_guard_failed_requests: int = 0,
     ) -> None:
-        """Gauges from a stats snapshot. `kv_cache_usage` is used / total KV blocks (0 to 1);
-        `num_stage_restarts` is the total since the daemon started (the counter adds the rise)."""
+        """Gauges from a stats snapshot. `kv_cache_usage` is used / total KV blocks (0 to 1); the
+        `num_*` are totals since the daemon started (each counter adds the rise)."""
         self._running.set(num_requests_running)
         self._waiting.set(num_requests_waiting)
         self._kv_cache_usage.set(kv_cache_usage)
         self._prefix_cache_hit_rate.set(prefix_cache_hit_rate)
-        if num_stage_restarts > self._num_stage_restarts_seen:
-            self._stage_restarts.inc(num_stage_restarts - self._num_stage_restarts_seen)
-            self._num_stage_restarts_seen = num_stage_restarts
+        for counter, total in ((self._stage_restarts, num_stage_restarts), (self._resumed, num_resumed_requests),
+                               (self._guard_failed, num_guard_failed_requests)):
+            seen = self._totals_seen.get(counter, 0)
+            if total > seen:
+                counter.inc(total - seen)
+                self._totals_seen[counter] = total
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its Content-Type, for `GET /metrics`."""

@@ -4,9 +4,9 @@ Each request gets a small integer `req_id` (the backend's name for it) and a pub
 nobody can guess (what clients see). A connection is anything that takes replies without
 waiting: a Unix-socket client (socket_connection.py) or one HTTP call (openai/call.py). The
 stage supervisor's thread (supervisor.py) blocks in `backend.read_events` and hands each batch
-of events to the event loop, which fans them out to the connections; when a stage dies it ends
-every request in flight with `stage_failed` and restarts the stages. Nothing on the event loop
-waits: a write to a connection only grows that client's buffer, and a request that finds no
+of events to the event loop, which fans them out to the connections; when a stage dies it
+restarts the stages, and the requests in flight resume on the fresh ones where they were
+(recovery.py). Nothing on the event loop waits: a write to a connection only grows that client's buffer, and a request that finds no
 room (`max_num_seqs + max_waiting` requests in flight, or a full request ring) is refused with
 `overloaded` at once. Every request's life is recorded in the daemon's metrics (metrics.py).
 """
@@ -31,7 +31,6 @@ from pipeline.protocol import (
     Generate,
     Health,
     Profile,
-    ProfileReply,
     ServerMessage,
     Stats,
     TokenLogprobs,
@@ -43,6 +42,8 @@ from pipeline.engine.backend import Backend
 from pipeline.serve.config import DaemonConfig
 from pipeline.serve.metrics import Metrics, RequestTimeline
 from pipeline.serve.model import ServedModel
+from pipeline.serve.profile_control import answer_profile
+from pipeline.serve.recovery import Recovery, ResumeState
 from pipeline.serve.status import health_reply, stats_reply
 from shm.ring import RecordTooLarge
 from stages.contracts.errors import ErrorCode
@@ -66,7 +67,7 @@ class Connection(Protocol):
 
 class BackendState(Enum):
     SERVING = "serving"
-    RESTARTING = "restarting"  # a stage died; the supervisor is starting fresh ones
+    RESTARTING = "restarting"  # a stage died; the supervisor is starting fresh ones, requests wait
     DOWN = "down"  # a stage died and the supervisor gave up restarting
 
 
@@ -78,12 +79,12 @@ class Request:
     stream: bool
     num_logprobs: int | None
     timeline: RequestTimeline
+    resume: ResumeState
     prompt_token_ids: list[int] = field(default_factory=list)
-    num_output_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # every output delivered: a restart resumes after them
     queue_time_s: float | None = None  # from arrival to the scheduler's first admission
-    # Whole output, kept only for requests that are not streamed (Done carries it).
+    # Text and logprobs, kept only for requests that are not streamed (Done carries them).
     texts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
@@ -106,6 +107,7 @@ class DaemonServer:
         self.backend: Backend | None = backend  # None while the stages restart or stay down
         self.model = model
         self.metrics = Metrics(model.name if model is not None else "default")
+        self.recovery = Recovery()
         self.max_unread_bytes = config.max_unread_bytes
         self.max_num_seqs = max_num_seqs
         self.max_in_flight_requests = max_num_seqs + config.max_waiting
@@ -138,24 +140,7 @@ class DaemonServer:
         elif isinstance(message, Stats):
             connection.send(self.stats())
         elif isinstance(message, Profile):
-            self._profile(connection, message)
-
-    def _profile(self, connection: Connection, message: Profile) -> None:
-        """A capture's start or stop waits on every stage (a stop writes their traces: seconds), so
-        it runs on a worker thread; the reply goes out when it is done."""
-        backend = self.backend
-        if backend is None:
-            connection.send(Error(ErrorCode.STAGE_FAILED.value, "no stages to profile: they are restarting or down"))
-            return
-
-        def call() -> list[str]:
-            if message.action == "start":
-                backend.start_profile(message.directory)
-                return []
-            return backend.stop_profile()
-
-        future = asyncio.get_running_loop().run_in_executor(None, call)
-        future.add_done_callback(lambda done: connection.send(_profile_reply(message.action, done)))
+            answer_profile(self.backend, message, connection.send)
 
     def _generate(self, connection: Connection, message: Generate) -> None:
         try:
@@ -177,7 +162,8 @@ class DaemonServer:
                              f"(max_num_seqs {self.max_num_seqs} + max_waiting {self.config.max_waiting}); retry later")
         req_id = self._next_req_id
         self._next_req_id += 1
-        request = Request(req_id, new_request_id(), connection, stream, params.logprobs, self.metrics.request_arrived())
+        request = Request(req_id, new_request_id(), connection, stream, params.logprobs, self.metrics.request_arrived(),
+                          ResumeState(prompt, params, submitted=True))
         if isinstance(prompt, list):
             request.prompt_token_ids = list(prompt)
         try:
@@ -246,9 +232,12 @@ class DaemonServer:
             if request is None:
                 continue  # aborted or dropped meanwhile: its last tokens go nowhere
             self._on_event(request, event)
+        if self.recovery.num_waiting and self.backend is not None:
+            self._end_stage_failed(self.recovery.retry(self.backend, self._requests))
 
     def _on_event(self, request: Request, event: OutputEvent) -> None:
         connection = request.connection
+        request.resume.answered = True
         if event.prompt_token_ids is not None:
             request.prompt_token_ids = event.prompt_token_ids.tolist()
         if event.scheduled_ns is not None:
@@ -260,7 +249,7 @@ class DaemonServer:
             return
         token_ids = event.token_ids.tolist()
         if token_ids:
-            request.num_output_tokens += len(token_ids)
+            request.token_ids.extend(token_ids)
             self.num_generated_tokens += len(token_ids)
             self.metrics.tokens_generated(request.timeline, len(token_ids))
         logprobs = _token_logprobs(event) if request.num_logprobs is not None else None
@@ -269,7 +258,6 @@ class DaemonServer:
                 connection.send(Delta(request.request_id, event.text, token_ids, logprobs))
         else:
             request.texts.append(event.text)
-            request.token_ids.extend(token_ids)
             if logprobs:
                 request.logprobs.extend(logprobs)
         if event.finish_reason is None:
@@ -282,7 +270,7 @@ class DaemonServer:
         self._end(request, event.finish_reason)
         self.num_finished += 1
         self.num_prompt_tokens += len(request.prompt_token_ids)
-        usage = Usage(len(request.prompt_token_ids), request.num_output_tokens)
+        usage = Usage(len(request.prompt_token_ids), len(request.token_ids))
         if request.stream:
             done = Done(request.request_id, event.finish_reason, request.prompt_token_ids, usage,
                         stop_reason=event.stop_reason)
@@ -295,25 +283,35 @@ class DaemonServer:
 
     # ---- the supervisor's (called on the loop; see pipeline/serve/supervisor.py)
 
-    def on_backend_failed(self, reason: str) -> None:
-        """A stage died: every request in flight ends with stage_failed at once, new ones are
-        refused until a restart, and the backend is no longer touched (the supervisor closes it)."""
+    def on_backend_failed(self, reason: str, stage: str | None = None) -> None:
+        """A stage died: the requests in flight wait for fresh stages (but those the poison guard
+        fails end with stage_failed), new ones are refused until then, and the backend is no
+        longer touched (the supervisor closes it)."""
         log.error("stages failed: %s", reason)
         self.backend = None
         self.state = BackendState.RESTARTING
         self.last_failure = reason
-        for request in list(self._requests.values()):
-            self._end(request, "error")
-            request.connection.send(Error(ErrorCode.STAGE_FAILED.value, reason, None, request.request_id))
+        self._end_stage_failed([(request, self.recovery.guard_message(reason, stage))
+                                for request in self.recovery.park(stage, self._requests.values())])
 
     def on_backend_restarted(self, backend: Backend) -> None:
+        """Fresh stages run: every parked request resumes on them, in the order it came."""
         self.backend = backend
         self.state = BackendState.SERVING
         self.num_restarts += 1
+        self._end_stage_failed(self.recovery.resume(backend, self._requests))
 
     def on_restarts_stopped(self, reason: str) -> None:
+        """No fresh stages will come: the parked requests end with stage_failed."""
         self.state = BackendState.DOWN
         self.down_reason = reason
+        self._end_stage_failed([(request, f"stages failed ({self.last_failure}) and are not restarted: {reason}")
+                                for request in self._requests.values()])
+
+    def _end_stage_failed(self, ended: list[tuple[Request, str]]) -> None:
+        for request, message in ended:
+            self._end(request, "error")
+            request.connection.send(Error(ErrorCode.STAGE_FAILED.value, message, None, request.request_id))
 
     # ---- shutting down
 
@@ -348,13 +346,3 @@ class DaemonServer:
     def stats(self) -> ServerMessage:
         return stats_reply(self)
 
-
-def _profile_reply(action: str, done: asyncio.Future) -> ServerMessage:
-    if done.cancelled():
-        return Error(ErrorCode.STAGE_FAILED.value, f"profile {action} was cancelled: the daemon is shutting down")
-    exc = done.exception()
-    if exc is None:
-        return ProfileReply(action, done.result())
-    if isinstance(exc, (PipelineError, InvalidParams)):
-        return error_for(exc)
-    return Error(ErrorCode.STAGE_FAILED.value, f"profile {action} failed: {type(exc).__name__}: {exc}")

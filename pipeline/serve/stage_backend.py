@@ -1,10 +1,17 @@
 """The stage processes as the daemon's backend: submit requests, abort them, read their output.
 
 `StageBackend` creates every link of its instance (`/pipeline-<instance>-<link>`, from the table
-in stages/contracts/topology.py) and the status board, spawns the stages the table names
+in stages/contracts/topology.py) and the status board, starts the stages the table names
 (runner, scheduler, detokenizer, `num_tokenizers` tokenizer workers), waits until each reports
 ready, and then only writes requests and aborts and reads output events. The runner makes the
 token mailbox itself, since its kind follows the runner's device.
+
+The stages fork from a server process that the first backend starts and that has imported
+their modules (torch among them) once: a restart after a crash then costs a fork and the
+model's load from the page cache, a fraction of a second, instead of a fresh interpreter and
+seconds of imports per stage. The server has touched no accelerator, so a forked runner starts
+CUDA as a spawned one would. Under Nsight Systems, which traces a process only from its exec,
+the stages are spawned instead.
 """
 from __future__ import annotations
 
@@ -18,9 +25,11 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Sequence
 
 from pipeline.errors import Overloaded, StageFailed
 from pipeline.engine.backend import BackendStats, StageHealth
+from pipeline.serve.nsys import SESSION_ENV
 from pipeline.serve.profile_control import ProfileControl
 from shm.mailbox import unlink_mailbox
 from shm.naming import pid_alive, ring_name, sweep_stale, unlink_instance
@@ -29,7 +38,7 @@ from shm.segment import PeerDied, RingSegment
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
-from stages.contracts.topology import DAEMON, links, stages
+from stages.contracts.topology import DAEMON, STAGES, Stage, links, stages
 from stages.events import decode_events
 from stages.messages import Kind, encode_generate, encode_req_id
 from stages.process import EXIT_PEER_DIED, launch
@@ -43,6 +52,10 @@ READY_POLL_S = 0.01
 KILL_GRACE_S = 1.0
 REAP_WAIT_S = 1.0  # how long a stage seen dead may take to become reapable (its threads exiting)
 MIN_RATE_WINDOW_S = 0.5
+# What the stages' server imports before its first fork: every stage's module and torch._dynamo,
+# which the runner's first model construction would import otherwise (nn.init on the meta
+# device goes through it: a second and more).
+PRELOAD_MODULES = sorted({stage.module for stage in STAGES} | {"torch._dynamo"})
 
 
 class StageBackend:
@@ -100,8 +113,8 @@ class StageBackend:
         self._events = readers["events"]
         common = {"instance": instance, "parent_pid": os.getpid(), "status": self._board.name,
                   "mailbox": ring_name(instance, "mailbox"), "links": ring_names, "config": config.to_dict()}
-        ctx = mp.get_context("spawn")
-        for index, stage in enumerate(stages(config.num_tokenizers)):
+        ctx = _process_context()
+        for index, stage in enumerate(self.stage_table()):
             spec = dict(common, name=stage.name, index=index)
             # Not daemonic, so a daemon that is itself a multiprocessing child may start stages;
             # the atexit hook registered in __init__ stops them if the owner exits without close().
@@ -114,6 +127,10 @@ class StageBackend:
         # Every end has attached: the rings unlinked themselves; these two are ours to unlink.
         unlink_mailbox(ring_name(instance, "mailbox"))
         self._board.unlink()
+
+    def stage_table(self) -> list[Stage]:
+        """The stage processes to start, in order: the link table's (a test double swaps a module)."""
+        return stages(self.config.num_tokenizers)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
@@ -139,7 +156,7 @@ class StageBackend:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         error = self._board.error(index)
         ready = "" if self._board.is_ready(index) else " while starting"
-        return StageFailed(f"stage {name!r} {how}{ready}" + (f": {error}" if error else ""))
+        return StageFailed(f"stage {name!r} {how}{ready}" + (f": {error}" if error else ""), stage=name)
 
     def _reap_dead_peers(self) -> bool:
         """Waits (briefly) for the exit status of stages that are dead but not yet reapable; True
@@ -152,15 +169,17 @@ class StageBackend:
                 reaped = reaped or process.exitcode is not None
         return reaped
 
-    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> None:
-        """Queue a request without ever waiting (the daemon calls this on its event loop).
+    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams,
+               output_token_ids: Sequence[int] = ()) -> None:
+        """Queue a request without ever waiting (the daemon calls this on its event loop);
+        `output_token_ids` are outputs a resumed request already delivered.
 
         Raises Overloaded when the tokenizer worker's request ring is full (it is that far behind),
         RecordTooLarge when the prompt cannot fit a record of the request ring, StageFailed if
         the tokenizer worker died.
         """
         _check_req_id(req_id)
-        parts = encode_generate(req_id, prompt, params)
+        parts = encode_generate(req_id, prompt, params, output_token_ids)
         with self._lock:
             self._check_open()
             if req_id in self._live:
@@ -217,7 +236,7 @@ class StageBackend:
             try:
                 record = self._events.read(timeout=min(LIVENESS_CHECK_S, max(0.0, deadline - time.monotonic())))
             except PeerDied:
-                raise self._failed_stage() or StageFailed("stage 'detokenizer' died") from None
+                raise self._failed_stage() or StageFailed("stage 'detokenizer' died", stage="detokenizer") from None
             if record is not None:
                 break
             if time.monotonic() >= deadline:
@@ -321,6 +340,15 @@ def _stage_process(module: str, spec_json: str) -> None:
         sys.stderr.flush()
         os._exit(code)
 
+
+def _process_context() -> mp.context.BaseContext:
+    """How stage processes start: forked from the warm server (see the module's docstring), or
+    spawned under Nsight Systems."""
+    if os.environ.get(SESSION_ENV):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD_MODULES)  # takes effect when the server starts: the same list every time
+    return ctx
 
 
 def _check_req_id(req_id: int) -> None:

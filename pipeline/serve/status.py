@@ -56,6 +56,8 @@ def stats_reply(server: DaemonServer) -> StatsReply:
         num_restarts=server.num_restarts,
         num_overloaded_requests=server.num_overloaded,
         max_in_flight_requests=server.max_in_flight_requests,
+        num_resumed_requests=server.recovery.num_resumed,
+        num_guard_failed_requests=server.recovery.num_failed_by_guard,
     )
     model = server.model
     if model is not None:

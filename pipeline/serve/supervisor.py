@@ -1,11 +1,12 @@
 """Keeps the daemon's stages serving: pumps their output to the event loop, restarts them when one dies.
 
 One thread does it all, in order: read events from the backend until a stage fails; hand the
-failure to the event loop, which ends every request in flight and lets go of the backend; close
+failure to the event loop, which parks the requests in flight and lets go of the backend; close
 the dead backend (its processes and /dev/shm entries); start a fresh one under a new instance
-id; hand that to the loop. Restarts are bounded, so a broken model does not loop for ever: a
-failure while the new stages start, or more than `max_restarts` restarts within `window_s`,
-leaves the daemon degraded with the reason.
+id; hand that to the loop, which resumes the parked requests on it. Restarts are bounded, so a
+broken model does not loop for ever: a failure while the new stages start, or more than
+`max_restarts` restarts within `window_s`, leaves the daemon degraded with the reason (and ends
+the parked requests), as does a failure once the daemon is shutting down.
 """
 from __future__ import annotations
 
@@ -35,10 +36,12 @@ class BackendEvents(Protocol):
 
     def on_events(self, events: list[OutputEvent]) -> None: ...
 
-    def on_backend_failed(self, reason: str) -> None:
-        """A stage died: end or park the requests in flight; let go of the backend."""
+    def on_backend_failed(self, reason: str, stage: str | None) -> None:
+        """A stage died (`stage` names it, where known): park the requests in flight; let go of
+        the backend."""
 
-    def on_backend_restarted(self, backend: Backend) -> None: ...
+    def on_backend_restarted(self, backend: Backend) -> None:
+        """Fresh stages run: resume the parked requests on them."""
 
     def on_restarts_stopped(self, reason: str) -> None:
         """No restart is allowed (or it failed): the daemon stays down, saying why."""
@@ -117,24 +120,25 @@ class StageSupervisor:
 
     def _run(self) -> None:
         while (backend := self._backend) is not None:
-            reason = self._pump(backend)
-            if reason is None:
+            failure = self._pump(backend)
+            if failure is None:
                 return  # stopping: stop() closes the backend
-            self._call_on_loop(self._server.on_backend_failed, reason)  # the loop lets go of it
+            # The loop parks the requests and lets go of the backend.
+            self._call_on_loop(self._server.on_backend_failed, failure.message, failure.stage)
             self._backend = None
             backend.close()
-            self._backend = self._restart(reason)
+            self._backend = self._restart(failure.message)
 
-    def _pump(self, backend: Backend) -> str | None:
-        """Hands events to the loop until a stage fails (returns why) or the daemon stops (None)."""
+    def _pump(self, backend: Backend) -> StageFailed | None:
+        """Hands events to the loop until a stage fails (returns the failure) or the daemon stops (None)."""
         while not self._stopping.is_set():
             try:
                 events = backend.read_events(EVENT_POLL_S)
             except StageFailed as exc:
-                return exc.message
+                return exc
             except Exception as exc:  # noqa: BLE001 - any reader failure leaves the requests unserved
                 log.exception("reading backend events failed")
-                return f"{type(exc).__name__}: {exc}"
+                return StageFailed(f"{type(exc).__name__}: {exc}")
             if events:
                 self._loop.call_soon_threadsafe(self._server.on_events, events)
         return None
@@ -142,6 +146,7 @@ class StageSupervisor:
     def _restart(self, reason: str) -> Backend | None:
         """A fresh backend, or None (with the loop told why) when no restart is allowed or it fails."""
         if self._no_restarts.is_set():
+            self._give_up("the daemon is shutting down")
             return None
         refusal = self._budget.take(time.monotonic())
         if refusal is not None:
@@ -157,6 +162,7 @@ class StageSupervisor:
             return None
         if self._no_restarts.is_set():  # the daemon began to stop while the stages started
             backend.close()
+            self._give_up("the daemon is shutting down")
             return None
         self._call_on_loop(self._server.on_backend_restarted, backend)
         log.warning("stages restarted as instance %s", instance)

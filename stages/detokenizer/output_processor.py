@@ -57,11 +57,18 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._streams)
 
-    def add(self, req_id: int, prompt_token_ids: np.ndarray | list[int], params: SamplingParams) -> None:
+    def add(self, req_id: int, prompt_token_ids: np.ndarray | list[int], params: SamplingParams,
+            output_token_ids: np.ndarray | list[int] = ()) -> None:
+        """Follow a new request; a resumed one also gives the outputs it already delivered."""
         prompt = np.asarray(prompt_token_ids, np.int32)
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt.tolist(), params)
+            # One token at a time, as they first came: the detokenizer's offsets, held-back
+            # stop-string text and min_tokens count end up where the first run left them. The
+            # text this gives was delivered then and is not sent again.
+            for token_id in np.asarray(output_token_ids, np.int32).tolist():
+                detokenizer.add([token_id])
         self._streams[req_id] = _Stream(detokenizer, prompt, params)
 
     def on_step(self, entries: StepEntries, tokens: StepTokens) -> StepEvents:

@@ -67,7 +67,7 @@ class DetokenizerLoop:
             self.on_step(msg.decode_manifest(record.payload), out)
         elif kind == msg.Kind.NEW_REQUEST:
             new = msg.decode_new_request(record.payload)
-            self.outputs.add(new.req_id, new.prompt_ids, new.params)
+            self.outputs.add(new.req_id, new.prompt_ids, new.params, new.output_ids)
         elif kind == msg.Kind.FINISHED:
             req_id, reason = msg.decode_req_id(record.payload)
             event = self.outputs.finish(req_id, reason)

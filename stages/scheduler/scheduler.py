@@ -81,17 +81,26 @@ class Scheduler:
 
     # ---- requests in and out
 
-    def add_request(self, req_id: int, prompt_token_ids: np.ndarray | list[int], params: SamplingParams) -> None:
+    def add_request(self, req_id: int, prompt_token_ids: np.ndarray | list[int], params: SamplingParams,
+                    output_token_ids: np.ndarray | list[int] = ()) -> None:
+        """Queue a request. `output_token_ids` are outputs it already has (a request resumed after
+        a restart): it is admitted as a preempted request is, so max_tokens, min_tokens, penalties
+        and the seeded-sampling position go on from them."""
         prompt = np.asarray(prompt_token_ids, dtype=np.int32)
+        outputs = np.asarray(output_token_ids, dtype=np.int32)
         if req_id in self._requests:
             raise ValueError(f"request id {req_id} is already in use")
         if prompt.ndim != 1 or prompt.shape[0] == 0:
             raise ValueError("prompt must be a non-empty 1-D sequence of token ids")
-        if prompt.shape[0] >= self.max_model_len:
+        if outputs.ndim != 1 or outputs.shape[0] >= params.max_tokens:
+            raise ValueError(f"a request may resume with fewer than max_tokens {params.max_tokens} outputs, "
+                             f"got {outputs.shape[0]}")
+        if prompt.shape[0] + outputs.shape[0] >= self.max_model_len:
+            resumed = f" and {outputs.shape[0]} outputs" if outputs.shape[0] else ""
             raise ValueError(
-                f"prompt has {prompt.shape[0]} tokens; max_model_len {self.max_model_len} "
+                f"prompt has {prompt.shape[0]} tokens{resumed}; max_model_len {self.max_model_len} "
                 f"allows at most {self.max_model_len - 1} so one token can be generated")
-        request = Request(req_id, prompt, params)
+        request = Request(req_id, prompt, params, output_token_ids=outputs)
         self._requests[req_id] = request
         self._waiting.append(request)
 

@@ -146,7 +146,7 @@ class SchedulerLoop:
         if not self.requests.admit(new.req_id):
             self.ctx.write(self.to_detokenizer, msg.Kind.FINISHED, msg.encode_req_id(new.req_id, FinishReason.ABORT))
             return
-        self.scheduler.add_request(new.req_id, new.prompt_ids, new.params)
+        self.scheduler.add_request(new.req_id, new.prompt_ids, new.params, new.output_ids)
 
     def on_abort(self, req_id: int) -> None:
         if self.requests.abort(req_id):

@@ -1,7 +1,8 @@
 """A tokenizer worker process: text to token ids in batches, prompt checks, on to the scheduler.
 
 Each worker reads its own ring from the daemon and writes its own ring to the scheduler. A
-prompt the model cannot serve (empty, ids outside the vocabulary, too long) goes on as a
+request resumed after a stage restart comes as prompt ids plus the outputs it already delivered,
+which go on untouched. A prompt the model cannot serve (empty, ids outside the vocabulary, too long) goes on as a
 rejection, which reaches the daemon as an error event through the scheduler and detokenizer.
 """
 from __future__ import annotations
@@ -20,8 +21,9 @@ def main(spec_json: str) -> None:
     run_stage(spec_json, serve)
 
 
-def serve(ctx: StageContext) -> None:
-    tokenizer = Tokenizer.from_file(str(ctx.config.tokenizer_path))
+def serve(ctx: StageContext, tokenizer: Tokenizer | None = None) -> None:
+    """Serves until stopped; `tokenizer` is the model's own unless one is given (a test double)."""
+    tokenizer = tokenizer or Tokenizer.from_file(str(ctx.config.tokenizer_path))
     inbox, outbox = ctx.reader("generate{i}"), ctx.writer("tokenized{i}")
     limits = ctx.wait_limits()
     tokenize_range = ctx.range("tokenize")
@@ -39,10 +41,11 @@ def serve(ctx: StageContext) -> None:
             encoded = iter(tokenizer.encode_batch(texts, add_special_tokens=False) if texts else ())
         for request in batch:
             token_ids = next(encoded).ids if isinstance(request.prompt, str) else request.prompt
-            problem = check_prompt(token_ids, limits.vocab_size, limits.max_model_len)
+            outputs = request.output_token_ids
+            problem = check_prompt(token_ids, limits.vocab_size, limits.max_model_len, num_output_tokens=len(outputs))
             if problem is not None:
                 rejection = msg.Rejection(request.req_id, problem.code, problem.field, problem.message)
                 ctx.write(outbox, msg.Kind.REJECT, msg.encode_reject(rejection))
             else:
-                ctx.write(outbox, msg.Kind.NEW_REQUEST,
-                          *msg.encode_new_request(request.req_id, np.array(token_ids, np.int32), request.params))
+                ctx.write(outbox, msg.Kind.NEW_REQUEST, *msg.encode_new_request(
+                    request.req_id, np.array(token_ids, np.int32), request.params, np.array(outputs, np.int32)))

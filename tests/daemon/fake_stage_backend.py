@@ -1,18 +1,19 @@
 """FakeBackend: a TEST DOUBLE of the `Backend` protocol (pipeline/serve/backend.py) with no processes, for the supervisor's tests.
 
 It serves nothing: submitted requests stay in flight until the test makes the "stages" fail
-with `fail(reason)`, which read_events then raises as StageFailed, as a real backend does when
-a stage dies. `FakeFactory` makes them, or raises what the test lines up (a restart that fails).
+with `fail(reason, stage)`, which read_events then raises as StageFailed, as a real backend does
+when a stage dies. `FakeFactory` makes them, or raises what the test lines up (a restart that fails).
 """
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 
 from pipeline.engine.backend import BackendStats, StageHealth
 from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.outputs import OutputEvent
-from pipeline.errors import StageFailed
+from pipeline.errors import Overloaded, StageFailed
 from stages.contracts.params import SamplingParams
 
 
@@ -21,16 +22,22 @@ class FakeBackend:
         self.instance = instance
         self.limits = ModelLimits(num_kv_blocks=64, max_model_len=2048, vocab_size=1024, eos_token_ids=[1])
         self.submitted: list[int] = []
+        self.room: int | None = None  # requests the request ring holds (submit raises Overloaded beyond)
         self.aborted: list[int] = []
         self.closed = False
         self._failure: str | None = None
+        self._failed_stage: str | None = None
         self._failed = threading.Event()
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, stage: str | None = None) -> None:
         self._failure = reason
+        self._failed_stage = stage
         self._failed.set()
 
-    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams) -> None:
+    def submit(self, req_id: int, prompt: str | list[int], params: SamplingParams,
+               output_token_ids: Sequence[int] = ()) -> None:
+        if self.room is not None and len(self.submitted) >= self.room:
+            raise Overloaded(f"the fake request ring holds {self.room} requests")
         self.submitted.append(req_id)
 
     def abort(self, req_id: int) -> None:
@@ -38,7 +45,7 @@ class FakeBackend:
 
     def read_events(self, timeout_s: float) -> list[OutputEvent]:
         if self._failed.wait(timeout_s):
-            raise StageFailed(str(self._failure))
+            raise StageFailed(str(self._failure), stage=self._failed_stage)
         return []
 
     def health(self) -> list[StageHealth]:

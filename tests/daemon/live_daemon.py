@@ -2,7 +2,8 @@
 
 The daemon runs `pipeline start` with the real stage processes, unless
 PIPELINE_TEST_BACKEND=engine-thread, which runs it over the EngineThreadBackend test double
-(the in-process backend with a fault to inject; the stage-failure test needs it).
+(the in-process backend with a fault to inject). A test may also ask for a test double itself
+(`start_daemon(..., backend=...)`, see serve_engine_thread.py).
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from pipeline.models.tiny_model import make_tiny_model
 from shm.naming import instance_of, list_entries
 
 HERE = Path(__file__).resolve().parent
-REAL_BACKEND = os.environ.get("PIPELINE_TEST_BACKEND", "real") == "real"
+BACKEND = os.environ.get("PIPELINE_TEST_BACKEND", "real")  # "real", or a test double of serve_engine_thread.py
+REAL_BACKEND = BACKEND == "real"
 START_TIMEOUT_S = 60.0
 # Small enough to start in seconds, large enough for 64 requests at once.
 ENGINE_OPTIONS = ["--device", "cpu", "--max-model-len", "2048", "--num-kv-blocks", "512", "--block-size", "16"]
@@ -58,12 +60,12 @@ class LiveDaemon:
         return sorted(e for e in list_entries() if (instance_of(e) or "").startswith(prefix))
 
 
-def daemon_command(model: Path, socket_path: Path, extra: list[str]) -> list[str]:
-    if REAL_BACKEND:
+def daemon_command(model: Path, socket_path: Path, extra: list[str], backend: str = BACKEND) -> list[str]:
+    if backend == "real":
         return [sys.executable, "-m", "pipeline.cli", "start", "--model", str(model), "--socket", str(socket_path),
                 *ENGINE_OPTIONS, *extra]
-    return [sys.executable, str(HERE / "serve_engine_thread.py"), "--model", str(model), "--socket",
-            str(socket_path), *ENGINE_OPTIONS, *extra]
+    return [sys.executable, str(HERE / "serve_engine_thread.py"), "--backend", backend, "--model", str(model),
+            "--socket", str(socket_path), *ENGINE_OPTIONS, *extra]
 
 
 def wait_until_serving(socket_path: Path, process: subprocess.Popen, log_path: Path) -> None:
@@ -94,11 +96,11 @@ def wait_for_health(socket_path: Path, accept: Callable[[HealthReply], bool], ti
             time.sleep(0.05)
 
 
-def start_daemon(model: Path, directory: Path, extra: list[str] | None = None) -> LiveDaemon:
+def start_daemon(model: Path, directory: Path, extra: list[str] | None = None, backend: str = BACKEND) -> LiveDaemon:
     socket_path = directory / "pipeline.sock"
     log_path = directory.parent / "daemon.log"
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(daemon_command(model, socket_path, extra or []), stdout=log_file,
+        process = subprocess.Popen(daemon_command(model, socket_path, extra or [], backend), stdout=log_file,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     wait_until_serving(socket_path, process, log_path)
     return LiveDaemon(socket_path, process, model, log_path)

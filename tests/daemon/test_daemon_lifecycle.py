@@ -1,5 +1,5 @@
-"""The daemon's life: one per socket, `pipeline stop` leaves nothing behind, a failed stage ends
-every request at once, the CLI round trip, and the embedded default model."""
+"""The daemon's life: one per socket, `pipeline stop` leaves nothing behind, the requests in flight
+when the engine fails resume on a fresh one, the CLI round trip, and the embedded default model."""
 from __future__ import annotations
 
 import asyncio
@@ -7,13 +7,15 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from live_daemon import REAL_BACKEND, start_daemon
 
 from pipeline.cli import main as cli_main
-from pipeline.client import AsyncClient, Client
+from pipeline import LLM, SamplingParams
+from pipeline.client import AsyncClient, Client, Completion
 from pipeline.serve.daemon import DaemonAlreadyRunning, claim_socket_path, pid_file_for
 from pipeline.models.default_model import ensure_default_model
 from pipeline.errors import StageFailed
@@ -69,30 +71,50 @@ def test_one_daemon_per_socket_and_stale_sockets_are_removed(daemon_model: Path,
     assert not daemon.socket_path.exists()
 
 
-@pytest.mark.skipif(REAL_BACKEND, reason="the failure is triggered through the engine-thread test double")
-def test_a_failed_stage_ends_every_request_at_once(daemon_model: Path, run_dir: Path) -> None:
+def test_a_failed_engine_thread_resumes_every_request_but_the_one_that_fails_it_twice(daemon_model: Path,
+                                                                                      run_dir: Path) -> None:
+    """The in-process backend's engine thread dies taking in the request that carries the fault:
+    the requests running resume on a fresh engine with an uninterrupted run's output, and the
+    poison guard fails the faulty one when it kills the fresh engine too."""
     from engine_thread_backend import FAIL_PROMPT
 
-    daemon = start_daemon(daemon_model, run_dir)
+    prompts = [f"request {i}" for i in range(4)]
+    long = SamplingParams(max_tokens=240, ignore_eos=True, temperature=0.0)
+    expected = LLM(daemon_model, device="cpu", max_model_len=2048, num_kv_blocks=512, block_size=16).generate(
+        prompts, long)
+    daemon = start_daemon(daemon_model, run_dir, backend="engine-thread")
     try:
-        async def run() -> list[BaseException | object]:
+        async def run() -> tuple[list[Completion | None], BaseException | None]:
             client = AsyncClient(daemon.socket_path)
-            long = {"max_tokens": 480, "ignore_eos": True, "temperature": 0.0}
-            running = [asyncio.ensure_future(client.generate(f"request {i}", long)) for i in range(4)]
-            await asyncio.sleep(0.3)
+            streams = [client.stream(prompt, long) for prompt in prompts]
+            running = [stream.__aiter__() for stream in streams]
+            await asyncio.wait_for(asyncio.gather(*(deltas.__anext__() for deltas in running)), 30)
             killer = asyncio.ensure_future(client.generate(FAIL_PROMPT, {"max_tokens": 4}))
-            return await asyncio.wait_for(asyncio.gather(*running, killer, return_exceptions=True), 10)
+            await asyncio.wait_for(asyncio.gather(*(_drain(deltas) for deltas in running)), 60)
+            failure = (await asyncio.gather(killer, return_exceptions=True))[0]
+            await client.close()
+            return [stream.completion for stream in streams], failure
 
-        results = asyncio.run(run())
-        assert all(isinstance(r, StageFailed) for r in results), results
+        completions, failure = asyncio.run(run())
+        assert isinstance(failure, StageFailed), failure
+        assert "the engine thread died taking in a request: RuntimeError: asked to fail" in failure.message
+        assert "in flight during this crash and the one before it" in failure.message
+        for completion, want in zip(completions, expected):
+            assert completion is not None and completion.token_ids == want.token_ids and completion.text == want.text
         with Client(daemon.socket_path) as client:
             health = client.health()
-            assert health.status == "degraded" and "failed" in health.stages["backend"]
-            with pytest.raises(StageFailed):
-                client.generate("after the failure", {"max_tokens": 2})
+            assert health.status == "ok" and health.num_restarts == 2, health
+            stats = client.stats()
+            assert stats.num_guard_failed_requests == 1 and stats.num_resumed_requests >= len(prompts) + 1
+            assert client.generate("after the failure", {"max_tokens": 2}).finish_reason == "length"
     finally:
         assert daemon.stop() == 0
     assert not daemon.socket_path.exists()
+
+
+async def _drain(deltas: AsyncIterator[object]) -> None:
+    async for _ in deltas:
+        pass
 
 
 def test_cli_status_generate_stop(daemon_model: Path, run_dir: Path) -> None:

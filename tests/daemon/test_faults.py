@@ -1,7 +1,13 @@
-"""Faults, injected into a live daemon with real stage processes: a stalled stage, each stage
-SIGKILLed under load (every client gets StageFailed at once, then the stages restart), the
-daemon SIGKILLed (its stages follow it, the next start sweeps what it left), SIGTERM with a grace
-period. The supervisor's restart bounds are tested in-process with fake stages."""
+"""Faults, injected into a live daemon with real stage processes: a stalled stage; each stage
+SIGKILLed under load (the stages restart and every request resumes where it was, with the output
+of an uninterrupted run), once with a second kill during the recovery; a request that crashes a
+stage every time it meets it (the poison guard fails it, the others resume); the daemon SIGKILLed
+(its stages follow it, the next start sweeps what it left); SIGTERM with a grace period.
+
+The daemon runs the stage processes with one change, whose tokenizer workers die on a marked
+prompt (poisoned_tokenizer.py), so that one daemon serves every test here. The supervisor's
+restart bounds and the guard's rules are tested in-process with fake stages (test_supervisor.py).
+"""
 from __future__ import annotations
 
 import asyncio
@@ -11,23 +17,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import posix_ipc
 import pytest
-from fake_stage_backend import FakeFactory, RecordingConnection
-from live_daemon import REAL_BACKEND, AsyncRawConnection, LiveDaemon, short_dir, start_daemon, wait_for_health
+from live_daemon import (REAL_BACKEND, AsyncRawConnection, LiveDaemon, short_dir, start_daemon, wait_for_health,
+                         wait_idle)
+from poisoned_tokenizer import POISON_PROMPT
 
-from stages.contracts.config import EngineConfig
+from pipeline import LLM, RequestOutput, SamplingParams
+from pipeline.bench.workload import mixed_params
 from pipeline.client import AsyncClient, AsyncStream, Client, Completion, StreamDelta
 from pipeline.serve.daemon import pid_file_for
-from pipeline.serve.config import DaemonConfig
-from pipeline.serve.server import BackendState, DaemonServer
 from pipeline.errors import DaemonNotRunning, PipelineError, RequestAborted, StageFailed
 from pipeline.protocol import Error, Generate, Health, HealthReply, ServerMessage
-from pipeline.serve.supervisor import RestartBudget, RestartPolicy, StageSupervisor
 from pipeline.models.tiny_model import make_tiny_model
 from shm.naming import list_entries, pid_alive, ring_name
 
@@ -35,119 +40,17 @@ GRACE_S = 3.0
 # A long context, so that a long request outlasts the grace period and the faults on any CPU: a
 # single sequence of the tiny model decodes ~1,000 tokens a second when it runs alone.
 MAX_MODEL_LEN = 16384
-DAEMON_OPTIONS = ["--stall-seconds", "1", "--grace-seconds", str(GRACE_S), "--max-restarts", "5",
+DAEMON_OPTIONS = ["--stall-seconds", "1", "--grace-seconds", str(GRACE_S), "--max-restarts", "10",
                   "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", str(4 * MAX_MODEL_LEN // 16)]
+BACKEND = "poisoned-tokenizer"  # the stage processes, but for a tokenizer that dies on POISON_PROMPT
 LONG = dict(max_tokens=MAX_MODEL_LEN - 64, ignore_eos=True, temperature=0.0)  # runs until the fault
 SHORT = dict(max_tokens=12, ignore_eos=True, temperature=0.0)
 QUICK = dict(max_tokens=6, ignore_eos=True, temperature=0.0)  # finishes well within the grace period
+LOAD_TOKENS = 200  # per stream of a kill under load: most of it comes after the kill
 PROMPT = "After the fault the daemon"
 STAGES = ["runner", "scheduler", "detokenizer", "tokenizer0"]
-FAILED_WITHIN_S = 2.0
 
 live = pytest.mark.skipif(not REAL_BACKEND, reason="faults are injected into real stage processes")
-
-
-# ---- the supervisor, in-process with fake stages
-
-
-def test_restart_budget_counts_restarts_over_a_sliding_window() -> None:
-    budget = RestartBudget(RestartPolicy(max_restarts=2, window_s=60.0))
-    assert budget.take(0.0) is None and budget.take(10.0) is None
-    refusal = budget.take(20.0)
-    assert refusal is not None and "2 restarts within 60 s" in refusal
-    assert budget.take(60.5) is None  # the restart at 0.0 has left the window
-    assert budget.take(61.0) is not None  # those at 10.0 and 60.5 have not
-    assert RestartBudget(RestartPolicy(max_restarts=0)).take(0.0) is not None
-    with pytest.raises(ValueError, match="max_restarts"):
-        RestartPolicy(max_restarts=-1).check()
-
-
-async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the supervisor did not get there in time"
-        await asyncio.sleep(0.01)
-
-
-def _run_supervised(scenario: Callable[[DaemonServer, FakeFactory], object], max_restarts: int) -> None:
-    """Runs `scenario(server, factory)` (a coroutine) with a supervisor over fake stages."""
-    config = EngineConfig(model="unused")
-
-    async def main() -> None:
-        factory = FakeFactory()
-        first = factory(config, "1_a")
-        server = DaemonServer(first, max_num_seqs=2, config=DaemonConfig(max_restarts=max_restarts))
-        loop = asyncio.get_running_loop()
-        supervisor = StageSupervisor(first, factory, config, server.config.restart_policy(), server, loop)
-        supervisor.start()
-        try:
-            await scenario(server, factory)  # type: ignore[misc]
-        finally:
-            await loop.run_in_executor(None, supervisor.stop, 5.0)
-        assert all(backend.closed for backend in factory.made)
-
-    asyncio.run(main())
-
-
-def _generate(server: DaemonServer) -> RecordingConnection:
-    connection = RecordingConnection()
-    server.handle(connection, Generate(prompt="hello"))  # type: ignore[arg-type]
-    return connection
-
-
-@pytest.mark.timeout(30)
-def test_supervisor_fails_requests_restarts_and_reports_degraded_meanwhile() -> None:
-    async def scenario(server: DaemonServer, factory: FakeFactory) -> None:
-        first = factory.made[0]
-        running = _generate(server)
-        factory.allow_start.clear()  # hold the restart, to look at the daemon while it runs
-        first.fail("stage 'runner' was killed by signal 9")
-        await _until(lambda: server.state is BackendState.RESTARTING)
-        failed = running.sent[-1]
-        assert isinstance(failed, Error) and failed.code == "stage_failed" and "killed by signal 9" in failed.message
-        health = server.health()
-        assert health.status == "degraded" and "restarting after: stage 'runner'" in str(health.reason)
-        refused = _generate(server).sent[-1]
-        assert isinstance(refused, Error) and refused.code == "stage_failed"
-        assert refused.message == "stages are restarting after: stage 'runner' was killed by signal 9; retry"
-
-        factory.allow_start.set()
-        await _until(lambda: server.state is BackendState.SERVING)
-        second = factory.made[1]
-        assert first.closed and server.backend is second and second.instance != first.instance
-        health = server.health()
-        assert health.status == "ok" and health.num_restarts == 1 and health.instance == second.instance
-        assert health.last_failure == "stage 'runner' was killed by signal 9"
-        _generate(server)
-        assert second.submitted == [1]
-
-        # A restart that fails is not retried: the daemon stays degraded and says why.
-        factory.failures.append(RuntimeError("model.safetensors is corrupt"))
-        second.fail("stage 'scheduler' exited with code 1")
-        await _until(lambda: server.state is BackendState.DOWN)
-        health = server.health()
-        assert health.status == "degraded" and "the restart failed: RuntimeError: model.safetensors is corrupt" in str(
-            health.reason)
-        refused = _generate(server).sent[-1]
-        assert isinstance(refused, Error) and refused.code == "stage_failed" and "not restarted" in refused.message
-        assert second.closed and len(factory.made) == 2
-
-    _run_supervised(scenario, max_restarts=5)
-
-
-@pytest.mark.timeout(30)
-def test_supervisor_stops_restarting_stages_that_die_again_and_again() -> None:
-    async def scenario(server: DaemonServer, factory: FakeFactory) -> None:
-        for restarts in (1, 2):
-            factory.made[-1].fail("stage 'runner' exited with code 1: CUDA error")
-            await _until(lambda: server.num_restarts == restarts and server.state is BackendState.SERVING)
-        factory.made[-1].fail("stage 'runner' exited with code 1: CUDA error")
-        await _until(lambda: server.state is BackendState.DOWN)
-        assert len(factory.made) == 3
-        reason = str(server.health().reason)
-        assert "not restarting after 2 restarts within 600 s already (the limit is 2)" in reason
-
-    _run_supervised(scenario, max_restarts=2)
 
 
 # ---- a live daemon
@@ -169,7 +72,7 @@ def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
     model = make_tiny_model(tmp_path_factory.mktemp("long-context-llama"), "llama", seed=3,
                             max_position_embeddings=MAX_MODEL_LEN)
     directory = short_dir()
-    slot = DaemonSlot(start_daemon(model, directory, DAEMON_OPTIONS), directory, model)
+    slot = DaemonSlot(start_daemon(model, directory, DAEMON_OPTIONS, BACKEND), directory, model)
     try:
         yield slot
     finally:
@@ -206,18 +109,70 @@ async def _finish(deltas: AsyncIterator[StreamDelta]) -> tuple[BaseException | N
     return None, time.monotonic()
 
 
-async def _kill_under_load(socket_path: Path, pid: int, num_streams: int = 3) -> list[tuple[BaseException | None, float]]:
-    """SIGKILLs `pid` while streams run; each stream's error and its delay after the kill."""
+@dataclass
+class Load:
+    """The requests of a kill under load, and what the offline engine makes of them."""
+
+    prompts: list[str]
+    params: list[SamplingParams]
+    expected: list[RequestOutput]
+
+
+@pytest.fixture(scope="module")
+def load(slot: DaemonSlot) -> Load:
+    """16 streams long enough to be mid-stream at the kill: greedy, seeded sampling, seeded with
+    penalties, greedy with a stop string from late in its text; the offline engine's outputs."""
+    llm = LLM(slot.model, device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=4 * MAX_MODEL_LEN // 16,
+              block_size=16)
+    prompts = [f"{i}: {PROMPT}" for i in range(16)]
+    params = mixed_params(llm, prompts, LOAD_TOKENS)
+    return Load(prompts, params, llm.generate(prompts, params))
+
+
+async def _kill_under_load(socket_path: Path, load: Load, stage: str,
+                           then_kill: str | None = None) -> tuple[list[Completion | BaseException], float]:
+    """SIGKILLs `stage` once every stream of `load` is running and (with `then_kill`) that stage as
+    soon as the fresh stages run. Each stream's completion (or error), and the time from the kill
+    to the first token from the fresh stages."""
     client = AsyncClient(socket_path)
-    streams = [client.stream(f"load {i}: {PROMPT}", LONG) for i in range(num_streams)]
+    streams = [client.stream(prompt, params) for prompt, params in zip(load.prompts, load.params)]
+    arrivals: list[float] = []
+
+    async def finish(deltas: AsyncIterator[StreamDelta]) -> None:
+        async for _ in deltas:
+            arrivals.append(time.monotonic())
+
     try:
-        running = await asyncio.wait_for(asyncio.gather(*(_running(stream) for stream in streams)), 20)
+        running = await asyncio.wait_for(asyncio.gather(*(_running(stream) for stream in streams)), 30)
+        before = await client.health()
         killed_at = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        ended = await asyncio.wait_for(asyncio.gather(*(_finish(deltas) for deltas in running)), 10)
+        os.kill(before.stage_pids[stage], signal.SIGKILL)
+        finishing = asyncio.gather(*(finish(deltas) for deltas in running), return_exceptions=True)
+        # Once the daemon says it restarts the stages, or has, it has let go of the dead ones:
+        # every later delta comes from the fresh stages. (The restart takes a fraction of a
+        # second, too short to catch the refusal of new requests meanwhile reliably here; the
+        # supervisor's tests hold a restart to see it.)
+        while (health := await client.health()).instance == before.instance and "restarting" not in str(health.reason):
+            await asyncio.sleep(0.01)
+        restarting_at = time.monotonic()
+        if then_kill is not None:
+            while (health := await client.health()).status != "ok":
+                await asyncio.sleep(0.01)
+            os.kill(health.stage_pids[then_kill], signal.SIGKILL)
+        ended = await asyncio.wait_for(finishing, 60)
     finally:
         await client.close()
-    return [(error, ended_at - killed_at) for error, ended_at in ended]
+    results = [stream.completion if error is None else error for stream, error in zip(streams, ended)]
+    return results, min(t for t in arrivals if t > restarting_at) - killed_at
+
+
+def _assert_as_offline(results: list[Completion | BaseException], load: Load, stage: str) -> None:
+    for index, (got, want) in enumerate(zip(results, load.expected)):
+        assert isinstance(got, Completion), f"request {index} after killing {stage}: {got!r}"
+        assert (got.token_ids, got.text) == (want.token_ids, want.text), f"request {index} after killing {stage}"
+        assert (got.finish_reason, got.stop_reason) == (want.finish_reason, want.stop_reason)
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_token_ids),
+                                                                          len(want.token_ids))
 
 
 @live
@@ -238,42 +193,74 @@ def test_a_stalled_stage_reports_degraded_until_it_runs_again(slot: DaemonSlot, 
 
 
 @live
-@pytest.mark.timeout(120)
-def test_each_killed_stage_fails_its_requests_at_once_and_the_stages_restart(slot: DaemonSlot, reference: str) -> None:
+@pytest.mark.timeout(240)
+def test_each_killed_stage_costs_a_pause_and_every_request_resumes_exactly(slot: DaemonSlot, reference: str,
+                                                                           load: Load) -> None:
     daemon = slot.daemon
     socket_path = daemon.socket_path
-    for stage in STAGES:
-        before = wait_for_health(socket_path, lambda h: h.status == "ok", 10)
-        failures = asyncio.run(_kill_under_load(socket_path, before.stage_pids[stage]))
-        for error, delay_s in failures:
-            assert isinstance(error, StageFailed), (stage, error)
-            assert f"stage {stage!r} was killed by signal 9" in error.message
-            assert delay_s < FAILED_WITHIN_S, f"a client waited {delay_s:.2f} s for the failure of {stage}"
-        print(f"{stage} killed: clients failed within {max(d for _, d in failures) * 1000:.0f} ms")
+    rounds = [(stage, None) for stage in STAGES] + [("runner", "detokenizer")]  # the last: killed again
+    for stage, then_kill in rounds:
+        before = wait_for_health(socket_path, lambda h: h.status == "ok", 30)
+        results, resumed_after_s = asyncio.run(_kill_under_load(socket_path, load, stage, then_kill))
+        _assert_as_offline(results, load, stage)
+        again = f", then {then_kill} killed during the recovery" if then_kill else ""
+        print(f"{stage} killed{again}: first resumed token {resumed_after_s * 1000:.0f} ms after the kill, "
+              f"0 of {len(results)} requests lost")
 
-        with Client(socket_path, timeout_s=5) as client:  # while the stages restart: refused at once
-            asked_at = time.monotonic()
-            with pytest.raises(StageFailed, match=f"stages are restarting after: stage {stage!r} was killed"):
-                client.generate(PROMPT, SHORT)
-            assert time.monotonic() - asked_at < 1.0
-            restarting = client.health()
-        assert restarting.status == "degraded" and "restarting" in str(restarting.reason)
-
-        after = wait_for_health(socket_path, lambda h: h.status == "ok" and h.num_restarts == before.num_restarts + 1,
-                                30)
+        restarts = 2 if then_kill else 1
+        after = wait_for_health(socket_path, lambda h: h.status == "ok" and h.num_restarts == before.num_restarts
+                                + restarts, 30)
         assert after.instance != before.instance
-        assert f"stage {stage!r} was killed by signal 9" in str(after.last_failure)
+        assert f"stage {then_kill or stage!r} was killed by signal 9" in str(after.last_failure)
         assert not any(pid_alive(pid) for pid in before.stage_pids.values())
         assert [e for e in daemon.shm_entries() if str(before.instance) in e] == []
+        assert wait_idle(socket_path, timeout_s=5.0).kv_blocks_used == 0
         with Client(socket_path) as client:
             assert client.generate(PROMPT, SHORT).text == reference
     with Client(socket_path) as client:
-        assert client.stats().num_restarts >= len(STAGES)
+        stats = client.stats()
+    assert stats.num_restarts >= len(rounds) + 1
+    assert stats.num_resumed_requests >= len(rounds) * len(load.prompts) and stats.num_guard_failed_requests == 0
     status = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--socket", str(socket_path)],
                             capture_output=True, text=True, timeout=30)
     assert status.returncode == 0, status.stderr
-    assert "daemon: ok" in status.stdout and "last failure: stage 'tokenizer0' was killed by signal 9" in status.stdout
+    assert "daemon: ok" in status.stdout and "last failure: stage 'detokenizer' was killed by signal 9" in status.stdout
+    assert f"recovery: {stats.num_resumed_requests} requests resumed after stage restarts, 0 failed" in status.stdout
     assert daemon.shm_entries() == []
+
+
+@live
+@pytest.mark.timeout(120)
+def test_the_poison_guard_fails_the_request_that_crashes_a_stage_twice_and_resumes_the_others(
+        slot: DaemonSlot, load: Load) -> None:
+    socket_path = slot.daemon.socket_path
+    before = wait_for_health(socket_path, lambda h: h.status == "ok", 30)
+
+    async def scenario() -> tuple[list[Completion | BaseException], BaseException | None]:
+        client = AsyncClient(socket_path)
+        streams = [client.stream(prompt, params) for prompt, params in zip(load.prompts, load.params)]
+        try:
+            running = await asyncio.wait_for(asyncio.gather(*(_running(stream) for stream in streams)), 30)
+            # Every stream has passed the tokenizer: the poisoned request alone crashes it, twice.
+            poisoned = await asyncio.wait_for(_finish(client.stream(f"{POISON_PROMPT} {PROMPT}", SHORT).__aiter__()),
+                                              60)
+            ended = await asyncio.wait_for(asyncio.gather(*(_finish(deltas) for deltas in running)), 60)
+        finally:
+            await client.close()
+        return [stream.completion if error is None else error for stream, (error, _) in zip(streams, ended)], \
+            poisoned[0]
+
+    results, poisoned = asyncio.run(scenario())
+    assert isinstance(poisoned, StageFailed), poisoned
+    assert "stage 'tokenizer0' exited with code 1" in poisoned.message and "RuntimeError: a poisoned prompt" in \
+        poisoned.message
+    assert "in flight during this crash and the one before it" in poisoned.message
+    _assert_as_offline(results, load, "tokenizer0 (poisoned)")
+    after = wait_for_health(socket_path, lambda h: h.status == "ok" and h.num_restarts == before.num_restarts + 2, 30)
+    with Client(socket_path) as client:
+        stats = client.stats()
+    assert stats.num_guard_failed_requests == 1 and after.instance != before.instance
+    assert wait_idle(socket_path, timeout_s=5.0).kv_blocks_used == 0
 
 
 @live
@@ -295,7 +282,7 @@ def test_a_killed_daemon_takes_its_stages_along_and_the_next_start_sweeps(slot: 
     with pytest.raises(DaemonNotRunning):
         _health(daemon.socket_path)
 
-    slot.daemon = start_daemon(slot.model, slot.directory, DAEMON_OPTIONS)
+    slot.daemon = start_daemon(slot.model, slot.directory, DAEMON_OPTIONS, BACKEND)
     assert slot.daemon.socket_path == daemon.socket_path
     assert leftover.lstrip("/") not in list_entries()
     assert int(pid_file_for(daemon.socket_path).read_text()) == slot.daemon.process.pid

@@ -128,3 +128,41 @@ def test_the_admission_time_rides_on_the_requests_next_event(bpe: Tokenizer) -> 
     first = step(outputs, {1: 9}).events[0]
     second = step(outputs, {1: 9}).events[0]
     assert (first.scheduled_ns, second.scheduled_ns) == (123, None)
+
+
+RESUME_CASES = {
+    "multi-byte": ("Mixed", "Un café naïve, 中文 and 😀 then more text", SamplingParams(max_tokens=64)),
+    "stop strings": ("Hello", " café 中文 😀 done. Stop here STOP and then", SamplingParams(max_tokens=64,
+                                                                                       stop=["STOP", "😀 x"])),
+    "min_tokens": ("Hello", "a.b.c.d.e", SamplingParams(max_tokens=64, stop=["."], min_tokens=4)),
+    "include stop": ("Hello", "one 中文 two", SamplingParams(max_tokens=64, stop=["中文"],
+                                                           include_stop_str_in_output=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESUME_CASES))
+def test_a_resumed_request_goes_on_with_exactly_the_text_of_an_uninterrupted_run(bpe: Tokenizer, case: str) -> None:
+    """Resumed after any number of delivered tokens, the request emits the rest of the text the
+    uninterrupted run emitted, no more and no less, held-back stop-string text and characters
+    split across tokens included."""
+    prompt, text, params = RESUME_CASES[case]
+    prompt_ids, output_ids = ids(bpe, prompt), ids(bpe, text)
+
+    def run(outputs: OutputProcessor, req_id: int, tokens: list[int]) -> list[tuple[str, str | None, object]]:
+        deltas = []
+        for index, token in enumerate(tokens):
+            finished = [(req_id, FinishReason.LENGTH)] if index == len(tokens) - 1 else []
+            for event in step(outputs, {req_id: token}, finished).events:
+                deltas.append((event.text, event.finish_reason, event.stop_reason))
+            if req_id not in outputs:
+                break
+        return deltas
+
+    uninterrupted = OutputProcessor(bpe)
+    uninterrupted.add(1, prompt_ids, params)
+    whole = run(uninterrupted, 1, output_ids)  # one event per token, up to the end or a stop string
+    assert whole[-1][1] == ("length" if case == "multi-byte" else "stop")
+    for delivered in range(len(whole)):
+        resumed = OutputProcessor(bpe)
+        resumed.add(2, prompt_ids, params, output_ids[:delivered])
+        assert run(resumed, 2, output_ids[delivered:]) == whole[delivered:], f"resumed after {delivered} tokens"

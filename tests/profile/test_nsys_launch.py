@@ -75,15 +75,20 @@ def test_start_nsys_relaunches_the_daemon_under_nsys_launch(tmp_path: Path) -> N
 
 def test_the_session_is_read_from_the_daemons_environment() -> None:
     env = dict(os.environ, **{SESSION_ENV: "pipeline-0123"})
-    with_session = subprocess.Popen(["sleep", "30"], env=env)
-    without = subprocess.Popen(["sleep", "30"], env={k: v for k, v in os.environ.items() if k != SESSION_ENV})
+    # Until a child has exec'd, /proc shows the environment it forked with: each says when it runs.
+    waiting = [sys.executable, "-c", "import time; print('running', flush=True); time.sleep(30)"]
+    with_session = subprocess.Popen(waiting, env=env, stdout=subprocess.PIPE, text=True)
+    without = subprocess.Popen(waiting, env={k: v for k, v in os.environ.items() if k != SESSION_ENV},
+                               stdout=subprocess.PIPE, text=True)
     try:
+        assert with_session.stdout.readline() == without.stdout.readline() == "running\n"
         assert daemon_session(with_session.pid) == "pipeline-0123"
         assert daemon_session(without.pid) is None
     finally:
         for process in (with_session, without):
             process.kill()
             process.wait()
+            process.stdout.close()
     assert daemon_session(with_session.pid) is None  # gone
 
 

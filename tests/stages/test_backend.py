@@ -110,6 +110,28 @@ def test_stop_strings_end_the_text_like_llm(shared_backend: StageBackend, stage_
 
 
 @pytest.mark.timeout(60)
+def test_a_request_resumed_with_its_delivered_outputs_goes_on_as_before(shared_backend: StageBackend) -> None:
+    """What the daemon sends after a stage restart: prompt ids and the outputs already delivered
+    pass the tokenizer untouched, and the rest comes exactly as the uninterrupted run's."""
+    probe = generate(shared_backend, 3500, ["a token mailbox"], [SamplingParams(max_tokens=30, temperature=0,
+                                                                                ignore_eos=True)])[0]
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.9, top_k=40, seed=8, frequency_penalty=0.7, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[probe.text[-10:][:3]])]
+    whole = generate(shared_backend, 3510, ["a token mailbox"] * 3, params)
+    delivered = 9
+    for offset, (request_params, result) in enumerate(zip(params, whole)):
+        shared_backend.submit(3520 + offset, result.prompt_token_ids, request_params, result.token_ids[:delivered])
+    resumed = collect(shared_backend, [3520, 3521, 3522])
+    for offset, result in enumerate(whole):
+        again = resumed[3520 + offset]
+        assert again.token_ids == result.token_ids[delivered:]
+        assert again.finish_reason == result.finish_reason and again.prompt_token_ids == result.prompt_token_ids
+        assert result.text.endswith(again.text) and len(again.text) < len(result.text)
+    assert whole[2].finish_reason == "stop" and len(whole[2].token_ids) < 30
+
+
+@pytest.mark.timeout(60)
 def test_abort_mid_generation_frees_the_request(shared_backend: StageBackend) -> None:
     long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     shared_backend.submit(4000, "a token mailbox", long)

@@ -85,10 +85,22 @@ def test_sampling_params_round_trip(params: SamplingParams) -> None:
 
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 2**62), st.text(max_size=40) | st.lists(st.integers(-(2**40), 2**40), max_size=20),
-       params_strategy)
-def test_generate_round_trips(req_id: int, prompt: str | list[int], params: SamplingParams) -> None:
+       params_strategy, st.lists(st.integers(0, 2**31 - 1), max_size=20))
+def test_generate_round_trips(req_id: int, prompt: str | list[int], params: SamplingParams, outputs: list[int]) -> None:
     decoded = msg.decode_generate(joined(msg.encode_generate(req_id, prompt, params)))
-    assert (decoded.req_id, decoded.prompt, decoded.params) == (req_id, prompt, params)
+    assert (decoded.req_id, decoded.prompt, decoded.params, decoded.output_token_ids) == (req_id, prompt, params, [])
+    resumed = msg.decode_generate(joined(msg.encode_generate(req_id, prompt, params, outputs)))
+    assert (resumed.prompt, resumed.output_token_ids) == (prompt, outputs)
+
+
+def test_new_request_round_trips_with_and_without_delivered_outputs() -> None:
+    prompt = np.array([5, 6, 7], np.int32)
+    new = msg.decode_new_request(joined(msg.encode_new_request(3, prompt, SamplingParams(seed=4))))
+    assert new.req_id == 3 and new.prompt_ids.tolist() == [5, 6, 7] and new.output_ids.tolist() == []
+    assert new.params == SamplingParams(seed=4)
+    resumed = msg.decode_new_request(joined(msg.encode_new_request(3, prompt, msg.encode_params(SamplingParams()),
+                                                                   np.array([9, 8], np.int32))))
+    assert resumed.prompt_ids.tolist() == [5, 6, 7] and resumed.output_ids.tolist() == [9, 8]
 
 
 def test_manifest_event_and_reject_round_trip() -> None:

@@ -39,3 +39,13 @@ def test_bench_e2e_quick_runs_the_model_in_process_and_reports_both_paths() -> N
     report = json.loads(run.stdout)
     assert report["daemon_tok_s"] > 0 and report["offline_tok_s"] > 0
     assert report["ratio"] == pytest.approx(report["daemon_tok_s"] / report["offline_tok_s"])
+
+
+@pytest.mark.timeout(180)
+def test_bench_recovery_quick_kills_every_stage_and_loses_no_request() -> None:
+    run = subprocess.run([sys.executable, str(TOOLS / "bench_recovery.py"), "--quick", "--json"], capture_output=True,
+                         text=True, timeout=170, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert [row["stage"] for row in report["stages"]] == ["runner", "scheduler", "detokenizer", "tokenizer0"]
+    assert all(row["lost"] == 0 and 0 < row["first_resumed_ms"] <= row["all_resumed_ms"] for row in report["stages"])

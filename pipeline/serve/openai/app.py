@@ -133,7 +133,8 @@ class OpenAIApi:
         self.server.metrics.set_stats(
             num_requests_running=stats.num_running_requests, num_requests_waiting=stats.num_waiting_requests,
             kv_cache_usage=stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0,
-            prefix_cache_hit_rate=stats.prefix_cache_hit_rate, num_stage_restarts=stats.num_restarts)
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate, num_stage_restarts=stats.num_restarts,
+            num_resumed_requests=stats.num_resumed_requests, num_guard_failed_requests=stats.num_guard_failed_requests)
         body, content_type = self.server.metrics.render()
         return Response(body, media_type=content_type)
 
