@@ -87,6 +87,15 @@ def test_stats_set_the_gauges_and_restarts_count_only_their_rise():
     assert value(metrics, "pipeline:stage_restarts_total") == 3
 
 
+def test_resumed_and_guard_failed_requests_count_their_rise():
+    metrics = Metrics("tiny")
+    for resumed, failed in ((4, 0), (4, 0), (9, 1)):
+        metrics.set_stats(num_requests_running=0, num_requests_waiting=0, kv_cache_usage=0.0, prefix_cache_hit_rate=0.0,
+                          num_stage_restarts=1, num_resumed_requests=resumed, num_guard_failed_requests=failed)
+    assert value(metrics, "pipeline:requests_resumed_total") == 9
+    assert value(metrics, "pipeline:requests_failed_by_guard_total") == 1
+
+
 def test_two_instances_share_nothing():
     first, second = Metrics("tiny"), Metrics("tiny")
     first.tokens_generated(first.request_arrived(now=0.0), 5, now=1.0)
