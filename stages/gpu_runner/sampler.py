@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from stages.contracts.params import SamplingParams
+from stages.gpu_runner.input_batch import InputBatch
 from stages.gpu_runner.step_inputs import to_device
 
 # splitmix64 constants as two's-complement int64, since torch has no uint64 arithmetic.
@@ -154,6 +155,20 @@ class SamplingMetadata:
             blocked_token_ids=None if blocked is None else to_device(blocked, device),
             token_table=token_table,
         )
+
+
+    @classmethod
+    def for_rows(cls, batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray,
+                 eos_token_ids: list[int]) -> SamplingMetadata:
+        """The metadata of sampling the persistent batch's `rows` (int32 [m]), row i having
+        num_tokens[i] known tokens; its params are those the rows' requests were admitted with."""
+        params = [batch.params[row] for row in rows.tolist()]
+        if any(p is None for p in params):
+            raise ValueError(f"plan samples rows {rows[[p is None for p in params]].tolist()} that hold no request")
+        num_prompt_tokens = batch.num_prompt_tokens[rows]
+        return cls.build(params, output_pos=num_tokens - num_prompt_tokens, rows=rows, num_tokens=num_tokens,
+                         num_prompt_tokens=num_prompt_tokens, token_table=batch.token_table,
+                         eos_token_ids=eos_token_ids, device=batch.device)
 
 
 def _min_tokens_blocked_ids(params: list[SamplingParams], output_pos: np.ndarray,
