@@ -1,0 +1,138 @@
+"""A simulated device for benchmarks: the runner's host work, with the model replaced by a timeline.
+
+Not a device to serve with: it exists to measure whether host work ever makes the device wait
+(tools/bench_overhead.py), on machines where a real model would eat the CPU it is measured on.
+`EngineConfig.simulated_device_ms = T` selects it. Everything a real runner does on the host
+stays: applying the plan to the persistent batch, building the step's inputs and its sampling
+metadata, writing the sampled tokens into the token table. The forward and the sampler become
+one stream of T ms steps that use no CPU: step N starts at max(its launch, step N-1's end) and
+its tokens are ready T ms later. `execute` returns at once, as a launch does; the step's
+`ready_at_ns` goes with its tokens into the mailbox, whose readers sleep until then.
+
+Tokens are the same for every row of a step and encode the step (`SimulatedTokens`), never an
+EOS id, so a client can tell which step a streamed token came from. No logprobs are produced.
+With `simulated_device_trace` set, each step's times are recorded in that file (`StepTimeline`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shm.clock import now_ns
+from stages.contracts.config import EngineConfig
+from stages.contracts.plan import StepPlan
+from stages.gpu_runner.input_batch import InputBatch
+from stages.gpu_runner.kv_cache import num_blocks_for_budget
+from stages.gpu_runner.loader import tokenizer_path
+from stages.gpu_runner.model_config import load_model_config, resolve_device, resolve_dtype, served_max_model_len
+from stages.gpu_runner.output import StepOutput
+from stages.gpu_runner.sampler import SamplingMetadata
+from stages.gpu_runner.step_inputs import prepare_step, to_device
+
+FIRST_TOKEN_ID = 2  # below it: BOS and EOS in the checkpoints this project makes
+TIMELINE_FIELDS = ("step", "plan_ns", "launch_ns", "start_ns", "ready_ns", "num_sampled")
+TIMELINE_CAPACITY = 1 << 16  # steps a timeline file holds; step s is at s % capacity
+
+
+class SimulatedTokens:
+    """Step s's token: the (s mod period)-th id of the vocabulary from FIRST_TOKEN_ID on, EOS ids skipped."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: list[int]) -> None:
+        ids = np.arange(FIRST_TOKEN_ID, vocab_size, dtype=np.int32)
+        self.ids = ids[~np.isin(ids, eos_token_ids)]
+        if not len(self.ids):
+            raise ValueError(f"a vocabulary of {vocab_size} ids with EOS {eos_token_ids} leaves no token to emit")
+        self._index_of = {int(token_id): index for index, token_id in enumerate(self.ids.tolist())}
+
+    @property
+    def period(self) -> int:
+        """Steps s and s + period emit the same token."""
+        return len(self.ids)
+
+    def for_step(self, step: int) -> int:
+        return int(self.ids[step % self.period])
+
+    def step_residue(self, token_id: int) -> int:
+        """s mod period for the steps s that emit `token_id`; KeyError for an id no step emits."""
+        return self._index_of[token_id]
+
+
+class StepTimeline:
+    """Per step, CLOCK_MONOTONIC ns of: the plan reaching the runner, the launch (host work done),
+    the start on the device and the tokens being ready; and how many rows it sampled. A file that
+    another process may read while this one writes (`read_timeline`)."""
+
+    def __init__(self, path: str | Path, capacity: int = TIMELINE_CAPACITY) -> None:
+        self._records = np.lib.format.open_memmap(path, mode="w+", dtype=np.int64,
+                                                  shape=(capacity, len(TIMELINE_FIELDS)))
+        self._records[:, 0] = -1  # no step recorded yet
+
+    def record(self, step: int, plan_ns: int, launch_ns: int, start_ns: int, ready_ns: int, num_sampled: int) -> None:
+        # The step column last: a reader skips a row whose step is not the one it wants.
+        row = self._records[step % len(self._records)]
+        row[1:] = (plan_ns, launch_ns, start_ns, ready_ns, num_sampled)
+        row[0] = step
+
+
+def read_timeline(path: str | Path) -> dict[str, np.ndarray]:
+    """The steps recorded so far, in step order: one int64 array per TIMELINE_FIELDS name."""
+    records = np.load(path, mmap_mode="r")
+    records = np.array(records[records[:, 0] >= 0])
+    records = records[np.argsort(records[:, 0], kind="stable")]
+    return {name: records[:, index] for index, name in enumerate(TIMELINE_FIELDS)}
+
+
+class SimulatedDeviceRunner:
+    """Runner-like (see ModelRunner): `execute(plan)` does the host work and returns the step's
+    tokens with the time they will be ready on the simulated stream."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.simulated_device_ms is None:
+            raise ValueError("the simulated device needs EngineConfig.simulated_device_ms")
+        if config.kv_connector is not None:
+            raise ValueError(f"the simulated device has no KV cache to connect; got kv_connector {config.kv_connector!r}")
+        self.step_ns = round(config.simulated_device_ms * 1e6)
+        self.device = torch.device(resolve_device(config.device))
+        model = load_model_config(config.model)
+        self.tokenizer_path: Path = tokenizer_path(config.model)
+        self.vocab_size = model.vocab_size
+        self.eos_token_ids = list(model.eos_token_ids)
+        self.max_model_len = served_max_model_len(model, config.max_model_len)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
+            model, config.block_size, resolve_dtype(config.dtype, model, self.device), self.device,
+            config.kv_cache_memory_bytes)
+        self.kv_connector = None
+        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size, self.device)
+        self.tokens = SimulatedTokens(self.vocab_size, self.eos_token_ids)
+        self.timeline = None if config.simulated_device_trace is None else StepTimeline(config.simulated_device_trace)
+        self._device_free_ns = 0  # when the last launched step ends
+        self.phase: Callable[[str], AbstractContextManager] = nullcontext
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        plan_ns = now_ns()
+        with self.phase("prepare_inputs"):
+            inputs = prepare_step(plan, self.batch, self.max_num_batched_tokens)
+        rows = inputs.sampled_rows
+        host_tokens = torch.full((len(rows),), self.tokens.for_step(plan.step), dtype=torch.int32)
+        token_ids = to_device(host_tokens.numpy(), self.device)
+        if len(rows):
+            with self.phase("sample"):
+                # The sampler's host work; the sampling itself is the simulated device's.
+                SamplingMetadata.for_rows(self.batch, rows, inputs.sampled_num_tokens, self.eos_token_ids)
+                self.batch.token_table.view(-1).index_copy_(0, inputs.sampled_token_index, token_ids)
+        launch_ns = now_ns()
+        start_ns = max(launch_ns, self._device_free_ns)
+        ready_ns = start_ns + (self.step_ns if plan.num_rows else 0)
+        self._device_free_ns = ready_ns
+        if self.timeline is not None:
+            self.timeline.record(plan.step, plan_ns, launch_ns, start_ns, ready_ns, len(rows))
+        return StepOutput(step=plan.step, rows=rows, token_ids=token_ids, logprobs=None, logprob_token_ids=None,
+                          host_token_ids=host_tokens, host_logprobs=None, host_logprob_token_ids=None, ready=None,
+                          ready_at_ns=ready_ns)
