@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from pipeline.client import AsyncClient, Client  # noqa: E402
 from pipeline.errors import DaemonNotRunning, PipelineError  # noqa: E402
 from stages.contracts.config import EngineConfig  # noqa: E402
 from stages.contracts.params import SamplingParams  # noqa: E402
-from stages.gpu_runner.simulated import SimulatedTokens, read_timeline  # noqa: E402
+from stages.gpu_runner.simulated_steps import SimulatedTokens, read_timeline  # noqa: E402
 
 BATCHES = (1, 64, 256)
 PROMPT_TOKENS = 32
@@ -80,6 +81,15 @@ def engine_config(model: str, device_ms: float, max_model_len: int, async_schedu
                         num_kv_blocks=max(BATCHES) * -(-max_model_len // BLOCK_SIZE), block_size=BLOCK_SIZE,
                         async_scheduling=async_scheduling, simulated_device_ms=device_ms,
                         simulated_device_trace=trace_path)
+
+
+def make_model(directory: Path) -> Path:
+    """The tiny llama checkpoint, made by another process: torch never enters this one, whose
+    clients are measured (torch's objects would make each full garbage collection here a
+    100 ms pause in the middle of a stream)."""
+    run = subprocess.run([sys.executable, str(checkout_path.TOOLS / "make_tiny_model.py"), str(directory), "--arch",
+                          "llama", "--seed", str(SEED)], capture_output=True, text=True, check=True)
+    return Path(run.stdout.strip())
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -139,14 +149,16 @@ async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int)
     """Streams one request per prompt at once; returns every token's receive time and id, and the
     CPU samples taken meanwhile."""
     pids = dict(daemon.pids, client=os.getpid())
-    received: list[tuple[int, list[int]]] = []
+    # Flat arrays, not a list of tuples: objects the collector must walk make its pauses grow.
+    received_ns, received_ids = array("q"), array("q")
     samples: list[CpuSample] = []
     params = SamplingParams(max_tokens=num_steps, temperature=0.0, ignore_eos=True)
     client = AsyncClient(daemon.socket_path)
 
     async def one(prompt: list[int]) -> None:
         async for delta in client.stream(prompt, params):
-            received.append((time.monotonic_ns(), delta.token_ids))
+            received_ns.extend([time.monotonic_ns()] * len(delta.token_ids))
+            received_ids.extend(delta.token_ids)
 
     async def sample_cpu() -> None:
         while True:
@@ -158,9 +170,7 @@ async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int)
         await asyncio.gather(*(one(prompt) for prompt in prompts))
     finally:
         sampler.cancel()
-    times = np.array([t for t, ids in received for _ in ids], np.int64)
-    tokens = np.array([token for _, ids in received for token in ids], np.int64)
-    return times, tokens, samples
+    return np.frombuffer(received_ns, np.int64), np.frombuffer(received_ids, np.int64), samples
 
 
 def measure(daemon: Daemon, batch: int, num_steps: int, device_ms: float, rng: np.random.Generator) -> dict:
@@ -182,14 +192,12 @@ def measure(daemon: Daemon, batch: int, num_steps: int, device_ms: float, rng: n
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pipeline.models.tiny_model import make_tiny_model
-
     num_steps = 240 if args.quick else 600
     max_model_len = PROMPT_TOKENS + num_steps + BLOCK_SIZE
     checkouts = [("", checkout_path.ROOT)] + ([("baseline ", Path(args.baseline).resolve())] if args.baseline else [])
     rng = np.random.default_rng(SEED)
     with tempfile.TemporaryDirectory(prefix="pl-overhead-") as directory:
-        model = make_tiny_model(Path(directory) / "model", "llama", seed=SEED)
+        model = make_model(Path(directory) / "model")
         daemons = []
         try:
             for index, (prefix, checkout) in enumerate(checkouts):

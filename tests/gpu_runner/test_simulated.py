@@ -11,7 +11,8 @@ import pytest
 from runner_plans import PlannedRequest, PlanMaker, run_requests
 from stages.contracts.config import EngineConfig
 from stages.gpu_runner.build import build_runner
-from stages.gpu_runner.simulated import SimulatedDeviceRunner, SimulatedTokens, read_timeline
+from stages.gpu_runner.simulated import SimulatedDeviceRunner
+from stages.gpu_runner.simulated_steps import SimulatedTokens, read_timeline
 
 pytestmark = pytest.mark.timeout(60)
 

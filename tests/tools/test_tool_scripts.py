@@ -56,3 +56,11 @@ def test_bench_overhead_quick_reports_every_batch_of_both_daemons_as_one_json_ob
             assert {"step_ms", "exposed_pct", "deliver_p50_ms", "deliver_p99_ms", "cpu_ms_per_step"} <= set(batch)
             assert set(batch["cpu_ms_per_step"]) == {"daemon", "tokenizer0", "scheduler", "runner", "detokenizer",
                                                      "client"}
+
+
+def test_bench_overhead_clients_run_in_a_process_without_torch() -> None:
+    """Its clients are measured: torch's objects would make every full garbage collection there a long pause."""
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import bench_overhead; print('torch' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code, str(TOOLS)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
