@@ -14,7 +14,7 @@ from shm.ring import Record, RingReader, RingWriter
 from stages import messages as msg
 from stages.contracts.outputs import OutputEvent
 from stages.detokenizer.output_processor import OutputProcessor
-from stages.events import encode_events, event_batches
+from stages.events import coalesce, encode_events, event_batches
 from stages.process import StageContext, run_stage
 
 MAX_EVENTS_PER_SEND = 1024  # bounds one batch: well under the events ring's capacity
@@ -91,6 +91,7 @@ class DetokenizerLoop:
             self.ctx.write(self.stop_strings, msg.Kind.STOP_STRING, msg.encode_req_id(req_id))
 
     def send(self, out: list[OutputEvent]) -> None:
-        """Write `out` as few EVENTS records as fit the ring (a first event carries its prompt)."""
-        for batch in event_batches(out, self.events.max_payload_bytes // 2):
+        """Write `out`, one event per request (several steps' when this stage fell behind), as few
+        EVENTS records as fit the ring (a first event carries its prompt)."""
+        for batch in event_batches(coalesce(out), self.events.max_payload_bytes // 2):
             self.ctx.write(self.events, msg.Kind.EVENTS, encode_events(batch))
