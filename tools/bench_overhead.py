@@ -245,6 +245,19 @@ def print_report(results: dict) -> None:
                       + " ".join(f"{cpu[n]:>9.3f}" for n in names))
 
 
+def print_budget(results: dict) -> None:
+    """Per step at the largest batch, async: the host's critical path against T, and each
+    process's CPU time against what the machine's CPUs offer in T."""
+    device_ms, cpus = results["device_ms"], results["conditions"]["cpu_count"]
+    batch, r = max(results["async"].items(), key=lambda item: int(item[0]))
+    cpu = r["cpu_ms_per_step"]
+    print(f"\nhost budget per step at batch {batch}, async, T = {device_ms} ms:")
+    print(f"  critical path (tokens ready -> launch of the step planned from them): p50 {r['loop_p50_ms']:.2f} ms, "
+          f"p99 {r['loop_p99_ms']:.2f} ms; headroom under T at p50 {device_ms - r['loop_p50_ms']:.2f} ms")
+    print(f"  CPU ms per step: " + ", ".join(f"{name} {value:.2f}" for name, value in cpu.items())
+          + f"; all {sum(cpu.values()):.2f} of the {cpus * device_ms:.1f} that {cpus} CPUs offer per step")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -272,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results))
     else:
         print_report(results)
+        print_budget(results)
     return 0
 
 
