@@ -33,6 +33,7 @@ from stages.gpu_runner.sampler import SamplingMetadata
 from stages.gpu_runner.simulated_steps import SimulatedTokens, StepTimeline
 from stages.gpu_runner.step_inputs import prepare_step, to_device
 
+
 class SimulatedDeviceRunner:
     """Runner-like (see ModelRunner): `execute(plan)` does the host work and returns the step's
     tokens with the time they will be ready on the simulated stream."""
@@ -67,6 +68,7 @@ class SimulatedDeviceRunner:
         self._device_free_ns = 0  # when the last launched step ends
         self.phase: Callable[[str], AbstractContextManager] = nullcontext
 
+    @torch.inference_mode()  # as the model runner's: its ops then skip autograd's bookkeeping
     def execute(self, plan: StepPlan) -> StepOutput:
         plan_ns = now_ns()
         with self.phase("prepare_inputs"):
