@@ -261,16 +261,21 @@ class FrameDecoder(Generic[M]):
 
     def next_message(self) -> M | None:
         """The next complete message, or None until more bytes arrive."""
-        self._check_not_failed()
-        length = self._frame_length()
-        if length is None:
+        # Called once per message and once more per feed, on every streamed delta: the common
+        # cases (nothing left, a whole frame) take as few calls as they can.
+        if self._failure is not None:
+            self._check_not_failed()
+        buffer = self._buffer
+        if len(buffer) - self._start < FRAME_HEADER.size:
             return None
+        length = self._frame_length()
         body_start = self._start + FRAME_HEADER.size
         body_end = body_start + length
-        if len(self._buffer) < body_end:
+        if len(buffer) < body_end:
             return None
         try:
-            with memoryview(self._buffer) as view, view[body_start:body_end] as body:
+            # The slice's view of the buffer is released on leaving, so `feed` may resize it.
+            with memoryview(buffer)[body_start:body_end] as body:
                 message = self._decoder.decode(body)
         # msgspec reports bad input as DecodeError/ValidationError, but malformed bytes must
         # never escape as another exception type, whatever the decoder raises.

@@ -6,11 +6,15 @@ the copy kernel), then announces the step. Each consumer (scheduler, detokenizer
 slot and then releases it by storing "released up to step N" in its own counter; the runner
 reuses a slot only once every consumer has released the step before.
 
+A slot may also carry a "ready at" time (CLOCK_MONOTONIC ns, shm/clock.py): its tokens exist
+only from then on, and a reader sleeps until it, as it would wait on a device event. Only the
+simulated device of the benchmarks sets it (stages/gpu_runner/simulated.py); 0 means ready now.
+
 The segment holds, as int64 slots:
 
     line 0          magic, num_slots, max_rows, logprob_width, num_consumers, device (0 cpu, 1 cuda),
                     handles ready
-    line 1 + s      slot s: sequence (step + 1), num_rows, logprob width used
+    line 1 + s      slot s: sequence (step + 1), num_rows, logprob width used, ready at (ns, 0: now)
     line 1 + K + c  consumer c: released count (steps released), pid
     handles         CUDA only: the device table's and the K events' IPC handles (shm/cuda_ipc.py)
     data            CPU only: per slot token ids int32[R], logprob ids int32[R*W], logprobs float32[R*W]
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from shm.clock import sleep_until_ns
 from shm.naming import pid_alive, ring_name
 from shm.segment import LINE_SLOTS, PeerDied, SharedSegment, unlink_segment
 
@@ -38,7 +43,7 @@ if TYPE_CHECKING:
 MAGIC = 0x31584F424C49414D  # b"MAILBOX1"
 DEFAULT_NUM_SLOTS = 8
 _NUM_SLOTS, _MAX_ROWS, _WIDTH, _NUM_CONSUMERS, _DEVICE, _HANDLES_READY = range(1, 7)
-_SEQ, _ROWS, _USED_WIDTH = range(3)
+_SEQ, _ROWS, _USED_WIDTH, _READY_AT_NS = range(4)
 _RELEASED, _PID = range(2)
 CHECK_EVERY_S = 0.05  # how often a waiting runner looks at its peers
 SPIN_S = 50e-6
@@ -208,9 +213,10 @@ class MailboxWriter:
 
     def write(self, step: int, token_ids: torch.Tensor | np.ndarray, logprobs: torch.Tensor | None = None,
               logprob_token_ids: torch.Tensor | None = None, *, timeout_s: float = 30.0,
-              check: Callable[[], None] = lambda: None) -> int:
+              check: Callable[[], None] = lambda: None, ready_at_ns: int = 0) -> int:
         """Put step `step`'s outputs into its slot (waiting for the slot to be free) and order
-        the write; returns the slot. Announce (step, slot, rows) only after this returns."""
+        the write; returns the slot. Announce (step, slot, rows) only after this returns. Readers
+        of the slot wait until CLOCK_MONOTONIC `ready_at_ns` (0: no wait)."""
         num_rows = int(token_ids.shape[0])
         if num_rows > self.max_rows:
             raise ValueError(f"step {step} has {num_rows} sampled rows; the mailbox holds {self.max_rows}")
@@ -232,6 +238,7 @@ class MailboxWriter:
         slots = box.slots
         slots[box.slot_field(slot, _ROWS)] = num_rows
         slots[box.slot_field(slot, _USED_WIDTH)] = width
+        slots[box.slot_field(slot, _READY_AT_NS)] = ready_at_ns
         slots[box.slot_field(slot, _SEQ)] = step + 1  # last: data (or the event record) is ordered before it
         return slot
 
@@ -267,7 +274,8 @@ class MailboxReader:
         return self._box.geometry.num_slots
 
     def read(self, step: int, slot: int | None = None) -> SlotData:
-        """Step `step`'s outputs (its slot is `step % num_slots` unless given)."""
+        """Step `step`'s outputs (its slot is `step % num_slots` unless given), once they are
+        ready: this sleeps until the slot's ready time, if the runner gave one."""
         box = self._box
         if slot is None:
             slot = step % box.geometry.num_slots
@@ -277,6 +285,9 @@ class MailboxReader:
             raise RuntimeError(f"mailbox slot {slot} holds step {seq - 1}, expected step {step}")
         num_rows = slots[box.slot_field(slot, _ROWS)]
         width = slots[box.slot_field(slot, _USED_WIDTH)]
+        ready_at_ns = slots[box.slot_field(slot, _READY_AT_NS)]
+        if ready_at_ns:
+            sleep_until_ns(ready_at_ns)
         if box.geometry.cuda:
             if self._device_slots is None:
                 from shm import cuda_ipc

@@ -1,5 +1,5 @@
-"""Output events on the events ring: one columnar batch per record, and cutting a list of events
-into batches that each fit a record."""
+"""Output events on the events ring: one columnar batch per record, cutting a list of events into
+batches that each fit a record, and merging a request's events that go out together."""
 from __future__ import annotations
 
 import numpy as np
@@ -109,6 +109,37 @@ def decode_events(payload: memoryview | bytes) -> list[OutputEvent]:
         text_start, token_start, prompt_start, error_start = text_end, token_end, prompt_end, error_end
         stop_start = stop_end
     return events
+
+
+def coalesce(events: list[OutputEvent]) -> list[OutputEvent]:
+    """`events` with each request's later events merged into its first (text and tokens appended,
+    the last one's finish kept), in order. A reader that fell behind takes several steps at once;
+    merged, they cost every later hop one event, one delta and one socket write per request
+    instead of one per step, so the stream catches up instead of falling further behind."""
+    first_of: dict[int, OutputEvent] = {}
+    merged: list[OutputEvent] = []
+    for event in events:
+        first = first_of.get(event.req_id)
+        if first is None:
+            first_of[event.req_id] = event
+            merged.append(event)
+        else:
+            _append(first, event)
+    return merged
+
+
+def _append(first: OutputEvent, later: OutputEvent) -> None:
+    first.text += later.text
+    if len(later.token_ids):
+        first.token_ids = np.concatenate((first.token_ids, later.token_ids))
+    if later.logprobs is not None:
+        first.logprobs = later.logprobs if first.logprobs is None else np.concatenate((first.logprobs, later.logprobs))
+        first.logprob_token_ids = later.logprob_token_ids if first.logprob_token_ids is None else np.concatenate(
+            (first.logprob_token_ids, later.logprob_token_ids))
+    if later.is_last:
+        first.finish_reason, first.stop_reason = later.finish_reason, later.stop_reason
+        first.error_code, first.error_message, first.error_field = (later.error_code, later.error_message,
+                                                                    later.error_field)
 
 
 def event_batches(events: list[OutputEvent], max_bytes: int) -> list[list[OutputEvent]]:

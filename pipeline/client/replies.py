@@ -103,18 +103,18 @@ class RequestReplies:
 
     def on_message(self, message: ServerMessage) -> StreamDelta | None:
         """A delta to yield, or None; raises the request's error when the daemon reports one."""
+        if type(message) is Delta and message.request_id == self.request_id:  # nearly every message
+            self._texts.append(message.text)
+            self._token_ids.extend(message.token_ids)
+            if message.logprobs:
+                self._logprobs.extend(message.logprobs)
+            return StreamDelta(message.text, message.token_ids, message.logprobs)
         if isinstance(message, Error):
             self.done = True
             raise error_from_wire(message.code, message.message, message.field, message.request_id or self.request_id)
         if isinstance(message, Accepted) and self.request_id is None:
             self.request_id = message.request_id
             return None
-        if isinstance(message, Delta) and message.request_id == self.request_id:
-            self._texts.append(message.text)
-            self._token_ids.extend(message.token_ids)
-            if message.logprobs:
-                self._logprobs.extend(message.logprobs)
-            return StreamDelta(message.text, message.token_ids, message.logprobs)
         if isinstance(message, Done) and message.request_id == self.request_id:
             self.done = True
             streamed = message.text is None

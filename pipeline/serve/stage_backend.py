@@ -39,7 +39,7 @@ from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
 from stages.contracts.topology import DAEMON, STAGES, Stage, links, stages
-from stages.events import decode_events
+from stages.events import coalesce, decode_events
 from stages.messages import Kind, encode_generate, encode_req_id
 from stages.process import EXIT_PEER_DIED, launch
 from stages.status import StatusBoard
@@ -248,6 +248,7 @@ class StageBackend:
             if record is None:
                 break
         self._events.release()
+        events = coalesce(events)  # several records: this thread fell behind, so one delta per request
         finished = [e.req_id for e in events if e.is_last]
         if finished:
             with self._lock:

@@ -15,6 +15,7 @@ KV_CONNECTORS = ("offload",)
 TOKENIZER_FILE = "tokenizer.json"
 MIN_MAILBOX_SLOTS = 3  # two steps in flight (async) plus the one being written
 MAX_TOKENIZERS = 32
+MAX_SIMULATED_MS = 60_000.0
 
 
 def check_positive(name: str, value: object) -> int:
@@ -50,6 +51,10 @@ class EngineConfig:
     seed: int | None = None  # the runner's generator, for unseeded sampling
     mailbox_slots: int = 8  # token mailbox slots: more than the steps that can be in flight
     start_timeout_s: float = 300.0  # how long the stages may take to load the model and get ready
+    # Benchmarks only (tools/bench_overhead.py), not a device: no model runs; each step takes this
+    # many ms of wall time on a simulated device (stages/gpu_runner/simulated.py). None: the model.
+    simulated_device_ms: float | None = None
+    simulated_device_trace: str | None = None  # where the simulated device records each step's times
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
@@ -78,6 +83,16 @@ class EngineConfig:
         if isinstance(self.start_timeout_s, bool) or not isinstance(self.start_timeout_s, (int, float)) \
                 or not self.start_timeout_s > 0:
             raise ValueError(f"start_timeout_s must be positive, got {self.start_timeout_s!r}")
+        self._check_simulated_device()
+
+    def _check_simulated_device(self) -> None:
+        ms = self.simulated_device_ms
+        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms < MAX_SIMULATED_MS):
+            raise ValueError(f"simulated_device_ms must be a number of ms in (0, {MAX_SIMULATED_MS}), got {ms!r}")
+        trace = self.simulated_device_trace
+        if trace is not None and (not isinstance(trace, str) or not trace or ms is None):
+            raise ValueError(f"simulated_device_trace must be a file path, given with simulated_device_ms; got "
+                             f"{trace!r} with simulated_device_ms {ms!r}")
 
     @property
     def tokenizer_path(self) -> Path:

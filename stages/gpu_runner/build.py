@@ -4,10 +4,14 @@ from __future__ import annotations
 from stages.contracts.config import EngineConfig, ModelLimits
 from stages.gpu_runner.offload import OffloadConnectorWorker
 from stages.gpu_runner.runner import ModelRunner
+from stages.gpu_runner.simulated import SimulatedDeviceRunner
 
 
-def build_runner(config: EngineConfig) -> ModelRunner:
-    """The model runner as `LLM`, the in-process backend and the runner stage build it."""
+def build_runner(config: EngineConfig) -> ModelRunner | SimulatedDeviceRunner:
+    """The model runner as `LLM`, the in-process backend and the runner stage build it (the
+    simulated device instead when a benchmark asks for one: `config.simulated_device_ms`)."""
+    if config.simulated_device_ms is not None:
+        return SimulatedDeviceRunner(config)
     worker = OffloadConnectorWorker(config.kv_offload_num_blocks) if config.kv_connector == "offload" else None
     return ModelRunner(config, kv_connector=worker)
 
@@ -20,7 +24,7 @@ def serving_max_model_len(runner_max_model_len: int, num_kv_blocks: int, block_s
     return min(runner_max_model_len, num_kv_blocks * block_size)
 
 
-def model_limits(runner: ModelRunner, config: EngineConfig) -> ModelLimits:
+def model_limits(runner: ModelRunner | SimulatedDeviceRunner, config: EngineConfig) -> ModelLimits:
     """What the scheduler and tokenizers need of the loaded model."""
     worker = runner.kv_connector
     return ModelLimits(

@@ -20,6 +20,47 @@ from stages.contracts.params import SamplingParams
 from stages.contracts.plan import StepPlan
 
 
+class SamplingColumns:
+    """Each row's sampling params as numpy columns, set when a request takes its row, so a step's
+    sampling metadata is one gather by row instead of a Python loop over the step's rows.
+
+    Numbers are kept as given (float64 holds a Python float exactly), so every test the sampler
+    makes on them (greedy, top_p < 1, a penalty set) has the same outcome as on the params."""
+
+    FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+    def __init__(self, num_rows: int) -> None:
+        self.floats = np.zeros((len(self.FLOATS), num_rows))  # one row per name in FLOATS
+        self.top_k = np.zeros(num_rows, np.int64)  # 0 = off (-1 is stored as 0)
+        self.seed = np.zeros(num_rows, np.int64)
+        self.seeded = np.zeros(num_rows, bool)
+        self.min_tokens = np.zeros(num_rows, np.int64)
+        self.logprobs = np.full(num_rows, -1, np.int64)  # -1: none asked
+
+    @classmethod
+    def of(cls, params: list[SamplingParams]) -> SamplingColumns:
+        columns = cls(len(params))
+        for row, row_params in enumerate(params):
+            columns.set(row, row_params)
+        return columns
+
+    def set(self, row: int, params: SamplingParams) -> None:
+        self.floats[:, row] = [getattr(params, name) for name in self.FLOATS]
+        self.top_k[row] = max(params.top_k, 0)
+        self.seeded[row] = params.seed is not None
+        self.seed[row] = params.seed or 0
+        self.min_tokens[row] = params.min_tokens
+        self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
+
+    def take(self, rows: np.ndarray) -> SamplingColumns:
+        """The columns of `rows`, in that order."""
+        taken = SamplingColumns(0)
+        taken.floats = self.floats[:, rows]
+        for name in ("top_k", "seed", "seeded", "min_tokens", "logprobs"):
+            setattr(taken, name, getattr(self, name)[rows])
+        return taken
+
+
 @dataclass(slots=True)
 class TableWrites:
     """Flat (index, value) writes a plan makes to the device tables, applied in one copy each."""
@@ -45,6 +86,7 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.req_ids = np.full(max_num_seqs, -1, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_seqs
+        self.sampling = SamplingColumns(max_num_seqs)  # the params of each held row, as columns
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.max_num_seqs:
@@ -70,6 +112,7 @@ class InputBatch:
                 raise ValueError(f"request {req.req_id} has {num_tokens} tokens, more than max_model_len {self.max_model_len}")
             self.req_ids[req.row] = req.req_id
             self.params[req.row] = req.params
+            self.sampling.set(req.row, req.params)
             self.num_prompt_tokens[req.row] = req.num_prompt_tokens
             self.num_blocks[req.row] = 0
             token_index.append(req.row * self.max_model_len + np.arange(num_tokens, dtype=np.int64))

@@ -190,6 +190,19 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.d
     return _DTYPES[dtype]
 
 
+def served_max_model_len(config: ModelConfig, max_model_len: int | None) -> int:
+    """The longest sequence a runner of this model serves: `max_model_len` (None: as long as the
+    model allows). Beyond a sliding window the model attends differently; the runner keeps full
+    attention, so it stays exact by never running past the window. ValueError if it would."""
+    limit = config.max_position_embeddings
+    if config.sliding_window is not None:
+        limit = min(limit, config.sliding_window)
+    if max_model_len is None:
+        return limit
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of {limit} tokens")
+    return max_model_len
+
 
 def resolve_device(device: str) -> str:
     """"auto" means CUDA where torch sees a device, else the CPU."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shm.clock import sleep_until_ns
 from stages.contracts.outputs import HostStepOutput
 
 
@@ -15,7 +16,8 @@ class StepOutput:
 
     `token_ids` etc. live on the device. `host_*` are pinned host buffers that an async
     copy fills; `ready` is recorded after that copy (None on CPU, where the step is done
-    when execute returns). `to_host()` is the only call that waits.
+    when execute returns). On the simulated device (simulated.py) the tokens exist only from
+    CLOCK_MONOTONIC `ready_at_ns` on (0 elsewhere). `to_host()` is the only call that waits.
     """
 
     step: int
@@ -27,10 +29,13 @@ class StepOutput:
     host_logprobs: torch.Tensor | None
     host_logprob_token_ids: torch.Tensor | None
     ready: torch.cuda.Event | None
+    ready_at_ns: int = 0
 
     def to_host(self) -> HostStepOutput:
         if self.ready is not None:
             self.ready.synchronize()
+        if self.ready_at_ns:
+            sleep_until_ns(self.ready_at_ns)
         return HostStepOutput(
             step=self.step,
             rows=self.rows,

@@ -21,10 +21,12 @@ from stages.contracts.plan import StepPlan
 from stages.gpu_runner.input_batch import InputBatch
 from stages.gpu_runner.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from stages.gpu_runner.loader import load_model, tokenizer_path
-from stages.gpu_runner.model_config import ModelConfig, load_model_config, resolve_device, resolve_dtype
+from stages.gpu_runner.model_config import (
+    ModelConfig, load_model_config, resolve_device, resolve_dtype, served_max_model_len,
+)
 from stages.gpu_runner.output import StepOutput
 from stages.gpu_runner.sampler import Sampler, SamplerOutput, SamplingMetadata
-from stages.gpu_runner.step_inputs import build_step_inputs
+from stages.gpu_runner.step_inputs import prepare_step
 
 
 class ModelRunner:
@@ -43,15 +45,7 @@ class ModelRunner:
         self.tokenizer_path: Path = tokenizer_path(config.model)
         self.dtype = resolve_dtype(config.dtype, self.config, self.device)
 
-        # Beyond a sliding window the model attends differently; this runner keeps full
-        # attention, so it stays exact by never running past the window.
-        limit = self.config.max_position_embeddings
-        if self.config.sliding_window is not None:
-            limit = min(limit, self.config.sliding_window)
-        max_model_len = config.max_model_len if config.max_model_len is not None else limit
-        if max_model_len > limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of {limit} tokens")
-        self.max_model_len = max_model_len
+        self.max_model_len = served_max_model_len(self.config, config.max_model_len)
         self.max_num_batched_tokens = config.max_num_batched_tokens
 
         self.model = load_model(config.model, device=self.device, dtype=self.dtype,
@@ -88,12 +82,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
-        if plan.num_tokens > self.max_num_batched_tokens:
-            raise ValueError(f"step {plan.step} schedules {plan.num_tokens} tokens, "
-                             f"more than max_num_batched_tokens {self.max_num_batched_tokens}")
         with self.phase("prepare_inputs"):
-            writes = self.batch.apply(plan)
-            inputs = build_step_inputs(plan, self.batch, writes, self.device)
+            inputs = prepare_step(plan, self.batch, self.max_num_batched_tokens)
         connector_meta = plan.connector_meta if self.kv_connector is not None else None
         if connector_meta is not None:
             self.kv_connector.load(connector_meta)
@@ -113,14 +103,7 @@ class ModelRunner:
         return self._output(plan.step, inputs.sampled_rows, sampled)
 
     def _sample(self, hidden: torch.Tensor, rows: np.ndarray, num_tokens: np.ndarray) -> SamplerOutput:
-        params = [self.batch.params[row] for row in rows.tolist()]
-        if any(p is None for p in params):
-            raise ValueError(f"plan samples rows {rows[[p is None for p in params]].tolist()} that hold no request")
-        num_prompt_tokens = self.batch.num_prompt_tokens[rows]
-        meta = SamplingMetadata.build(
-            params, output_pos=num_tokens - num_prompt_tokens, rows=rows, num_tokens=num_tokens,
-            num_prompt_tokens=num_prompt_tokens, token_table=self.batch.token_table,
-            eos_token_ids=self.config.eos_token_ids, device=self.device)
+        meta = SamplingMetadata.for_rows(self.batch, rows, num_tokens, self.config.eos_token_ids)
         return self.sampler(self.model.compute_logits(hidden), meta)
 
     def _output(self, step: int, rows: np.ndarray, sampled: SamplerOutput) -> StepOutput:

@@ -11,12 +11,14 @@ argmax(probs / E) with E ~ Exp(1) per vocab entry, which picks token i with prob
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from stages.contracts.params import SamplingParams
+from stages.gpu_runner.input_batch import InputBatch, SamplingColumns
 from stages.gpu_runner.step_inputs import to_device
 
 # splitmix64 constants as two's-complement int64, since torch has no uint64 arithmetic.
@@ -72,7 +74,7 @@ class SamplingMetadata:
         token_table: torch.Tensor,
         eos_token_ids: list[int],
         device: torch.device,
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         """params[i] belongs to sampled row rows[i]; output_pos[i] is the index, among that
         request's outputs, of the token being sampled now (0 for the first);
         num_tokens[i] is how many of token_table[rows[i]] are known (prompt + outputs before
@@ -82,7 +84,31 @@ class SamplingMetadata:
         The table is read when the sampler runs (in stream order), not here, so tokens the
         runner writes into it after this call and before sampling are counted.
         """
-        n = len(params)
+        return cls._from_columns(SamplingColumns.of(params), params.__getitem__, output_pos, rows, num_tokens,
+                                 num_prompt_tokens, token_table, eos_token_ids, device)
+
+    @classmethod
+    def for_rows(cls, batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray,
+                 eos_token_ids: list[int]) -> SamplingMetadata:
+        """The metadata of sampling the persistent batch's `rows` (int32 [m]), row i having
+        num_tokens[i] known tokens; its params are those the rows' requests were admitted with,
+        gathered from the batch's columns (no Python loop over the rows)."""
+        empty = batch.req_ids[rows] == -1
+        if np.any(empty):
+            raise ValueError(f"plan samples rows {rows[empty].tolist()} that hold no request")
+        num_prompt_tokens = batch.num_prompt_tokens[rows]
+        return cls._from_columns(batch.sampling.take(rows), lambda i: batch.params[rows[i]],
+                                 num_tokens - num_prompt_tokens, rows, num_tokens, num_prompt_tokens,
+                                 batch.token_table, eos_token_ids, batch.device)
+
+    @classmethod
+    def _from_columns(cls, columns: SamplingColumns, params_of: Callable[[int], SamplingParams],
+                      output_pos: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray,
+                      num_prompt_tokens: np.ndarray, token_table: torch.Tensor, eos_token_ids: list[int],
+                      device: torch.device) -> SamplingMetadata:
+        """`columns` holds row i's params, also given whole by params_of(i) (read only for rows a
+        min_tokens bars from stopping)."""
+        n = len(columns.top_k)
         output_pos = np.asarray(output_pos, dtype=np.int64)
         rows = np.asarray(rows, dtype=np.int64)
         num_tokens = np.asarray(num_tokens, dtype=np.int64)
@@ -96,24 +122,14 @@ class SamplingMetadata:
         if np.any(num_prompt_tokens > num_tokens):
             raise ValueError(f"num_prompt_tokens {num_prompt_tokens} exceeds num_tokens {num_tokens}")
 
-        greedy = np.array([p.temperature == 0.0 for p in params], dtype=bool)
-        top_k = np.array([max(p.top_k, 0) for p in params], dtype=np.int64)
-        seeded = np.array([p.seed is not None for p in params], dtype=bool)
-        floats = np.array(
-            [[1.0 if p.temperature == 0.0 else p.temperature for p in params],
-             [p.top_p for p in params],
-             [p.min_p for p in params],
-             [p.repetition_penalty for p in params],
-             [p.presence_penalty for p in params],
-             [p.frequency_penalty for p in params]],
-            dtype=np.float32,
-        ).reshape(6, n)
-        seeded_rows = np.flatnonzero(seeded)
-        ints = np.concatenate([
-            greedy.astype(np.int64), top_k, rows, num_tokens, num_prompt_tokens,
-            seeded_rows, np.array([params[i].seed for i in seeded_rows], dtype=np.int64),
-            output_pos[seeded_rows],
-        ])
+        temperature, top_p, min_p, repetition, presence, frequency = columns.floats
+        greedy = temperature == 0.0
+        floats = np.stack([np.where(greedy, 1.0, temperature), top_p, min_p, repetition, presence,
+                           frequency]).astype(np.float32)
+        top_k = columns.top_k
+        seeded_rows = np.flatnonzero(columns.seeded)
+        ints = np.concatenate([greedy.astype(np.int64), top_k, rows, num_tokens, num_prompt_tokens, seeded_rows,
+                               columns.seed[seeded_rows], output_pos[seeded_rows]])
         floats_dev = to_device(floats, device)
         ints_dev = to_device(ints, device)
         m = len(seeded_rows)
@@ -121,21 +137,19 @@ class SamplingMetadata:
         (greedy_dev, top_k_dev, rows_dev, num_tokens_dev, num_prompt_dev, seeded_rows_dev, seeds_dev,
          seeded_pos_dev) = torch.tensor_split(ints_dev, cuts.tolist())
 
-        blocked = _min_tokens_blocked_ids(params, output_pos, eos_token_ids)
-        asked_logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        any_penalty = any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                          or p.frequency_penalty != 0.0 for p in params)
+        blocked = _min_tokens_blocked_ids(columns.min_tokens, output_pos, params_of, eos_token_ids)
+        asked_logprobs = columns.logprobs[columns.logprobs >= 0]
         return cls(
             num_rows=n,
             all_greedy=bool(n) and bool(greedy.all()),
             any_greedy=bool(greedy.any()),
             any_top_k=bool((top_k > 0).any()),
-            any_top_p=any(p.top_p < 1.0 for p in params),
-            any_min_p=any(p.min_p > 0.0 for p in params),
-            any_penalty=any_penalty,
+            any_top_p=bool((top_p < 1.0).any()),
+            any_min_p=bool((min_p > 0.0).any()),
+            any_penalty=bool(((repetition != 1.0) | (presence != 0.0) | (frequency != 0.0)).any()),
             max_top_k=int(top_k.max()) if n else 0,
             max_num_tokens=int(num_tokens.max()) if n else 0,
-            max_num_logprobs=max(asked_logprobs) if asked_logprobs else None,
+            max_num_logprobs=int(asked_logprobs.max()) if len(asked_logprobs) else None,
             num_seeded=m,
             greedy=greedy_dev.bool(),
             temperature=floats_dev[0],
@@ -156,7 +170,8 @@ class SamplingMetadata:
         )
 
 
-def _min_tokens_blocked_ids(params: list[SamplingParams], output_pos: np.ndarray,
+def _min_tokens_blocked_ids(min_tokens: np.ndarray, output_pos: np.ndarray,
+                            params_of: Callable[[int], SamplingParams],
                             eos_token_ids: list[int]) -> np.ndarray | None:
     """[n, s] ids each row may not sample yet (-1 padded), or None when no row is blocked.
 
@@ -164,18 +179,17 @@ def _min_tokens_blocked_ids(params: list[SamplingParams], output_pos: np.ndarray
     stop_token_ids, and EOS unless ignore_eos (with ignore_eos EOS does not stop the request,
     so it stays an ordinary token).
     """
-    blocked: list[list[int]] = []
-    for p, pos in zip(params, output_pos):
-        if pos < p.min_tokens:
-            blocked.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids)))
-        else:
-            blocked.append([])
+    blocked_rows = np.flatnonzero(output_pos < min_tokens).tolist()
+    blocked = []
+    for row in blocked_rows:
+        p = params_of(row)
+        blocked.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids)))
     width = max((len(ids) for ids in blocked), default=0)
     if width == 0:
         return None
-    table = np.full((len(params), width), -1, dtype=np.int64)
-    for i, ids in enumerate(blocked):
-        table[i, :len(ids)] = ids
+    table = np.full((len(min_tokens), width), -1, dtype=np.int64)
+    for row, ids in zip(blocked_rows, blocked):
+        table[row, :len(ids)] = ids
     return table
 
 

@@ -46,5 +46,5 @@ def serve(ctx: StageContext) -> None:
                 output = runner.execute(plan)
             with publish_range:
                 slot = mailbox.write(plan.step, output.token_ids, output.logprobs, output.logprob_token_ids,
-                                     timeout_s=MAILBOX_WAIT_S, check=ctx.tick)
+                                     timeout_s=MAILBOX_WAIT_S, check=ctx.tick, ready_at_ns=output.ready_at_ns)
                 ctx.write(done, msg.Kind.DONE, msg.encode_done(plan.step, slot, int(output.token_ids.shape[0])))

@@ -56,6 +56,14 @@ def _check_plan(plan: StepPlan, batch: InputBatch) -> None:
         raise ValueError(f"row {bad} schedules tokens beyond its {int(batch.num_blocks[bad])} allocated blocks")
 
 
+def prepare_step(plan: StepPlan, batch: InputBatch, max_num_batched_tokens: int) -> StepInputs:
+    """Apply the plan to the persistent batch and build its inputs on the batch's device."""
+    if plan.num_tokens > max_num_batched_tokens:
+        raise ValueError(f"step {plan.step} schedules {plan.num_tokens} tokens, "
+                         f"more than max_num_batched_tokens {max_num_batched_tokens}")
+    return build_step_inputs(plan, batch, batch.apply(plan), batch.device)
+
+
 def build_step_inputs(plan: StepPlan, batch: InputBatch, writes: TableWrites, device: torch.device) -> StepInputs:
     """Apply the plan's table writes on the device and gather this step's inputs."""
     _check_plan(plan, batch)

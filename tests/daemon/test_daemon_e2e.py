@@ -261,3 +261,15 @@ def test_a_repeated_prompt_raises_the_prefix_cache_hit_rate(live_daemon: LiveDae
     status = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--socket", str(live_daemon.socket_path)],
                             capture_output=True, text=True, timeout=30)
     assert f"prefix cache hits {after_second:.1%} of admitted tokens" in status.stdout, status.stdout
+
+
+def test_only_the_detokenizer_yields_the_cpu_to_the_stages_the_device_waits_on(live_daemon: LiveDaemon) -> None:
+    with Client(live_daemon.socket_path, timeout_s=10) as client:
+        pids = client.health().stage_pids
+
+    def nice(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[16])
+
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert {name: nice(pid) - own for name, pid in pids.items()} == {
+        "runner": 0, "scheduler": 0, "detokenizer": 5, "tokenizer0": 0}

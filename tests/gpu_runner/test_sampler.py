@@ -297,6 +297,30 @@ def test_bfloat16_logits_and_an_empty_batch():
     assert empty.token_ids.shape == (0,)
 
 
+def test_metadata_gathered_from_the_batch_columns_equals_the_one_built_from_params():
+    """The runner gathers each step's params from the persistent batch's columns; the sampler
+    must see exactly what the params say, row for row, in the step's order."""
+    from stages.gpu_runner.input_batch import InputBatch
+
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3),
+              SamplingParams(min_p=0.1, repetition_penalty=1.2, logprobs=4, min_tokens=3, stop_token_ids=[7, 8]),
+              SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, top_k=-1, min_tokens=1, ignore_eos=True)]
+    batch = InputBatch(6, 32, 4, CPU)
+    for row, row_params in zip((5, 0, 3, 1), params):
+        batch.req_ids[row], batch.params[row], batch.num_prompt_tokens[row] = row, row_params, 2
+        batch.sampling.set(row, row_params)
+    rows, num_tokens = np.array([3, 5, 1, 0], np.int32), np.array([4, 3, 2, 9])
+    gathered = SamplingMetadata.for_rows(batch, rows, num_tokens, [EOS])
+    built = SamplingMetadata.build([params[2], params[0], params[3], params[1]], num_tokens - 2, rows, num_tokens,
+                                   np.full(4, 2), batch.token_table, [EOS], CPU)
+    for name in SamplingMetadata.__slots__:
+        a, b = getattr(gathered, name), getattr(built, name)
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), name
+    assert gathered.blocked_token_ids.tolist() == [[7, 8, EOS], [-1, -1, -1], [-1, -1, -1], [-1, -1, -1]]
+    with pytest.raises(ValueError, match=r"plan samples rows \[2\] that hold no request"):
+        SamplingMetadata.for_rows(batch, np.array([2], np.int32), np.array([3]), [EOS])
+
+
 def test_build_rejects_mismatched_inputs():
     table = torch.zeros(2, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match="rows"):

@@ -114,3 +114,21 @@ def test_reader_refuses_a_slot_holding_another_step(instance: str) -> None:
         writer.write(1, np.arange(5, dtype=np.int32))
     reader.close()
     writer.close()
+
+
+def test_a_slot_is_not_readable_before_its_ready_time_and_the_wait_burns_no_cpu(instance: str) -> None:
+    name = create_mailbox(instance, num_slots=2, max_rows=4, logprob_width=4, num_consumers=1, cuda=False)
+    writer = MailboxWriter(name)
+    reader = MailboxReader(name, 0)
+    ready_at_ns = time.monotonic_ns() + 200_000_000
+    writer.write(0, np.array([5, 6], np.int32), ready_at_ns=ready_at_ns)
+    assert time.monotonic_ns() < ready_at_ns  # the writer never waits for the device
+    cpu_before_s = time.thread_time()
+    assert reader.read(0).token_ids.tolist() == [5, 6]
+    assert time.monotonic_ns() >= ready_at_ns
+    assert time.thread_time() - cpu_before_s < 0.05  # slept, did not spin, for about 0.2 s
+    reader.release(0)
+    writer.write(1, np.array([7], np.int32))  # no ready time: ready as soon as it is announced
+    assert reader.read(1).token_ids.tolist() == [7]
+    reader.close()
+    writer.close()

@@ -31,21 +31,43 @@ def test_with_the_path_a_tool_sees_torch_imports_the_standard_profile_module() -
     assert Path(run.stdout.strip()).parent != TOOLS
 
 
+def quick_json_report(script: str, timeout_s: float) -> dict:
+    """What `tools/<script> --quick --json` prints, parsed."""
+    run = subprocess.run([sys.executable, str(TOOLS / script), "--quick", "--json"], capture_output=True, text=True,
+                         timeout=timeout_s, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
 @pytest.mark.timeout(120)
 def test_bench_e2e_quick_runs_the_model_in_process_and_reports_both_paths() -> None:
-    run = subprocess.run([sys.executable, str(TOOLS / "bench_e2e.py"), "--quick", "--json"], capture_output=True,
-                         text=True, timeout=110, stdin=subprocess.DEVNULL)
-    assert run.returncode == 0, run.stderr
-    report = json.loads(run.stdout)
+    report = quick_json_report("bench_e2e.py", timeout_s=110)
     assert report["daemon_tok_s"] > 0 and report["offline_tok_s"] > 0
     assert report["ratio"] == pytest.approx(report["daemon_tok_s"] / report["offline_tok_s"])
 
 
 @pytest.mark.timeout(180)
 def test_bench_recovery_quick_kills_every_stage_and_loses_no_request() -> None:
-    run = subprocess.run([sys.executable, str(TOOLS / "bench_recovery.py"), "--quick", "--json"], capture_output=True,
-                         text=True, timeout=170, stdin=subprocess.DEVNULL)
-    assert run.returncode == 0, run.stderr
-    report = json.loads(run.stdout)
+    report = quick_json_report("bench_recovery.py", timeout_s=170)
     assert [row["stage"] for row in report["stages"]] == ["runner", "scheduler", "detokenizer", "tokenizer0"]
     assert all(row["lost"] == 0 and 0 < row["first_resumed_ms"] <= row["all_resumed_ms"] for row in report["stages"])
+
+
+@pytest.mark.timeout(300)
+def test_bench_overhead_quick_reports_every_batch_of_both_daemons_as_one_json_object() -> None:
+    report = quick_json_report("bench_overhead.py", timeout_s=290)
+    assert report["device_ms"] == 5.0
+    for mode in ("async", "sync"):
+        assert set(report[mode]) == {"1", "64", "256"}
+        for batch in report[mode].values():
+            assert {"step_ms", "exposed_pct", "deliver_p50_ms", "deliver_p99_ms", "cpu_ms_per_step"} <= set(batch)
+            assert set(batch["cpu_ms_per_step"]) == {"daemon", "tokenizer0", "scheduler", "runner", "detokenizer",
+                                                     "client"}
+
+
+def test_bench_overhead_clients_run_in_a_process_without_torch() -> None:
+    """Its clients are measured: torch's objects would make every full garbage collection there a long pause."""
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import bench_overhead; print('torch' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code, str(TOOLS)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"

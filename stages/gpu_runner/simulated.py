@@ -1,0 +1,92 @@
+"""A simulated device for benchmarks: the runner's host work, with the model replaced by a timeline.
+
+Not a device to serve with: it exists to measure whether host work ever makes the device wait
+(tools/bench_overhead.py), on machines where a real model would eat the CPU it is measured on.
+`EngineConfig.simulated_device_ms = T` selects it. Everything a real runner does on the host
+stays: applying the plan to the persistent batch, building the step's inputs and its sampling
+metadata, writing the sampled tokens into the token table. The forward and the sampler become
+one stream of T ms steps that use no CPU: step N starts at max(its launch, step N-1's end) and
+its tokens are ready T ms later. `execute` returns at once, as a launch does; the step's
+`ready_at_ns` goes with its tokens into the mailbox, whose readers sleep until then.
+
+Tokens are the same for every row of a step and encode the step (simulated_steps.py), never an
+EOS id, so a client can tell which step a streamed token came from. No logprobs are produced.
+With `simulated_device_trace` set, each step's times are recorded in that file (simulated_steps.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import torch
+
+from shm.clock import now_ns
+from stages.contracts.config import EngineConfig
+from stages.contracts.plan import StepPlan
+from stages.gpu_runner.input_batch import InputBatch
+from stages.gpu_runner.kv_cache import num_blocks_for_budget
+from stages.gpu_runner.loader import tokenizer_path
+from stages.gpu_runner.model_config import load_model_config, resolve_device, resolve_dtype, served_max_model_len
+from stages.gpu_runner.output import StepOutput
+from stages.gpu_runner.sampler import SamplingMetadata
+from stages.gpu_runner.simulated_steps import SimulatedTokens, StepTimeline
+from stages.gpu_runner.step_inputs import prepare_step, to_device
+
+
+class SimulatedDeviceRunner:
+    """Runner-like (see ModelRunner): `execute(plan)` does the host work and returns the step's
+    tokens with the time they will be ready on the simulated stream."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.simulated_device_ms is None:
+            raise ValueError("the simulated device needs EngineConfig.simulated_device_ms")
+        if config.kv_connector is not None:
+            raise ValueError(f"the simulated device has no KV cache to connect; got kv_connector {config.kv_connector!r}")
+        self.step_ns = round(config.simulated_device_ms * 1e6)
+        self.device = torch.device(resolve_device(config.device))
+        if self.device.type == "cpu":
+            # The tables stand in for device memory, where each op is a launch. Here every op is
+            # small, and after each one torch's intra-op threads would spin on the other cores:
+            # 11 ms of CPU per step at batch 256 on two cores, against 0.7 ms with one thread.
+            torch.set_num_threads(1)
+        model = load_model_config(config.model)
+        self.tokenizer_path: Path = tokenizer_path(config.model)
+        self.vocab_size = model.vocab_size
+        self.eos_token_ids = list(model.eos_token_ids)
+        self.max_model_len = served_max_model_len(model, config.max_model_len)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
+            model, config.block_size, resolve_dtype(config.dtype, model, self.device), self.device,
+            config.kv_cache_memory_bytes)
+        self.kv_connector = None
+        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size, self.device)
+        self.tokens = SimulatedTokens(self.vocab_size, self.eos_token_ids)
+        self.timeline = None if config.simulated_device_trace is None else StepTimeline(config.simulated_device_trace)
+        self._device_free_ns = 0  # when the last launched step ends
+        self.phase: Callable[[str], AbstractContextManager] = nullcontext
+
+    @torch.inference_mode()  # as the model runner's: its ops then skip autograd's bookkeeping
+    def execute(self, plan: StepPlan) -> StepOutput:
+        plan_ns = now_ns()
+        with self.phase("prepare_inputs"):
+            inputs = prepare_step(plan, self.batch, self.max_num_batched_tokens)
+        rows = inputs.sampled_rows
+        host_tokens = torch.full((len(rows),), self.tokens.for_step(plan.step), dtype=torch.int32)
+        token_ids = to_device(host_tokens.numpy(), self.device)
+        if len(rows):
+            with self.phase("sample"):
+                # The sampler's host work; the sampling itself is the simulated device's.
+                SamplingMetadata.for_rows(self.batch, rows, inputs.sampled_num_tokens, self.eos_token_ids)
+                self.batch.token_table.view(-1).index_copy_(0, inputs.sampled_token_index, token_ids)
+        launch_ns = now_ns()
+        start_ns = max(launch_ns, self._device_free_ns)
+        ready_ns = start_ns + (self.step_ns if plan.num_rows else 0)
+        self._device_free_ns = ready_ns
+        if self.timeline is not None:
+            self.timeline.record(plan.step, plan_ns, launch_ns, start_ns, ready_ns, len(rows))
+        return StepOutput(step=plan.step, rows=rows, token_ids=token_ids, logprobs=None, logprob_token_ids=None,
+                          host_token_ids=host_tokens, host_logprobs=None, host_logprob_token_ids=None, ready=None,
+                          ready_at_ns=ready_ns)

@@ -1,0 +1,293 @@
+"""Benchmark: does host work ever make the device wait? The real daemon on a simulated device, async vs sync.
+
+The daemon and its stage processes are the real ones; only the model is replaced by a simulated
+device (stages/gpu_runner/simulated.py) whose every step takes T ms of wall time and no CPU, so
+whatever the host does shows as the device waiting. Two daemons run side by side, one with async
+scheduling and one with --no-async-scheduling; in each round, for each batch size (1, 64, 256),
+that many streamed requests (32-token prompts, long outputs) are sent at once to each daemon in
+turn by asyncio clients in this process, one connection per request. In the steady window (every
+row decoding, warm-up and tail cut off) it measures, per daemon and batch, the median over rounds:
+
+  step_ms         mean wall time per step; exposed_pct = 100 * (step_ms - T) / T: device idle
+  deliver_*_ms    from a step's tokens being ready on the device to a client holding them
+  loop_*_ms       from a step's tokens being ready to the launch of the step planned from them
+                  (async: step N+2 from step N, so it may take up to T; sync: N+1, all exposed)
+  cpu_ms_per_step CPU time (utime + stime from /proc) of each process per step
+
+`--baseline DIR` also measures the daemons of another checkout of this repository (made with
+`git worktree add DIR REV`) in the same rounds: a fix's effect, side by side with the old code.
+`--serve SOCKET` only starts the daemon on the simulated device and serves until Ctrl-C, to
+profile it by hand (py-spy, perf).
+
+    python tools/bench_overhead.py [--json] [--quick] [--device-ms T] [--rounds N] [--baseline DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+
+import checkout_path  # noqa: F401 - first: the checkout on sys.path, not tools/ (see there)
+import numpy as np
+import uvloop
+
+from overhead_analysis import (  # noqa: E402
+    CpuSample, cpu_ms_per_step, delivery_ms, median_of, step_stats, steady_window,
+)
+from pipeline.client import AsyncClient, Client  # noqa: E402
+from pipeline.errors import DaemonNotRunning, PipelineError  # noqa: E402
+from stages.contracts.config import EngineConfig  # noqa: E402
+from stages.contracts.params import SamplingParams  # noqa: E402
+from stages.gpu_runner.simulated_steps import SimulatedTokens, read_timeline  # noqa: E402
+
+BATCHES = (1, 64, 256)
+PROMPT_TOKENS = 32
+BLOCK_SIZE = 16
+VOCAB_SIZE = 1024  # the tiny model's
+EOS_TOKEN_IDS = [1]
+START_TIMEOUT_S = 300.0
+CPU_SAMPLE_S = 0.05
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+SEED = 0
+
+
+@dataclass(slots=True)
+class Daemon:
+    label: str  # "async", "sync", "baseline async", ...
+    async_scheduling: bool
+    process: subprocess.Popen
+    socket_path: Path
+    trace_path: Path
+    pids: dict[str, int]  # process name -> pid: the daemon and each stage
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)
+
+
+def engine_config(model: str, device_ms: float, max_model_len: int, async_scheduling: bool,
+                  trace_path: str | None) -> EngineConfig:
+    return EngineConfig(model=model, device="cpu", max_num_seqs=max(BATCHES), max_model_len=max_model_len,
+                        num_kv_blocks=max(BATCHES) * -(-max_model_len // BLOCK_SIZE), block_size=BLOCK_SIZE,
+                        async_scheduling=async_scheduling, simulated_device_ms=device_ms,
+                        simulated_device_trace=trace_path)
+
+
+def make_model(directory: Path) -> Path:
+    """The tiny llama checkpoint, made by another process: torch never enters this one, whose
+    clients are measured (torch's objects would make each full garbage collection here a
+    100 ms pause in the middle of a stream)."""
+    run = subprocess.run([sys.executable, str(checkout_path.TOOLS / "make_tiny_model.py"), str(directory), "--arch",
+                          "llama", "--seed", str(SEED)], capture_output=True, text=True, check=True)
+    return Path(run.stdout.strip())
+
+
+def serve(args: argparse.Namespace) -> int:
+    """The daemon on the simulated device, in this process, until SIGTERM or Ctrl-C."""
+    import logging
+
+    from pipeline.models.default_model import ensure_default_model
+    from pipeline.serve.daemon import run_daemon
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    model = args.model or str(ensure_default_model())
+    config = engine_config(model, args.device_ms, args.max_model_len, not args.no_async_scheduling, args.trace)
+    return run_daemon(config, args.serve)
+
+
+def start_daemon(label: str, checkout: Path, model: Path, directory: Path, device_ms: float, max_model_len: int,
+                 async_scheduling: bool) -> Daemon:
+    """Starts the daemon of `checkout` in serve mode; returns before it answers (see wait_serving)."""
+    directory.mkdir(mode=0o700)
+    socket_path, trace_path = directory / "pipeline.sock", directory / "timeline.npy"
+    command = [sys.executable, str(checkout / "tools" / "bench_overhead.py"), "--serve", str(socket_path),
+               "--model", str(model), "--device-ms", str(device_ms), "--max-model-len", str(max_model_len),
+               "--trace", str(trace_path)] + ([] if async_scheduling else ["--no-async-scheduling"])
+    log = open(directory / "daemon.log", "wb")  # noqa: SIM115 - lives as long as the daemon
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               cwd=checkout)
+    return Daemon(label, async_scheduling, process, socket_path, trace_path, {"daemon": process.pid})
+
+
+def wait_serving(daemon: Daemon) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if daemon.process.poll() is not None:
+            log = (daemon.socket_path.parent / "daemon.log").read_text()
+            raise RuntimeError(f"the {daemon.label} daemon exited with {daemon.process.returncode}:\n{log}")
+        try:
+            with Client(daemon.socket_path, timeout_s=5) as client:
+                health = client.health()
+            if health.status == "ok":
+                daemon.pids.update(health.stage_pids)
+                return
+        except (DaemonNotRunning, OSError, PipelineError):
+            pass
+        time.sleep(0.1)  # start-up poll: the stages take seconds to come up
+    raise RuntimeError(f"the {daemon.label} daemon did not serve within {START_TIMEOUT_S} s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of process `pid` (all its threads), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        fields = stat.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S
+
+
+async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int) -> tuple[np.ndarray, np.ndarray,
+                                                                                          list[CpuSample]]:
+    """Streams one request per prompt at once; returns every token's receive time and id, and the
+    CPU samples taken meanwhile."""
+    pids = dict(daemon.pids, client=os.getpid())
+    # Flat arrays, not a list of tuples: objects the collector must walk make its pauses grow.
+    received_ns, received_ids = array("q"), array("q")
+    samples: list[CpuSample] = []
+    params = SamplingParams(max_tokens=num_steps, temperature=0.0, ignore_eos=True)
+    client = AsyncClient(daemon.socket_path)
+
+    async def one(prompt: list[int]) -> None:
+        async for delta in client.stream(prompt, params):
+            received_ns.extend([time.monotonic_ns()] * len(delta.token_ids))
+            received_ids.extend(delta.token_ids)
+
+    async def sample_cpu() -> None:
+        while True:
+            samples.append(CpuSample(time.monotonic_ns(), {name: cpu_seconds(pid) for name, pid in pids.items()}))
+            await asyncio.sleep(CPU_SAMPLE_S)
+
+    sampler = asyncio.ensure_future(sample_cpu())
+    try:
+        await asyncio.gather(*(one(prompt) for prompt in prompts))
+    finally:
+        sampler.cancel()
+    return np.frombuffer(received_ns, np.int64), np.frombuffer(received_ids, np.int64), samples
+
+
+def measure(daemon: Daemon, batch: int, num_steps: int, device_ms: float, rng: np.random.Generator) -> dict:
+    """One batch on one daemon: the steady window's numbers."""
+    prompts = [rng.integers(2, VOCAB_SIZE, PROMPT_TOKENS).tolist() for _ in range(batch)]
+    since_ns = time.monotonic_ns()
+    times, tokens, samples = uvloop.run(stream_batch(daemon, prompts, num_steps))
+    if len(tokens) != batch * num_steps:
+        raise RuntimeError(f"{daemon.label} batch {batch}: got {len(tokens)} tokens, expected {batch * num_steps}")
+    warmup = max(10, num_steps // 8)
+    window = steady_window(read_timeline(daemon.trace_path), since_ns, batch, warmup, cooldown=5)
+    result = step_stats(window, device_ms, 2 if daemon.async_scheduling else 1)
+    delivered = delivery_ms(window, SimulatedTokens(VOCAB_SIZE, EOS_TOKEN_IDS), times, tokens)
+    result["deliver_p50_ms"] = float(np.percentile(delivered, 50))
+    result["deliver_p99_ms"] = float(np.percentile(delivered, 99))
+    result["cpu_ms_per_step"] = cpu_ms_per_step(window, samples)
+    result["window_steps"] = window.num_steps
+    return result
+
+
+def run(args: argparse.Namespace) -> dict:
+    num_steps = 240 if args.quick else 600
+    max_model_len = PROMPT_TOKENS + num_steps + BLOCK_SIZE
+    checkouts = [("", checkout_path.ROOT)] + ([("baseline ", Path(args.baseline).resolve())] if args.baseline else [])
+    rng = np.random.default_rng(SEED)
+    with tempfile.TemporaryDirectory(prefix="pl-overhead-") as directory:
+        model = make_model(Path(directory) / "model")
+        daemons = []
+        try:
+            for index, (prefix, checkout) in enumerate(checkouts):
+                for mode, async_scheduling in (("async", True), ("sync", False)):
+                    daemons.append(start_daemon(prefix + mode, checkout, model, Path(directory) / f"d{len(daemons)}",
+                                                args.device_ms, max_model_len, async_scheduling))
+            for daemon in daemons:
+                wait_serving(daemon)
+            runs: dict[str, dict[int, list[dict]]] = {d.label: {b: [] for b in args.batches} for d in daemons}
+            for _ in range(args.rounds):
+                for batch in args.batches:
+                    for daemon in daemons:
+                        runs[daemon.label][batch].append(measure(daemon, batch, num_steps, args.device_ms, rng))
+        finally:
+            for daemon in daemons:
+                daemon.stop()
+    results: dict[str, object] = {"device_ms": args.device_ms}
+    for label, by_batch in runs.items():
+        target = results.setdefault("baseline", {"checkout": args.baseline}) if label.startswith("baseline ") else results
+        target[label.split()[-1]] = {str(batch): median_of(batch_runs) for batch, batch_runs in by_batch.items()}
+    results["conditions"] = {"rounds": args.rounds, "steps_per_request": num_steps, "cpu_count": os.cpu_count(),
+                             "loadavg_1m_at_end": os.getloadavg()[0]}
+    return results
+
+
+def print_report(results: dict) -> None:
+    device_ms = results["device_ms"]
+    conditions = results["conditions"]
+    print(f"simulated device step T = {device_ms} ms; {conditions['rounds']} round(s) of each batch, "
+          f"{conditions['steps_per_request']} output tokens per request; {conditions['cpu_count']} CPUs, "
+          f"load average {conditions['loadavg_1m_at_end']:.1f} at the end")
+    print("step: mean wall ms per step; exposed: % of T the device sat idle; deliver: ready on device -> client (ms);")
+    print("loop: tokens ready -> launch of the step planned from them (ms, async may use up to T); CPU ms per step")
+    table = [("", results)] + ([("baseline ", results["baseline"])] if "baseline" in results else [])
+    names = list(next(iter(results["async"].values()))["cpu_ms_per_step"])
+    print(f"{'daemon':<15}{'batch':>6}{'step':>8}{'exposed':>9}{'deliver p50/p99':>17}{'loop p50/p99':>14}  "
+          + " ".join(f"{n[:9]:>9}" for n in names))
+    for prefix, source in table:
+        for mode in ("async", "sync"):
+            for batch, r in source[mode].items():
+                cpu = r["cpu_ms_per_step"]
+                print(f"{prefix + mode:<15}{batch:>6}{r['step_ms']:>8.3f}{r['exposed_pct']:>8.1f}%"
+                      f"{r['deliver_p50_ms']:>8.2f}/{r['deliver_p99_ms']:<8.2f}"
+                      f"{r['loop_p50_ms']:>6.2f}/{r['loop_p99_ms']:<7.2f} "
+                      + " ".join(f"{cpu[n]:>9.3f}" for n in names))
+
+
+def print_budget(results: dict) -> None:
+    """Per step at the largest batch, async: the host's critical path against T, and each
+    process's CPU time against what the machine's CPUs offer in T."""
+    device_ms, cpus = results["device_ms"], results["conditions"]["cpu_count"]
+    batch, r = max(results["async"].items(), key=lambda item: int(item[0]))
+    cpu = r["cpu_ms_per_step"]
+    print(f"\nhost budget per step at batch {batch}, async, T = {device_ms} ms:")
+    print(f"  critical path (tokens ready -> launch of the step planned from them): p50 {r['loop_p50_ms']:.2f} ms, "
+          f"p99 {r['loop_p99_ms']:.2f} ms; headroom under T at p50 {device_ms - r['loop_p50_ms']:.2f} ms")
+    print("  CPU ms per step: " + ", ".join(f"{name} {value:.2f}" for name, value in cpu.items())
+          + f"; all {sum(cpu.values()):.2f} of the {cpus * device_ms:.1f} that {cpus} CPUs offer per step")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--quick", action="store_true", help="one round of shorter outputs (about a minute)")
+    parser.add_argument("--device-ms", type=float, default=5.0, help="the simulated device's step time T")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds of every batch (default 3, --quick 1)")
+    parser.add_argument("--batches", type=lambda text: [int(b) for b in text.split(",")], default=list(BATCHES))
+    parser.add_argument("--baseline", help="another checkout whose daemons are measured in the same rounds")
+    parser.add_argument("--serve", metavar="SOCKET", help="only serve on the simulated device, until Ctrl-C")
+    parser.add_argument("--model", help="with --serve: checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--max-model-len", type=int, default=1024, help=argparse.SUPPRESS)
+    parser.add_argument("--trace", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--no-async-scheduling", action="store_true", help="with --serve")
+    args = parser.parse_args(argv)
+    if args.serve:
+        return serve(args)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
+    if max(args.batches) > max(BATCHES) or min(args.batches) < 1:
+        parser.error(f"--batches must be in [1, {max(BATCHES)}], got {args.batches}")
+    # SIGTERM unwinds like Ctrl-C, so the daemons this starts are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    results = run(args)
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print_report(results)
+        print_budget(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
