@@ -21,20 +21,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
 
+from bench_e2e import engine_options, start_daemon  # noqa: E402
 from pipeline.bench.serve_bench import run_benchmark  # noqa: E402
 from pipeline.bench.targets import HttpTarget, SocketTarget  # noqa: E402
 from pipeline.bench.workload import random_requests  # noqa: E402
 from pipeline.client import Client  # noqa: E402
-from pipeline.errors import DaemonNotRunning, PipelineError  # noqa: E402
 from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
-
-START_TIMEOUT_S = 300.0
-
 
 def cpu_s(pid: int) -> float:
     """utime + stime of process `pid`, in seconds."""
@@ -47,27 +43,13 @@ def own_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def start_daemon(model: Path, run_dir: Path) -> tuple[subprocess.Popen, Path, str]:
+def start_http_daemon(model: Path, run_dir: Path) -> tuple[subprocess.Popen, Path, str]:
+    """The daemon of bench_e2e, serving HTTP on a free port too; (process, socket, HTTP URL)."""
+    options = engine_options(max_model_len=1024, num_kv_blocks=4096) + ["--max-num-seqs", "256", "--port", "0"]
+    process = start_daemon(model, run_dir, "real", options)
     socket_path = run_dir / "pipeline.sock"
-    command = [sys.executable, "-m", "pipeline.cli", "start", "--model", str(model), "--socket", str(socket_path),
-               "--device", "cpu", "--port", "0", "--max-model-len", "1024", "--num-kv-blocks", "4096",
-               "--max-num-seqs", "256"]
-    log = open(run_dir / "daemon.log", "wb")  # noqa: SIM115 - lives as long as the daemon
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"daemon exited with {process.returncode}: {(run_dir / 'daemon.log').read_text()}")
-        try:
-            with Client(socket_path, timeout_s=5) as client:
-                url = client.health().http_url
-            if url:
-                return process, socket_path, url
-        except (DaemonNotRunning, OSError, PipelineError):
-            pass
-        time.sleep(0.05)
-    process.kill()
-    raise RuntimeError("the daemon did not start in time")
+    with Client(socket_path, timeout_s=5) as client:
+        return process, socket_path, client.health().http_url
 
 
 def measure(target: object, requests: list, pid: int) -> dict[str, float]:
@@ -100,7 +82,7 @@ def main() -> int:
     run_dir = directory / "run"
     run_dir.mkdir(mode=0o700)
     model = make_tiny_model(directory / "model", "llama", seed=0)
-    process, socket_path, url = start_daemon(model, run_dir)
+    process, socket_path, url = start_http_daemon(model, run_dir)
     runs: dict[str, list[dict[str, float]]] = {"socket": [], "http": []}
     try:
         with Client(socket_path) as client:

@@ -24,6 +24,31 @@ _DATA = b"data: "
 _DONE = b"[DONE]"
 
 
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None  # completions
+    delta: _Delta | None = None  # chat
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class _Chunk(msgspec.Struct):
+    """What the load generator reads of a stream chunk (other fields are skipped unread)."""
+
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: dict | None = None
+
+
+_chunk_decoder = msgspec.json.Decoder(_Chunk)
+
+
 @dataclass(slots=True)
 class ModelInfo:
     name: str | None = None
@@ -158,20 +183,19 @@ class HttpTarget:
                     data = line[len(_DATA):].strip()
                     if data == _DONE:
                         break
-                    chunk = msgspec.json.decode(data)
-                    if "error" in chunk:
-                        raise PipelineError(f"error in the stream: {chunk['error']}")
-                    usage = chunk.get("usage") or usage
-                    for choice in chunk.get("choices") or ():
-                        text = choice.get("text") if self.endpoint == "completions" else \
-                            (choice.get("delta") or {}).get("content")
+                    chunk = _chunk_decoder.decode(data)
+                    if chunk.error is not None:
+                        raise PipelineError(f"error in the stream: {chunk.error}")
+                    usage = chunk.usage or usage
+                    for choice in chunk.choices:
+                        text = choice.text if choice.delta is None else choice.delta.content
                         if text:
                             timing.chunk(1)
         except (PipelineError, *self._errors) as exc:
             return timing.failure(request.prompt_len or 0, exc)
         if usage is None:
             return timing.failure(request.prompt_len or 0, PipelineError("the stream ended without a usage chunk"))
-        return timing.record(usage["prompt_tokens"], usage["completion_tokens"])
+        return timing.record(usage.prompt_tokens, usage.completion_tokens)
 
     async def close(self) -> None:
         await self._session.close()

@@ -200,18 +200,23 @@ def test_models_health_version_and_metrics(daemon: LiveDaemon, sdk: openai.OpenA
         assert gauge in after
 
 
-def test_a_client_that_disconnects_frees_its_request(daemon: LiveDaemon, url: str) -> None:
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_request(daemon: LiveDaemon, url: str, stream: bool) -> None:
     parts = urlparse(url)
     body = json.dumps({"model": MODEL, "prompt": "a long story", "max_tokens": 1500, "ignore_eos": True,
-                       "stream": True}).encode()
+                       "stream": stream}).encode()
     with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        received = b""
-        while received.count(b"data: ") < 3:
-            received += sock.recv(65536)
+        if stream:
+            received = b""
+            while received.count(b"data: ") < 3:
+                received += sock.recv(65536)
         with Client(daemon.socket_path) as client:
-            assert client.stats().num_running_requests == 1
+            deadline = time.monotonic() + 10
+            while client.stats().num_running_requests != 1:
+                assert time.monotonic() < deadline, "the request never ran"
+                time.sleep(0.01)
     start = time.monotonic()
     wait_idle(daemon.socket_path, timeout_s=5.0)  # the request ended and gave its KV blocks back
     assert time.monotonic() - start < 5.0

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API of the daemon, as an ASGI (starlette) app on the daemon's loop.
+"""The OpenAI-compatible HTTP API of the daemon, as an ASGI app (asgi.py) on the daemon's loop.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
 `GET /version`, `GET /metrics`. Bodies are decoded and encoded with msgspec; every error is
@@ -8,20 +8,24 @@ disconnects aborts its requests.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
-
 from pipeline.errors import PipelineError
 from pipeline.protocol import new_request_id
 from pipeline.serve.config import version
+from pipeline.serve.openai.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    HttpRequest,
+    Response,
+    Router,
+    StreamResponse,
+    until_disconnect,
+)
 from pipeline.serve.openai.call import Choice, HttpCall
 from pipeline.serve.openai.errors import OpenAIError, error_body, from_pipeline_error
 from pipeline.serve.openai.params import ChoiceRequest, chat_params, completion_requests, stream_usage
@@ -40,7 +44,7 @@ JSON = "application/json"
 
 
 def json_response(body: bytes, status: int = 200) -> Response:
-    return Response(body, status_code=status, media_type=JSON)
+    return Response(body, status, JSON)
 
 
 def error_response(error: OpenAIError) -> Response:
@@ -56,26 +60,25 @@ class OpenAIApi:
         self.api_key = api_key
         self.created = int(time.time())
 
-    def app(self) -> Starlette:
-        routes = [
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route("/version", self.version, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
-        ]
+    def app(self) -> Router:
+        routes = {
+            ("/v1/completions", "POST"): self.completions,
+            ("/v1/chat/completions", "POST"): self.chat_completions,
+            ("/v1/models", "GET"): self.models,
+            ("/health", "GET"): self.health,
+            ("/version", "GET"): self.version,
+            ("/metrics", "GET"): self.metrics,
+        }
 
-        async def http_error(request: Request, exc: HTTPException) -> Response:
-            status = exc.status_code if 400 <= exc.status_code <= 599 else 500
-            what = "no such route" if status == 404 else exc.detail
-            return error_response(OpenAIError(status, f"{request.method} {request.url.path}: {what}"))
+        def unknown(request: HttpRequest, status: int) -> Response:
+            what = "no such route" if status == 404 else "this route does not take that method"
+            return error_response(OpenAIError(status, f"{request.method} {request.path}: {what}"))
 
-        return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+        return Router(routes, unknown)
 
     # ---- the API
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, request: HttpRequest) -> Response:
         try:
             self._check_key(request)
             body = decode_completion_request(await self._body(request))
@@ -87,11 +90,11 @@ class OpenAIApi:
                                   include_usage=stream_usage(body))
         if body.stream:
             return self._streaming(call, stream, echo=bool(body.echo))
-        return await self._finished(call, lambda choices, usage: completion_body(
+        return await self._finished(request, call, lambda choices, usage: completion_body(
             stream.response_id, self.model.name, stream.created, choices, usage, self.model.token_text),
             echo=bool(body.echo))
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def chat_completions(self, request: HttpRequest) -> Response:
         try:
             self._check_key(request)
             body = decode_chat_request(await self._body(request))
@@ -105,10 +108,10 @@ class OpenAIApi:
                             include_usage=stream_usage(body))
         if body.stream:
             return self._streaming(call, stream, echo=False)
-        return await self._finished(call, lambda choices, usage: chat_completion_body(
+        return await self._finished(request, call, lambda choices, usage: chat_completion_body(
             stream.response_id, self.model.name, stream.created, choices, usage, self.model.token_text), echo=False)
 
-    async def models(self, request: Request) -> Response:
+    async def models(self, request: HttpRequest) -> Response:
         try:
             self._check_key(request)
         except OpenAIError as error:
@@ -119,16 +122,16 @@ class OpenAIApi:
                 "vocab_size": model.vocab_size, "special_token_ids": model.special_token_ids}
         return json_response(encoder.encode({"object": "list", "data": [card]}))
 
-    async def health(self, request: Request) -> Response:
+    async def health(self, request: HttpRequest) -> Response:
         reply = self.server.health()
         if reply.status == "ok":
             return json_response(encoder.encode({"status": "ok"}))
         return json_response(encoder.encode({"status": reply.status, "reason": reply.reason}), 503)
 
-    async def version(self, request: Request) -> Response:
+    async def version(self, request: HttpRequest) -> Response:
         return json_response(encoder.encode({"version": version()}))
 
-    async def metrics(self, request: Request) -> Response:
+    async def metrics(self, request: HttpRequest) -> Response:
         stats = self.server.stats()
         self.server.metrics.set_stats(
             num_requests_running=stats.num_running_requests, num_requests_waiting=stats.num_waiting_requests,
@@ -136,11 +139,11 @@ class OpenAIApi:
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate, num_stage_restarts=stats.num_restarts,
             num_resumed_requests=stats.num_resumed_requests, num_guard_failed_requests=stats.num_guard_failed_requests)
         body, content_type = self.server.metrics.render()
-        return Response(body, media_type=content_type)
+        return Response(body, 200, content_type)
 
     # ---- the parts every call shares
 
-    def _check_key(self, request: Request) -> None:
+    def _check_key(self, request: HttpRequest) -> None:
         if self.api_key is None:
             return
         given = request.headers.get("authorization", "")
@@ -154,24 +157,18 @@ class OpenAIApi:
             raise OpenAIError(404, f"model {name!r} is not served here; this server serves {self.model.name!r}",
                               param="model", code="model_not_found")
 
-    async def _body(self, request: Request) -> bytes:
+    async def _body(self, request: HttpRequest) -> bytes:
         content_type = request.headers.get("content-type")
         if content_type is not None and content_type.split(";")[0].strip().lower() != JSON:
             raise OpenAIError(415, f"the request body must be JSON (Content-Type: {JSON}), got {content_type!r}",
                               type="invalid_request_error")
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise _too_large(int(declared))
-        chunks, size = [], 0
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > MAX_BODY_BYTES:
-                    raise _too_large(size)
-                chunks.append(chunk)
-        except ClientDisconnect:
+            return await request.body(MAX_BODY_BYTES)
+        except BodyTooLarge as exc:
+            raise OpenAIError(413, f"the request body of {exc.num_bytes} bytes is over this server's limit of "
+                                   f"{MAX_BODY_BYTES} bytes") from None
+        except ClientGone:
             raise OpenAIError(400, "the client closed the connection before sending the whole body") from None
-        return b"".join(chunks)
 
     def _start(self, choices: list[ChoiceRequest], body: CompletionRequest | ChatCompletionRequest) -> HttpCall:
         keep_logprobs = not body.stream
@@ -182,7 +179,7 @@ class OpenAIApi:
             raise from_pipeline_error(exc) from None
         return call
 
-    def _streaming(self, call: HttpCall, stream: CompletionStream | ChatStream, *, echo: bool) -> Response:
+    def _streaming(self, call: HttpCall, stream: CompletionStream | ChatStream, *, echo: bool) -> StreamResponse:
         async def frames() -> AsyncIterator[bytes]:
             try:
                 opened: set[int] = set()
@@ -207,13 +204,17 @@ class OpenAIApi:
             finally:
                 call.close()
 
-        return StreamingResponse(frames(), media_type=SSE_CONTENT_TYPE, headers={"Cache-Control": "no-cache"})
+        return StreamResponse(frames(), call.close, SSE_CONTENT_TYPE, [(b"cache-control", b"no-cache")])
 
-    async def _finished(self, call: HttpCall, body: Any, *, echo: bool) -> Response:
+    async def _finished(self, request: HttpRequest, call: HttpCall, body: Any, *, echo: bool) -> Response:
+        watcher = asyncio.ensure_future(until_disconnect(request.receive, call.close))
         try:
             await call.wait_finished()
         finally:
+            watcher.cancel()
             call.close()
+        if not call.finished:  # the client went away: nobody reads this answer
+            return error_response(OpenAIError(400, "the client closed the connection before the response"))
         failed = next((choice.error for choice in call.choices if choice.error is not None), None)
         if failed is not None:
             return error_response(from_pipeline_error(failed))
@@ -226,11 +227,6 @@ class OpenAIApi:
         if isinstance(choice.prompt, str):
             return choice.prompt
         return self.model.decode(list(choice.prompt))
-
-
-def _too_large(num_bytes: int) -> OpenAIError:
-    return OpenAIError(413, f"the request body of {num_bytes} bytes is over this server's limit of "
-                            f"{MAX_BODY_BYTES} bytes")
 
 
 def _error_frame(error: OpenAIError) -> bytes:

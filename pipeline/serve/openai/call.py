@@ -133,6 +133,7 @@ class HttpCall:
             self._closed = True
             self._waiting.clear()
             self.server.drop_connection(self)
+            self._changed.set()
 
     def abort(self) -> None:
         self.close()
@@ -145,8 +146,8 @@ class HttpCall:
 
     async def next_replies(self) -> list[Reply]:
         """The replies that came since the last call, waiting for one unless every choice has
-        finished (then [] means there is nothing more)."""
-        while not self._replies and not self.finished:
+        finished or the call was closed (then [] means there is nothing more)."""
+        while not self._replies and not self.finished and not self._closed:
             self._changed.clear()
             await self._changed.wait()
         replies, self._replies = self._replies, []
