@@ -8,6 +8,7 @@ PIPELINE_TEST_BACKEND=engine-thread, which runs it over the EngineThreadBackend 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -33,6 +34,8 @@ BACKEND = os.environ.get("PIPELINE_TEST_BACKEND", "real")  # "real", or a test d
 REAL_BACKEND = BACKEND == "real"
 START_TIMEOUT_S = 60.0
 # Small enough to start in seconds, large enough for 64 requests at once.
+# A small `pipeline bench` workload: outputs of 4 to 12 tokens, EOS ignored.
+WORKLOAD = ["--input-len", "8:48", "--output-len", "4:12", "--ignore-eos", "--quiet", "--seed", "3"]
 ENGINE_OPTIONS = ["--device", "cpu", "--max-model-len", "2048", "--num-kv-blocks", "512", "--block-size", "16"]
 
 
@@ -216,3 +219,11 @@ class AsyncRawConnection:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def bench(*args: str) -> dict:
+    """`pipeline bench ARGS --json -` in a process of its own; its report."""
+    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "bench", *args, "--json", "-"], capture_output=True,
+                         text=True, timeout=110, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)

@@ -2,27 +2,16 @@
 and `--compare-sync`, which starts an async and a sync daemon itself and stops both."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from live_daemon import REAL_BACKEND, LiveDaemon
+from live_daemon import REAL_BACKEND, WORKLOAD, LiveDaemon, bench
 
 from shm.naming import list_entries
 
 pytestmark = pytest.mark.timeout(120)
 
-WORKLOAD = ["--input-len", "8:48", "--output-len", "4:12", "--ignore-eos", "--quiet", "--seed", "3"]
 LATENCIES = [f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p90", "p99")]
-
-
-def bench(*args: str) -> dict:
-    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "bench", *args, "--json", "-"], capture_output=True,
-                         text=True, timeout=110, stdin=subprocess.DEVNULL)
-    assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout)
 
 
 def check_report(report: dict, num_prompts: int) -> None:

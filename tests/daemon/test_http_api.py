@@ -15,8 +15,7 @@ from urllib.parse import urlparse
 
 import openai
 import pytest
-from live_daemon import REAL_BACKEND, LiveDaemon, short_dir, start_daemon, wait_idle
-from test_bench_live import WORKLOAD, bench
+from live_daemon import REAL_BACKEND, WORKLOAD, LiveDaemon, bench, short_dir, start_daemon, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.client import Client
