@@ -38,6 +38,11 @@ class SchedulerStats:
     num_prefix_queried_tokens: int = 0  # tokens of admitted requests, each admission counted
     num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache (not computed again)
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """The share of admitted requests' tokens found in the prefix cache (0 before any)."""
+        return self.num_prefix_hit_tokens / self.num_prefix_queried_tokens if self.num_prefix_queried_tokens else 0.0
+
 
 def _greedy_fill(need: np.ndarray, budget: int) -> np.ndarray:
     """Give each entry, in order, min(need, what the budget still holds)."""

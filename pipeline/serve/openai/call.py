@@ -39,6 +39,11 @@ class Choice:
     def finished(self) -> bool:
         return self.done is not None or self.error is not None
 
+    @property
+    def prompt_key(self) -> object:
+        """Equal for choices of the same prompt."""
+        return self.prompt if isinstance(self.prompt, str) else tuple(self.prompt)
+
 
 @dataclass(slots=True)
 class Reply:
@@ -72,8 +77,7 @@ class HttpCall:
         The others start once their lead has its first token."""
         leads: dict[object, Choice] = {}
         for choice in self.choices:
-            key = choice.prompt if isinstance(choice.prompt, str) else tuple(choice.prompt)
-            lead = leads.setdefault(key, choice)
+            lead = leads.setdefault(choice.prompt_key, choice)
             if lead is not choice:
                 self._waiting.setdefault(lead.index, []).append(choice)
         try:
@@ -166,6 +170,5 @@ class HttpCall:
         seen: dict[object, int] = {}
         for choice in self.choices:
             if choice.done is not None:
-                key = choice.prompt if isinstance(choice.prompt, str) else tuple(choice.prompt)
-                seen[key] = choice.done.usage.prompt_tokens
+                seen[choice.prompt_key] = choice.done.usage.prompt_tokens
         return sum(seen.values())
