@@ -120,6 +120,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-async-scheduling", action="store_true")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--kv-connector", choices=["offload"], default=None)
+    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                        help="attention and fused-kernel path: triton (Triton kernels; CUDA) or torch; "
+                             "auto picks triton on CUDA, torch on CPU")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="never capture CUDA graphs: decode steps run eagerly on CUDA too")
     parser.add_argument("--in-process", action="store_true",
                         help="run the engine in the daemon's own process (one thread, no stage processes): for "
                              "debugging and small deployments; host work then no longer overlaps across processes")
@@ -140,7 +145,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, num_tokenizers=args.num_tokenizers,
         async_scheduling=not args.no_async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
-        kv_connector=args.kv_connector)
+        kv_connector=args.kv_connector, attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager)
 
 
 def _start(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CONNECTORS = ("offload",)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
 TOKENIZER_FILE = "tokenizer.json"
 MIN_MAILBOX_SLOTS = 3  # two steps in flight (async) plus the one being written
 MAX_TOKENIZERS = 32
@@ -50,6 +51,8 @@ class EngineConfig:
     kv_offload_num_blocks: int | None = None  # the offload connector's host pool; None: as many as the device's
     seed: int | None = None  # the runner's generator, for unseeded sampling
     mailbox_slots: int = 8  # token mailbox slots: more than the steps that can be in flight
+    attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA, torch on CPU)
+    enforce_eager: bool = False  # never capture CUDA graphs; decode runs eagerly on CUDA too
     start_timeout_s: float = 300.0  # how long the stages may take to load the model and get ready
     # Benchmarks only (tools/bench_overhead.py), not a device: no model runs; each step takes this
     # many ms of wall time on a simulated device (stages/gpu_runner/simulated.py). None: the model.
@@ -61,6 +64,7 @@ class EngineConfig:
             raise ValueError(f"model must be a checkpoint directory path (str), got {self.model!r}")
         _check_choice("device", self.device, DEVICES)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_tokenizers", "mailbox_slots"):
             check_positive(name, getattr(self, name))
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "kv_offload_num_blocks"):
@@ -73,7 +77,7 @@ class EngineConfig:
         if self.mailbox_slots < MIN_MAILBOX_SLOTS:
             raise ValueError(f"mailbox_slots must be at least {MIN_MAILBOX_SLOTS} (the steps that can be in flight "
                              f"plus one), got {self.mailbox_slots}")
-        for name in ("async_scheduling", "enable_prefix_caching"):
+        for name in ("async_scheduling", "enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.kv_connector is not None:

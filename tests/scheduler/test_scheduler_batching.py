@@ -146,6 +146,10 @@ def test_rows_freed_in_next_plan_after_last_in_flight_step_and_reused() -> None:
 def test_config_and_prompt_errors_name_the_bad_value() -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match=r"attention_backend must be one of \['auto', 'torch', 'triton'\], got 'flash'"):
+        EngineConfig(attention_backend="flash")
+    with pytest.raises(ValueError, match="enforce_eager must be True or False"):
+        EngineConfig(enforce_eager="yes")
     with pytest.raises(ValueError, match="max_model_len 256 exceeds the KV cache"):
         Scheduler(EngineConfig(block_size=16), ModelLimits(num_kv_blocks=8, max_model_len=256, vocab_size=1000))
     scheduler = Scheduler(EngineConfig(block_size=4), ModelLimits(num_kv_blocks=8, max_model_len=16, vocab_size=1000))
