@@ -1,12 +1,24 @@
-"""Fixtures for every test: a test session must leave /dev/shm as it found it."""
+"""Fixtures for every test: a test session must leave /dev/shm as it found it; `--device` chooses
+where the engine, daemon, HTTP and recovery tests run their engines (device_choice.py)."""
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
 
 import pytest
+from device_choice import DEVICE_ENV, DEVICES
 
 from shm.naming import check_instance_id, instance_of, list_entries, pid_alive, unlink_instance
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", choices=DEVICES, default="cpu",
+                     help="the device of the engines the engine, daemon, HTTP and recovery tests start (default "
+                          "cpu); with cuda and no CUDA device those tests skip")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ[DEVICE_ENV] = config.getoption("device")
 
 
 def _made_here(entry: str) -> bool:

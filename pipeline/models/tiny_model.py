@@ -29,7 +29,13 @@ PRESETS: dict[str, dict[str, int]] = {
     # ~20M parameters: the benchmark model.
     "20m": dict(hidden_size=384, num_layers=12, num_heads=6, num_kv_heads=2, head_dim=64,
                 intermediate_size=1024, vocab_size=2048, max_position_embeddings=4096),
+    # Llama-3.2-1B's shapes (1.24B parameters, tied embeddings): the GPU benchmark's model. Its
+    # tokenizer, trained on the small embedded corpus, has far fewer entries than the vocabulary.
+    "1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+               intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072),
 }
+# Presets whose lm_head is the embedding matrix, as in the model they copy (qwen2 always ties).
+TIED_PRESETS = frozenset({"1b"})
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -92,7 +98,7 @@ def train_tokenizer(vocab_size: int, seed: int = 0):
     return tokenizer
 
 
-def _config(arch: str, sizes: dict[str, int], dtype: str, rope_scaling_llama3: bool) -> dict:
+def _config(arch: str, sizes: dict[str, int], dtype: str, rope_scaling_llama3: bool, tied: bool) -> dict:
     architecture, model_type = ARCHITECTURES[arch]
     config = {
         "architectures": [architecture],
@@ -110,7 +116,7 @@ def _config(arch: str, sizes: dict[str, int], dtype: str, rope_scaling_llama3: b
         "vocab_size": sizes["vocab_size"],
         "bos_token_id": 0,
         "eos_token_id": 1,
-        "tie_word_embeddings": arch == "qwen2",
+        "tie_word_embeddings": tied,
         "torch_dtype": dtype,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
@@ -135,11 +141,13 @@ def _config(arch: str, sizes: dict[str, int], dtype: str, rope_scaling_llama3: b
     return config
 
 
-def _weights(arch: str, sizes: dict[str, int], seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
+def _weights(arch: str, sizes: dict[str, int], seed: int, dtype: torch.dtype, tied: bool,
+             device: str) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device).manual_seed(seed)
 
     def normal(*shape: int, std: float = 0.02, mean: float = 0.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * std + mean).to(dtype)
+        values = torch.randn(*shape, generator=gen, device=device).mul_(std).add_(mean)
+        return values.to(dtype).cpu()
 
     hidden, inter, head_dim = sizes["hidden_size"], sizes["intermediate_size"], sizes["head_dim"]
     q_size, kv_size = sizes["num_heads"] * head_dim, sizes["num_kv_heads"] * head_dim
@@ -167,7 +175,7 @@ def _weights(arch: str, sizes: dict[str, int], seed: int, dtype: torch.dtype) ->
         tensors[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=0.5)
         tensors[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=0.5)
     tensors["model.norm.weight"] = normal(hidden, std=0.1, mean=1.0)
-    if arch != "qwen2":  # qwen2 ties the head to the embeddings
+    if not tied:
         tensors["lm_head.weight"] = normal(vocab, hidden, std=0.1)
     return tensors
 
@@ -199,12 +207,15 @@ def make_tiny_model(
     shards: int = 1,
     dtype: str = "float32",
     rope_scaling_llama3: bool = False,
+    device: str = "cpu",
     **sizes: int,
 ) -> Path:
     """Write the checkpoint into `outdir` (created if needed) and return its path.
 
     `sizes` overrides the preset's hidden_size, num_layers, num_heads, num_kv_heads, head_dim,
-    intermediate_size, vocab_size or max_position_embeddings.
+    intermediate_size, vocab_size or max_position_embeddings. `device` is where the random
+    weights are drawn ("cuda" makes the 1b preset in seconds); the same seed draws other values on
+    another device type, so the weights are deterministic per seed and device type.
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
@@ -217,6 +228,8 @@ def make_tiny_model(
         raise ValueError(f"shards must be >= 1, got {shards}")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
     resolved = {**PRESETS[preset], **{k: v for k, v in sizes.items() if v is not None}}
     if resolved["num_heads"] % resolved["num_kv_heads"]:
         raise ValueError(f"num_heads {resolved['num_heads']} is not a multiple of num_kv_heads {resolved['num_kv_heads']}")
@@ -236,8 +249,9 @@ def make_tiny_model(
         "chat_template": CHAT_TEMPLATE,
     }, indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN}, indent=2))
-    config = _config(arch, resolved, dtype, rope_scaling_llama3)
+    tied = arch == "qwen2" or preset in TIED_PRESETS
+    config = _config(arch, resolved, dtype, rope_scaling_llama3, tied)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1], "do_sample": False}, indent=2))
-    _save_shards(_weights(arch, resolved, seed, getattr(torch, dtype)), out, shards)
+    _save_shards(_weights(arch, resolved, seed, getattr(torch, dtype), tied, device), out, shards)
     return out

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from device_choice import engine_device
 
 from pipeline.client import Client
 from pipeline.errors import DaemonNotRunning, PipelineError
@@ -36,7 +37,7 @@ START_TIMEOUT_S = 60.0
 # Small enough to start in seconds, large enough for 64 requests at once.
 # A small `pipeline bench` workload: outputs of 4 to 12 tokens, EOS ignored.
 WORKLOAD = ["--input-len", "8:48", "--output-len", "4:12", "--ignore-eos", "--quiet", "--seed", "3"]
-ENGINE_OPTIONS = ["--device", "cpu", "--max-model-len", "2048", "--num-kv-blocks", "512", "--block-size", "16"]
+ENGINE_OPTIONS = ["--max-model-len", "2048", "--num-kv-blocks", "512", "--block-size", "16"]  # and --device
 
 
 @dataclass(slots=True)
@@ -64,11 +65,12 @@ class LiveDaemon:
 
 
 def daemon_command(model: Path, socket_path: Path, extra: list[str], backend: str = BACKEND) -> list[str]:
+    options = ["--device", engine_device(), *ENGINE_OPTIONS]
     if backend == "real":
         return [sys.executable, "-m", "pipeline.cli", "start", "--model", str(model), "--socket", str(socket_path),
-                *ENGINE_OPTIONS, *extra]
+                *options, *extra]
     return [sys.executable, str(HERE / "serve_engine_thread.py"), "--backend", backend, "--model", str(model),
-            "--socket", str(socket_path), *ENGINE_OPTIONS, *extra]
+            "--socket", str(socket_path), *options, *extra]
 
 
 def wait_until_serving(socket_path: Path, process: subprocess.Popen, log_path: Path) -> None:
@@ -111,6 +113,7 @@ def start_daemon(model: Path, directory: Path, extra: list[str] | None = None, b
 
 @pytest.fixture(scope="session")
 def daemon_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    engine_device()  # with --device cuda and no CUDA device, every test of a live daemon skips here
     return make_tiny_model(tmp_path_factory.mktemp("daemon-tiny-llama"), "llama", seed=3)
 
 

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from device_choice import engine_device
 from live_daemon import REAL_BACKEND, start_daemon
 
 from pipeline.cli import main as cli_main
@@ -80,7 +81,7 @@ def test_a_failed_engine_thread_resumes_every_request_but_the_one_that_fails_it_
 
     prompts = [f"request {i}" for i in range(4)]
     long = SamplingParams(max_tokens=240, ignore_eos=True, temperature=0.0)
-    expected = LLM(daemon_model, device="cpu", max_model_len=2048, num_kv_blocks=512, block_size=16).generate(
+    expected = LLM(daemon_model, device=engine_device(), max_model_len=2048, num_kv_blocks=512, block_size=16).generate(
         prompts, long)
     daemon = start_daemon(daemon_model, run_dir, backend="engine-thread")
     try:
@@ -120,7 +121,7 @@ async def _drain(deltas: AsyncIterator[object]) -> None:
 def test_cli_status_generate_stop(daemon_model: Path, run_dir: Path) -> None:
     socket_arg = ["--socket", str(run_dir / "pipeline.sock")]
     if REAL_BACKEND:
-        started = run_cli("start", "--detach", "--model", str(daemon_model), "--device", "cpu", *socket_arg,
+        started = run_cli("start", "--detach", "--model", str(daemon_model), "--device", engine_device(), *socket_arg,
                           timeout_s=120)
         assert started.returncode == 0, started.stderr
         assert started.stdout.strip() == socket_arg[1]
@@ -151,7 +152,7 @@ def test_cli_status_generate_stop(daemon_model: Path, run_dir: Path) -> None:
 @pytest.mark.skipif(not REAL_BACKEND, reason="`pipeline start` needs the stage-process backend")
 def test_start_refuses_a_second_detached_daemon(daemon_model: Path, run_dir: Path) -> None:
     socket_arg = ["--socket", str(run_dir / "pipeline.sock")]
-    assert cli_main(["start", "--detach", "--model", str(daemon_model), "--device", "cpu", *socket_arg]) == 0
+    assert cli_main(["start", "--detach", "--model", str(daemon_model), "--device", engine_device(), *socket_arg]) == 0
     try:
         assert cli_main(["start", "--detach", "--model", str(daemon_model), *socket_arg]) == 1
     finally:

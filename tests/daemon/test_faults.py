@@ -23,6 +23,7 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
+from device_choice import engine_device
 from live_daemon import (REAL_BACKEND, AsyncRawConnection, LiveDaemon, short_dir, start_daemon, wait_for_health,
                          wait_idle)
 from poisoned_tokenizer import POISON_PROMPT
@@ -122,7 +123,7 @@ class Load:
 def load(slot: DaemonSlot) -> Load:
     """16 streams long enough to be mid-stream at the kill: greedy, seeded sampling, seeded with
     penalties, greedy with a stop string from late in its text; the offline engine's outputs."""
-    llm = LLM(slot.model, device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=4 * MAX_MODEL_LEN // 16,
+    llm = LLM(slot.model, device=engine_device(), max_model_len=MAX_MODEL_LEN, num_kv_blocks=4 * MAX_MODEL_LEN // 16,
               block_size=16)
     prompts = [f"{i}: {PROMPT}" for i in range(16)]
     params = mixed_params(llm, prompts, LOAD_TOKENS)

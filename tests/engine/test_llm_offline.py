@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from device_choice import engine_device
 
 from pipeline import LLM, RequestOutput, SamplingParams
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def llm(model: Path, **options: object) -> LLM:
-    options.setdefault("device", "cpu")
+    options.setdefault("device", engine_device())
     options.setdefault("max_model_len", 256)
     options.setdefault("num_kv_blocks", 128)
     options.setdefault("block_size", 4)

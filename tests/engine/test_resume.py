@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from device_choice import engine_device
 
 from pipeline import LLM, SamplingParams
 from pipeline.engine.loop import Engine
@@ -31,7 +32,7 @@ def token_ids(events: list[OutputEvent]) -> list[int]:
 
 
 def test_resumed_requests_continue_as_the_uninterrupted_run(tiny_llama: Path) -> None:
-    llm = LLM(tiny_llama, device="cpu", max_model_len=256, num_kv_blocks=128, block_size=4)
+    llm = LLM(tiny_llama, device=engine_device(), max_model_len=256, num_kv_blocks=128, block_size=4)
     prompt = llm.tokenize(0, "the quick brown fox")
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     probe = token_ids(run(llm.engine, {0: (prompt, greedy, [])})[0])

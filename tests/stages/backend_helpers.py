@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from device_choice import engine_device
 
 from pipeline.serve.stage_backend import StageBackend
 from stages.contracts.config import EngineConfig
@@ -15,12 +16,13 @@ from stages.contracts.params import SamplingParams
 from shm.naming import list_entries, new_instance_id
 
 MakeBackend = Callable[..., StageBackend]
-SMALL = dict(device="cpu", max_num_seqs=8, num_kv_blocks=96, block_size=4, max_model_len=128,
+SMALL = dict(max_num_seqs=8, num_kv_blocks=96, block_size=4, max_model_len=128,
              max_num_batched_tokens=64)
 
 
 def start_backend(model: Path, **options: object) -> StageBackend:
-    return StageBackend(EngineConfig(model=str(model), **{**SMALL, **options}), new_instance_id())
+    return StageBackend(EngineConfig(model=str(model), **{"device": engine_device(), **SMALL, **options}),
+                        new_instance_id())
 
 
 def assert_cleaned_up(backend: StageBackend) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from backend_helpers import MakeBackend, assert_cleaned_up, start_backend
+from device_choice import engine_device
 
 from pipeline.serve.stage_backend import StageBackend
 from pipeline.models.tiny_model import make_tiny_model
@@ -14,6 +15,7 @@ from pipeline.models.tiny_model import make_tiny_model
 
 @pytest.fixture(scope="session")
 def stage_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    engine_device()  # with --device cuda and no CUDA device, every test of a stage engine skips here
     return make_tiny_model(tmp_path_factory.mktemp("stages-tiny-llama"), "llama", seed=21)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from backend_helpers import SMALL, MakeBackend, assert_cleaned_up, collect, generate, wait_for
+from device_choice import engine_device
 from stage_procs import run_backend_then_hang
 
 from pipeline import LLM
@@ -40,7 +41,7 @@ def mixed_requests() -> tuple[list, list[SamplingParams]]:
 
 
 def llm_reference(model: Path, prompts: list, params: list[SamplingParams], **options: object) -> list:
-    llm = LLM(model=model, **{**SMALL, **options})
+    llm = LLM(model=model, **{"device": engine_device(), **SMALL, **options})
     return llm.generate(prompts, params)
 
 

@@ -71,3 +71,62 @@ def test_bench_overhead_clients_run_in_a_process_without_torch() -> None:
     run = subprocess.run([sys.executable, "-c", code, str(TOOLS)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "False"
+
+
+@pytest.mark.timeout(150)
+def test_bench_gpu_quick_measures_every_path_and_the_floor() -> None:
+    report = quick_json_report("bench_gpu.py", timeout_s=140)
+    assert report["setup"]["batches"] == [1, 4] and report["model"]["tokenizer_size"] < report["model"]["vocab_size"]
+    ours = {(r["scheduling"], r["graphs"], r["batch"]) for r in report["ours"]}
+    assert ours == {(s, g, b) for s in ("async", "sync") for g in (True, False) for b in (1, 4)}
+    for run in report["ours"]:
+        assert run["tpot_ms"] > 0 and run["num_steady_steps"] > 0
+        assert run["output_tok_s"] == pytest.approx(run["batch"] * report["setup"]["output_len"] / run["elapsed_s"])
+    assert [r["batch"] for r in report["transformers_generate"]] == [1, 4]
+    # continuous batching either ran at every batch or says why not
+    cb = report.get("transformers_continuous_batching", [])
+    assert len(cb) == 2 or any("continuous batching" in note for note in report["notes"])
+    assert report["floor"]["bandwidth_gb_s"] > 0
+    assert report["floor"]["weight_floor_ms"] == pytest.approx(
+        report["model"]["weight_bytes"] / report["floor"]["bandwidth_gb_s"] / 1e6)
+    assert report["busy"]["steps"] == 5 and report["busy"]["aten_ops_per_step"] > 0
+
+
+def test_bench_gpu_refuses_unknown_sections_and_bad_batches() -> None:
+    for args, message in ((["--sections", "floor,gpu"], "unknown ['gpu']"), (["--batches", "1,x"], "--batches")):
+        run = subprocess.run([sys.executable, str(TOOLS / "bench_gpu.py"), "--quick", *args], capture_output=True,
+                             text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert run.returncode == 2 and message in run.stderr
+
+
+def test_steady_decode_excludes_prefill_and_the_finishing_steps() -> None:
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_gpu; "
+            "print(bench_gpu.steady_step_times({'step_ends': [0.0, 5.0, 6.0, 6.5, 7.5, 9.0, 20.0], "
+            "'all_started': 1, 'first_finished': 4}))")
+    run = subprocess.run([sys.executable, "-c", code, str(TOOLS)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[1.0, 0.5, 1.0]"
+
+
+@pytest.mark.timeout(200)
+def test_gpu_check_dry_run_walks_every_phase_and_writes_the_summary(tmp_path: Path) -> None:
+    run = subprocess.run(["bash", str(TOOLS / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=190, stdin=subprocess.DEVNULL)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert summary["dry_run"] is True and summary["ok"] is True
+    phases = {p["name"]: p for p in summary["phases"]}
+    assert list(phases) == ["install", "versions", "cuda_tests", "device_tests", "bench"]
+    assert phases["install"]["status"] == phases["cuda_tests"]["status"] == "skipped"
+    assert all(phases[name]["rc"] == 0 for name in ("versions", "device_tests", "bench"))
+    # the benchmark gets what is left of the budget, so the whole run ends within 9 minutes
+    spent_before_bench = sum(p["seconds"] for p in summary["phases"][:-1])
+    assert phases["bench"]["timeout_s"] + spent_before_bench <= 9 * 60 - 5
+    assert json.loads((tmp_path / "versions.log").read_text())["torch"]
+    assert "tests collected" in (tmp_path / "device_tests.log").read_text()
+    assert json.loads((tmp_path / "bench.json").read_text())["ours"]
+
+
+def test_gpu_check_refuses_an_unknown_argument(tmp_path: Path) -> None:
+    run = subprocess.run(["bash", str(TOOLS / "gpu_check.sh"), "--fast"], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 2 and "unknown argument '--fast'" in run.stderr

@@ -1,0 +1,27 @@
+"""The device the engine, daemon, HTTP and recovery tests run their engines on: `pytest --device cpu|cuda`.
+
+tests/conftest.py puts the choice into the environment once, when pytest starts, so that these
+helpers and the processes the tests start (stage processes, test doubles) read the same one.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+DEVICE_ENV = "PIPELINE_TEST_DEVICE"
+DEVICES = ("cpu", "cuda")
+
+
+def engine_device() -> str:
+    """The engines' device in this test run; the calling test (or fixture) is skipped when it is
+    cuda and torch sees no CUDA device."""
+    device = os.environ.get(DEVICE_ENV, "cpu")
+    if device not in DEVICES:
+        raise ValueError(f"{DEVICE_ENV} must be one of {DEVICES}, got {device!r}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("--device cuda: torch sees no CUDA device here")
+    return device
