@@ -152,7 +152,10 @@ class DeviceSlotsReader:
     def close(self) -> None:
         """Release the imports. If a copy may still wait on the runner (a wait was abandoned), the
         mapping is left to the process's end rather than waited for."""
-        idle = self.copied.query()
+        try:
+            idle = self.copied.query()
+        except cuda.CudaError:  # the context is failing (the runner died mid-step): leave it to the exit
+            idle = False
         self.table = None
         for event in self.events:
             event.destroy()

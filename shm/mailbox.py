@@ -212,6 +212,7 @@ class MailboxReader:
 
             words = self._open_device_slots().copy_out(slot, num_rows, width, what=what, timeout_s=timeout_s,
                                                        check=check_runner)
+            box.check_writer(what)  # a runner that died mid-step may have let the wait through with no tokens
         else:
             words = box.host_words(slot)
         return unpack_slot(words, box.geometry, num_rows, width)
