@@ -150,16 +150,17 @@ class DeviceSlotsReader:
         return staging.numpy()
 
     def close(self) -> None:
-        """Release the imports. If a copy may still wait on the runner (a wait was abandoned), the
-        mapping is left to the process's end rather than waited for."""
+        """Release the imports. If a copy may still wait on the runner (a wait was abandoned, or the
+        runner died mid-step), they are left to the process's end rather than waited for."""
         try:
             idle = self.copied.query()
-        except cuda.CudaError:  # the context is failing (the runner died mid-step): leave it to the exit
+        except cuda.CudaError:  # the context is failing
             idle = False
         self.table = None
-        for event in self.events:
+        events, self.events = self.events, []
+        if not idle:
+            return
+        for event in events:
             event.destroy()
-        self.events = []
-        if idle:
-            self.copied.destroy()
-            cuda.close_ipc_mem_handle(self._pointer)
+        self.copied.destroy()
+        cuda.close_ipc_mem_handle(self._pointer)

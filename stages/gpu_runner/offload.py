@@ -69,6 +69,7 @@ class OffloadConnectorWorker:
             self.num_host_blocks = default_host_blocks(int(first.shape[1]), block_bytes, budget)
         self._host = torch.empty((self.num_host_blocks, *block_shape), dtype=first.dtype)
         if first.device.type == "cuda":
+            cuda_runtime.set_device(first.device.index)
             pointer = self._host.data_ptr()
             cuda_runtime.host_register(pointer, self._host.nbytes)
             self._unregister = weakref.finalize(self, cuda_runtime.host_unregister, pointer)
