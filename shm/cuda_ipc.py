@@ -58,13 +58,12 @@ class DeviceSlots:
             raise ValueError(f"mailbox {box.name!r} was made for CUDA but the runner's device is {device}")
         index = torch.cuda.current_device() if device.index is None else device.index
         device = torch.device("cuda", index)
-        table_bytes = g.num_slots * g.slot_words * 4
         with torch.cuda.device(device):
             cuda.set_device(index)
-            pointer = cuda.malloc(table_bytes)
+            pointer = cuda.malloc(g.slots_bytes)
             table = cuda.int32_tensor(pointer, (g.num_slots, g.slot_words), device)
             events = [cuda.Event.create(interprocess=True) for _ in range(g.num_slots)]
-            handles = DeviceHandles(index, table_bytes, cuda.ipc_mem_handle(pointer),
+            handles = DeviceHandles(index, g.slots_bytes, cuda.ipc_mem_handle(pointer),
                                     tuple(event.ipc_handle() for event in events))
             table.zero_()
             torch.cuda.synchronize(device)  # the zeroed table is complete before any consumer copies it

@@ -54,6 +54,11 @@ class Geometry:
         return self.max_rows * (1 + 2 * self.logprob_width)
 
     @property
+    def slots_bytes(self) -> int:
+        """Bytes of all K slots: the CPU path's data area, the CUDA path's device table."""
+        return self.num_slots * self.slot_words * 4
+
+    @property
     def logprobs_start(self) -> int:
         """Word offset of the logprob values within a slot."""
         return self.max_rows * (1 + self.logprob_width)
@@ -73,7 +78,7 @@ class Geometry:
 
     @property
     def segment_bytes(self) -> int:
-        return self.data_offset + (0 if self.cuda else self.num_slots * self.slot_words * 4)
+        return self.data_offset + (0 if self.cuda else self.slots_bytes)
 
 
 @dataclass(slots=True, frozen=True)
@@ -169,8 +174,12 @@ class Mailbox:
         if not self.handles_ready:
             raise RuntimeError(f"mailbox {self.name!r}: the runner has not exported its CUDA handles yet")
         g = self.geometry
-        return DeviceHandles.unpack(bytes(self.segment.mm[g.header_bytes:g.header_bytes + g.handles_bytes]),
-                                    g.num_slots)
+        handles = DeviceHandles.unpack(bytes(self.segment.mm[g.header_bytes:g.header_bytes + g.handles_bytes]),
+                                       g.num_slots)
+        if handles.table_bytes != g.slots_bytes:
+            raise ValueError(f"mailbox {self.name!r}: the runner's device table has {handles.table_bytes} bytes, "
+                             f"its geometry needs {g.slots_bytes}")
+        return handles
 
     def close(self) -> None:
         self.segment.close()

@@ -70,8 +70,9 @@ class FakeDeviceSlots:
         self.closed = True
 
 
-def handles(num_slots: int) -> DeviceHandles:
-    return DeviceHandles(device_index=1, table_bytes=4096, table=bytes(range(64)),
+def handles(num_slots: int, max_rows: int = 4, logprob_width: int = 2) -> DeviceHandles:
+    return DeviceHandles(device_index=1, table_bytes=num_slots * max_rows * (1 + 2 * logprob_width) * 4,
+                         table=bytes(range(64)),
                          events=tuple(bytes([slot]) * IPC_HANDLE_BYTES for slot in range(num_slots)))
 
 
@@ -120,6 +121,9 @@ def test_handles_round_trip_through_the_segment(instance: str) -> None:
     assert reader_end.handles_ready and reader_end.device_handles() == handles(3)
     with pytest.raises(ValueError, match="room for 272 bytes of handles, got 208"):
         writer_end.publish_handles(handles(2))  # another geometry's handles never land in this segment
+    writer_end.publish_handles(handles(3, max_rows=8))
+    with pytest.raises(ValueError, match="device table has 480 bytes, its geometry needs 240"):
+        reader_end.device_handles()
     writer_end.close()
     reader_end.close()
 
@@ -135,7 +139,7 @@ def test_a_cpu_mailbox_has_no_handles_area(instance: str) -> None:
     cpu = Mailbox.open(create_mailbox(instance, num_slots=2, max_rows=4, logprob_width=2, num_consumers=1,
                                       cuda=False))
     assert cpu.geometry.handles_bytes == 0 and cpu.geometry.data_offset == cpu.geometry.header_bytes
-    assert cpu.segment.size_bytes == cpu.geometry.data_offset + 2 * cpu.geometry.slot_words * 4
+    assert cpu.segment.size_bytes == cpu.geometry.data_offset + 2 * cpu.geometry.slot_words * 4 == 64 * 4 + 2 * 80  # the header lines, then the slots
     cpu.close()
 
 
