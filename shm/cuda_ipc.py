@@ -1,59 +1,52 @@
-"""The token mailbox's device side: one device table of K slots and K interprocess events.
+"""The token mailbox's device side: one device table of K slots and K interprocess events, over CUDA IPC.
 
-The runner allocates the table as one allocation of its own (so its IPC handle exposes nothing
-else) and K events created interprocess and timing-disabled, and writes their raw IPC handles
-into the mailbox segment once. Each consumer opens them once (a handle cannot be opened in the
-process that made it); per read it makes a private stream wait on the slot's event, copies the
-slot to pinned memory and synchronises a local blocking event (an imported IPC event spins in
-synchronize()). torch tensors stay views over the shared allocation.
+The runner allocates the table with cudaMalloc (an allocation of its own, so its IPC handle
+exposes nothing else, and no torch IPC ref-counter file appears in /dev/shm) and K events created
+interprocess and timing-disabled, and writes their raw 64-byte IPC handles into the mailbox
+segment once. Each consumer opens them once, at its start (a handle cannot be opened in the
+process that made it). Torch tensors stay views over the shared allocation.
+
+Per read a consumer makes a private stream wait on the slot's event, copies the slot to pinned
+memory and records a local event; it then polls that event (cudaEventQuery) with a deadline,
+checking between polls that the runner lives. It never blocks in a synchronize: a runner that
+dies with the step unfinished would leave such a call hanging.
 """
 from __future__ import annotations
 
-import struct
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+from shm import cuda_runtime as cuda
+from shm.mailbox_layout import DeviceHandles, Mailbox
+from shm.polling import poll_until
 
 if TYPE_CHECKING:
     import torch
 
-    from shm.mailbox import Mailbox
 
-HANDLE_FIELD_BYTES = 512  # room for one raw handle (CUDA IPC handles are 64 bytes)
-_HANDLE_INTS = struct.Struct("<qqqqq")  # device, size, offset, ref counter offset, event sync required
-
-
-def handles_bytes(num_slots: int) -> int:
-    """Bytes the handles take in the segment: the table's, then one per slot event."""
-    return _HANDLE_INTS.size + 3 * HANDLE_FIELD_BYTES + num_slots * HANDLE_FIELD_BYTES
+class Queryable(Protocol):
+    def query(self) -> bool:
+        """Whether the awaited device work is complete; never blocks."""
 
 
-def init_cuda() -> None:
-    """Initialise CUDA in this process now (a consumer does at start, not in its first read)."""
-    import torch
-
-    torch.cuda.init()
-
-
-def _put_bytes(mm: object, offset: int, data: bytes) -> None:
-    if len(data) > HANDLE_FIELD_BYTES - 8:
-        raise ValueError(f"a {len(data)}-byte IPC handle does not fit the mailbox's {HANDLE_FIELD_BYTES}-byte field")
-    mm[offset:offset + 8] = len(data).to_bytes(8, "little")
-    mm[offset + 8:offset + 8 + len(data)] = data
-
-
-def _get_bytes(mm: object, offset: int) -> bytes:
-    length = int.from_bytes(mm[offset:offset + 8], "little")
-    return bytes(mm[offset + 8:offset + 8 + length])
+def wait_device(event: Queryable, what: str, timeout_s: float, check: Callable[[], None]) -> None:
+    """Poll `event` until its work is complete, calling `check` (which raises when the producer
+    died) between polls; TimeoutError naming `what` once `timeout_s` has passed."""
+    poll_until(event.query, f"{what}: the device work was not complete", timeout_s, check)
 
 
 class DeviceSlots:
     """The runner's device table and slot events, exported once into the mailbox segment."""
 
-    def __init__(self, table: torch.Tensor, events: list, box: Mailbox) -> None:
+    def __init__(self, box: Mailbox, device: torch.device, pointer: int, table: torch.Tensor,
+                 events: list[cuda.Event]) -> None:
+        self.geometry = box.geometry
+        self.device = device
+        self._pointer = pointer
         self.table = table
         self.events = events
-        self.geometry = box.geometry
 
     @classmethod
     def export(cls, box: Mailbox, device: str | torch.device) -> DeviceSlots:
@@ -63,24 +56,23 @@ class DeviceSlots:
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"mailbox {box.name!r} was made for CUDA but the runner's device is {device}")
-        table = torch.zeros((g.num_slots, g.slot_words), dtype=torch.int32, device=device)
-        events = [torch.cuda.Event(enable_timing=False, interprocess=True) for _ in range(g.num_slots)]
-        (device_index, handle, size, offset, ref_handle, ref_offset, event_handle,
-         event_sync) = table.untyped_storage()._share_cuda_()
-        mm, base = box.segment.mm, g.header_bytes
-        mm[base:base + _HANDLE_INTS.size] = _HANDLE_INTS.pack(device_index, size, offset, ref_offset, int(event_sync))
-        fields = base + _HANDLE_INTS.size
-        for index, data in enumerate((handle, ref_handle, event_handle or b"")):
-            _put_bytes(mm, fields + index * HANDLE_FIELD_BYTES, bytes(data))
-        events_base = fields + 3 * HANDLE_FIELD_BYTES
-        for slot, event in enumerate(events):
-            _put_bytes(mm, events_base + slot * HANDLE_FIELD_BYTES, bytes(event.ipc_handle()))
-        torch.cuda.synchronize(device)  # the zeroed table is complete before any consumer copies it
-        box.mark_handles_ready()
-        return cls(table, events, box)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        device = torch.device("cuda", index)
+        with torch.cuda.device(device):
+            cuda.set_device(index)
+            pointer = cuda.malloc(g.slots_bytes)
+            table = cuda.int32_tensor(pointer, (g.num_slots, g.slot_words), device)
+            events = [cuda.Event.create(interprocess=True) for _ in range(g.num_slots)]
+            handles = DeviceHandles(index, g.slots_bytes, cuda.ipc_mem_handle(pointer),
+                                    tuple(event.ipc_handle() for event in events))
+            table.zero_()
+            torch.cuda.synchronize(device)  # the zeroed table is complete before any consumer copies it
+        box.publish_handles(handles)
+        return cls(box, device, pointer, table, events)
 
     def write(self, slot: int, token_ids: torch.Tensor, logprobs: torch.Tensor | None,
               logprob_token_ids: torch.Tensor | None) -> None:
+        """Copy a step's outputs into `slot` on the current stream, then record the slot's event on it."""
         import torch
 
         g = self.geometry
@@ -91,57 +83,83 @@ class DeviceSlots:
             rows, flat, start = g.max_rows, num_rows * logprobs.shape[1], g.logprobs_start
             row[rows:rows + flat].copy_(logprob_token_ids.reshape(-1), non_blocking=True)
             row[start:start + flat].copy_(logprobs.reshape(-1).to(torch.float32).view(torch.int32), non_blocking=True)
-        self.events[slot].record()  # on the runner's stream, after the copies
+        self.events[slot].record(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def close(self) -> None:
+        """Free the table and the events, once the runner's own work on them is done."""
+        import torch
+
+        torch.cuda.synchronize(self.device)  # the runner's own stream only: no consumer is waited on
+        self.table = None
+        for event in self.events:
+            event.destroy()
+        self.events = []
+        cuda.free(self._pointer)
 
 
 class DeviceSlotsReader:
-    """A consumer's imported table and events, a private copy stream and pinned staging."""
+    """A consumer's imported table and events, a private copy stream, a local event, pinned staging."""
 
-    def __init__(self, table: torch.Tensor, events: list, box: Mailbox) -> None:
+    def __init__(self, box: Mailbox, pointer: int, table: torch.Tensor, events: list[cuda.Event]) -> None:
         import torch
 
+        self.geometry = box.geometry
+        self._pointer = pointer
         self.table = table
         self.events = events
-        self.geometry = box.geometry
-        self.stream = torch.cuda.Stream(table.device)
-        self.copied = torch.cuda.Event(blocking=True)  # a local event: synchronize() sleeps, not spins
-        self.staging = torch.empty(box.geometry.slot_words, dtype=torch.int32, pin_memory=True)
+        with torch.cuda.device(table.device):
+            self.stream = torch.cuda.Stream(table.device)
+            self.copied = cuda.Event.create()  # local: polled, never synchronised
+            self.staging = torch.empty(box.geometry.slot_words, dtype=torch.int32, pin_memory=True)
 
     @classmethod
     def open(cls, box: Mailbox) -> DeviceSlotsReader:
+        """Import the runner's table and events (it must have published them)."""
         import torch
 
         g = box.geometry
-        if not box.handles_ready:
-            raise RuntimeError(f"mailbox {box.name!r}: the runner has not exported its CUDA handles yet")
-        mm, base = box.segment.mm, g.header_bytes
-        device_index, size, offset, ref_offset, event_sync = _HANDLE_INTS.unpack_from(mm, base)
-        fields = base + _HANDLE_INTS.size
-        handle, ref_handle, event_handle = (_get_bytes(mm, fields + i * HANDLE_FIELD_BYTES) for i in range(3))
-        storage = torch.UntypedStorage._new_shared_cuda(device_index, handle, size, offset, ref_handle, ref_offset,
-                                                        event_handle or None, bool(event_sync))
-        device = torch.device("cuda", device_index)
-        table = torch.empty(0, dtype=torch.int32, device=device).set_(
-            storage, 0, (g.num_slots, g.slot_words), (g.slot_words, 1))
-        events_base = fields + 3 * HANDLE_FIELD_BYTES
-        events = [torch.cuda.Event.from_ipc_handle(device, _get_bytes(mm, events_base + slot * HANDLE_FIELD_BYTES))
-                  for slot in range(g.num_slots)]
-        return cls(table, events, box)
+        handles = box.device_handles()
+        device = torch.device("cuda", handles.device_index)
+        torch.cuda.init()
+        with torch.cuda.device(device):
+            cuda.set_device(handles.device_index)
+            pointer = cuda.open_ipc_mem_handle(handles.table)
+            table = cuda.int32_tensor(pointer, (g.num_slots, g.slot_words), device)
+            events = [cuda.Event.open_ipc(handle) for handle in handles.events]
+        return cls(box, pointer, table, events)
 
-    def copy_out(self, slot: int, num_rows: int, width: int) -> np.ndarray:
-        """Slot `slot`'s words on the host, once the runner's writes to it are complete. The
-        returned array views the staging buffer: valid until the next copy_out."""
+    def copy_out(self, slot: int, num_rows: int, width: int, *, what: str, timeout_s: float,
+                 check: Callable[[], None]) -> np.ndarray:
+        """Slot `slot`'s words on the host, once the runner's writes to it are complete (awaited
+        as `wait_device` does). The returned array views the staging buffer: valid until the
+        next copy_out."""
         import torch
 
         g = self.geometry
         rows, flat, start = g.max_rows, num_rows * width, g.logprobs_start
-        row, staging = self.table[slot], self.staging
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(self.events[slot])
+        row, staging, stream = self.table[slot], self.staging, self.stream
+        cuda.stream_wait_event(stream.cuda_stream, self.events[slot])
+        with torch.cuda.stream(stream):
             staging[:num_rows].copy_(row[:num_rows], non_blocking=True)
             if width:
                 staging[rows:rows + flat].copy_(row[rows:rows + flat], non_blocking=True)
                 staging[start:start + flat].copy_(row[start:start + flat], non_blocking=True)
-            self.copied.record(self.stream)
-        self.copied.synchronize()
+        self.copied.record(stream.cuda_stream)
+        wait_device(self.copied, what, timeout_s, check)
         return staging.numpy()
+
+    def close(self) -> None:
+        """Release the imports. If a copy may still wait on the runner (a wait was abandoned, or the
+        runner died mid-step), they are left to the process's end rather than waited for."""
+        try:
+            idle = self.copied.query()
+        except cuda.CudaError:  # the context is failing
+            idle = False
+        self.table = None
+        events, self.events = self.events, []
+        if not idle:
+            return
+        for event in events:
+            event.destroy()
+        self.copied.destroy()
+        cuda.close_ipc_mem_handle(self._pointer)

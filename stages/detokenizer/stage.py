@@ -89,7 +89,7 @@ class DetokenizerLoop:
 
     def on_step(self, manifest: msg.Manifest, out: list[OutputEvent]) -> None:
         with self.manifest_range:
-            tokens = self.mailbox.read(manifest.step, manifest.slot)
+            tokens = self.mailbox.read(manifest.step, manifest.slot, check=self.ctx.tick)
             self.mailbox.release(manifest.step)
         with self.detokenize_range:
             step = self.outputs.on_step(manifest, tokens)

@@ -62,7 +62,7 @@ class RingExecutor:
         if record is None:
             return None
         step, slot, _ = msg.decode_done(record.payload)
-        data = self.mailbox.read(step, slot)
+        data = self.mailbox.read(step, slot, check=self.ctx.tick)
         self.mailbox.release(step)
         self.last_slot = slot
         return HostStepOutput(step, self._sampled_rows.popleft(), data.token_ids, data.logprobs,

@@ -2,6 +2,7 @@
 is reported instead of waited for; slot data (tokens, logprobs) arrive intact."""
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
 import time
 from collections.abc import Iterator
@@ -9,10 +10,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from stage_procs import consume, hold_forever
+from stage_procs import consume, hold_forever, produce_then_hang
 
 from shm.naming import list_entries, new_instance_id, unlink_instance
-from shm.ring import RingWriter
+from shm.ring import RingReader, RingWriter
 from shm.segment import PeerDied, RingSegment
 from shm.mailbox import MailboxReader, MailboxWriter, create_mailbox
 from stages import messages as msg
@@ -33,16 +34,22 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])])
 def test_slot_reuse_waits_for_release(instance: str, device: str) -> None:
-    """On CUDA the consumer is another process: it opens the table and events by IPC handle."""
+    """On CUDA the consumer is another process: it opens the table and events by IPC handle, at
+    its start (before it reports ready), so its reads pay for no CUDA initialisation."""
     ctx = mp.get_context("spawn")
     name = create_mailbox(instance, num_slots=2, max_rows=4, logprob_width=4, num_consumers=1, cuda=device == "cuda")
     done = RingWriter(RingSegment.create(instance, "done", 4096))
-    out = ctx.Array("q", 3 * 8)
-    gate = ctx.Event()
-    child = ctx.Process(target=consume, args=(name, done.name, 3, out, gate), daemon=True)
+    out = ctx.Array("q", 3 * 8 + 1)
+    gate, ready = ctx.Event(), ctx.Event()
+    torch_files = set(glob.glob("/dev/shm/torch_*"))
+    writer = MailboxWriter(name, device)  # exports the device handles before the consumer starts
+    # The table is an allocation of its own, shared by raw handle: no torch IPC ref-counter file.
+    assert set(glob.glob("/dev/shm/torch_*")) == torch_files
+    child = ctx.Process(target=consume, args=(name, done.name, 3, out, gate, ready), daemon=True)
     child.start()
     try:
-        writer = MailboxWriter(name, device)
+        assert ready.wait(20.0), "the consumer did not attach"
+        assert out[24] == (device == "cuda")  # the device side was opened at the consumer's start
         steps = [
             (torch.tensor([11, 12, 13], dtype=torch.int32, device=device), None, None),
             (torch.tensor([21, 22], dtype=torch.int32, device=device),
@@ -68,6 +75,40 @@ def test_slot_reuse_waits_for_release(instance: str, device: str) -> None:
         assert values[8:10] == [21, 22] and values[12:14] == [-500, -1500]
         assert values[16:20] == [31, 32, 33, 34]
         writer.close()
+    finally:
+        if child.exitcode is None:
+            child.kill()
+        child.join(5)
+        done.close()
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_a_consumer_waiting_on_a_runner_that_dies_mid_step_gets_an_error_not_a_hang(instance: str) -> None:
+    """The runner is killed while the kernel ahead of step 0's copies still runs: the consumer's
+    read, which polls its copy's event, raises (PeerDied, or the CUDA error of the torn-down
+    context) instead of blocking in a synchronize."""
+    from shm.cuda_runtime import CudaError
+
+    ctx = mp.get_context("spawn")
+    name = create_mailbox(instance, num_slots=2, max_rows=4, logprob_width=4, num_consumers=1, cuda=True)
+    done = RingReader(RingSegment.create(instance, "done", 4096))
+    exported, go = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=produce_then_hang, args=(name, done.name, exported, go), daemon=True)
+    child.start()
+    try:
+        assert exported.wait(20.0), "the runner did not export its handles"
+        reader = MailboxReader(name, 0)
+        assert reader.device_ready
+        go.set()
+        record = done.read(timeout=10.0)
+        assert record is not None, "the runner did not announce step 0"
+        step, slot, _ = msg.decode_done(record.payload)
+        child.kill()
+        child.join(5)
+        with pytest.raises((PeerDied, CudaError)):  # a TimeoutError would mean the death went unseen
+            reader.read(step, slot, timeout_s=20.0)
+        reader.close()
     finally:
         if child.exitcode is None:
             child.kill()

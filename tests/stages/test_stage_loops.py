@@ -38,6 +38,9 @@ class StubContext:
     def range(self, name: str) -> nullcontext:
         return nullcontext()
 
+    def tick(self) -> None:
+        """A loop's heartbeat (called while it waits on the mailbox): nothing to stop here."""
+
     def write(self, writer: str, kind: int, *parts: object) -> None:
         self.written.append((writer, kind, b"".join(bytes(part) for part in parts)))
 
