@@ -13,7 +13,8 @@ import torch
 pytest.importorskip("triton")
 
 from stages.gpu_runner import kernels  # noqa: E402
-from stages.gpu_runner.attention import AttentionMetadata, DecodeBatch, PrefillChunk, paged_attention  # noqa: E402
+from stages.gpu_runner.attention import (  # noqa: E402
+    AttentionMetadata, DecodeBatch, PrefillChunk, paged_attention, write_kv)
 from stages.gpu_runner.kernels.attention import decode_num_splits  # noqa: E402
 from stages.gpu_runner.kernels.loading import jit_module  # noqa: E402
 from stages.gpu_runner.model_config import RopeScaling  # noqa: E402
@@ -205,6 +206,20 @@ def test_attention_rejects_bad_inputs() -> None:
         kernels.paged_decode_attention(query, cache[:, :, :12], table, lens, SCALE)
     with pytest.raises(ValueError, match=r"query_start_loc must be int32 \[3\]"):
         kernels.paged_prefill_attention(query, cache, table, lens, _int32([0, 2]), 1, SCALE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_write_kv_and_skips_padding(dtype: torch.dtype) -> None:
+    cache = _kv_cache(6, 16, 2, dtype, seed=22)
+    expected = cache.clone()
+    generator = torch.Generator().manual_seed(23)
+    key = torch.randn(5, 2, HEAD_DIM, generator=generator).to(dtype).to(DEVICE)
+    value = torch.randn(5, 2, HEAD_DIM, generator=generator).to(dtype).to(DEVICE)
+    slots = torch.tensor([17, 3, -1, 95, 40], device=DEVICE)  # token 2 is padding
+    live = torch.tensor([0, 1, 3, 4], device=DEVICE)
+    write_kv(expected, key[live], value[live], slots[live])
+    kernels.store_kv(cache, key, value, slots)
+    assert torch.equal(cache, expected)
 
 
 # --- RMSNorm ------------------------------------------------------------------------------------------

@@ -144,3 +144,36 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
         BLOCK_SIZE=block_size, DOT_FP32=_dot_fp32(query),
     )
     return out
+
+
+def store_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write this step's K and V ([num_tokens, num_kv_heads, head_dim]) into the cache at their slots
+    (int64 [num_tokens], block_id * block_size + offset) in one launch; a token with slot -1 (a
+    static batch's padding) writes nothing. Same result as stages/gpu_runner/attention.write_kv."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got shape {tuple(kv_cache.shape)}")
+    if key.shape != value.shape or key.shape[1:] != kv_cache.shape[3:]:
+        raise ValueError(f"key and value must be [tokens, {kv_cache.shape[3]}, {kv_cache.shape[4]}], "
+                         f"got {tuple(key.shape)} and {tuple(value.shape)}")
+    if key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
+        raise ValueError(f"key/value dtype {key.dtype}/{value.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+    if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64 [{key.shape[0]}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    if key.stride(-1) != 1 or value.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("key, value and kv_cache must be contiguous in head_dim")
+    for name, tensor in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+        if tensor.device != kv_cache.device:
+            raise ValueError(f"{name} is on {tensor.device}, kv_cache on {kv_cache.device}")
+    if key.shape[0] == 0:
+        return
+    keys, values = kv_cache[0], kv_cache[1]
+    head_dim, num_kv_heads = kv_cache.shape[4], kv_cache.shape[3]
+    kernels_for("attention", kv_cache).store_kv_kernel[(key.shape[0],)](
+        key, value, keys, values, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2), num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_H=next_power_of_2(num_kv_heads),
+        BLOCK_SIZE=kv_cache.shape[2],
+    )

@@ -137,3 +137,24 @@ def prefill_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_offsets = (q_start + m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(out_ptr + out_offsets, round_to(out, out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, num_kv_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """Program (token): its K and V, every kv head, into the cache at its slot; a negative slot writes nothing."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < num_kv_heads)[:, None] & (d < HEAD_DIM)[None, :]
+    cache = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + h[:, None] * stride_ch + d[None, :]
+    key = tl.load(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    value = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + cache, key, mask=mask)
+    tl.store(v_cache_ptr + cache, value, mask=mask)
