@@ -5,6 +5,10 @@ runs every program in Python. The same cases run compiled on CUDA when a device 
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from types import SimpleNamespace
 
 import pytest
@@ -337,3 +341,32 @@ def test_load_builds_each_mode_beside_the_other() -> None:
     assert type(jit_module("attention", False).prefill_kernel).__name__ == "JITFunction"
     with pytest.raises(ValueError, match="not on device meta"):
         kernels.load("meta")
+
+
+_INTERPRETED_PROCESS = textwrap.dedent("""
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton  # Triton's own library decorated interpreted, before the kernels exist
+    import torch
+    from stages.gpu_runner import kernels
+    from stages.gpu_runner.kernels.loading import jit_module
+    from stages.gpu_runner.models.llama import RMSNorm
+    x, norm = torch.randn(3, 32), RMSNorm(32, 1e-6)
+    assert torch.allclose(kernels.rms_norm(x, norm.weight.detach(), 1e-6), norm(x), atol=1e-5)
+    table, lens = torch.arange(4, dtype=torch.int32).view(2, 2), torch.tensor([5, 0], dtype=torch.int32)
+    out = kernels.paged_decode_attention(torch.randn(2, 2, 16), torch.randn(2, 4, 16, 1, 16), table, lens, 0.25)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and out[0].abs().sum() > 0
+    try:
+        jit_module("norm", False)
+    except RuntimeError as error:
+        print(error)
+""")
+
+
+def test_cpu_kernels_run_in_a_process_that_imported_triton_interpreted() -> None:
+    """The other import order from this process's (which imported triton compiled): the CPU kernels
+    still run, and asking for compiled kernels there fails with a clear error."""
+    result = subprocess.run([sys.executable, "-c", _INTERPRETED_PROCESS], capture_output=True, text=True,
+                            timeout=120, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert result.returncode == 0, result.stderr
+    assert "triton was imported with TRITON_INTERPRET=1" in result.stdout
