@@ -229,13 +229,18 @@ def test_store_kv_matches_write_kv_and_skips_padding(dtype: torch.dtype) -> None
 # --- RMSNorm ------------------------------------------------------------------------------------------
 
 
+def _rms_norm_module(size: int, dtype: torch.dtype, generator: torch.Generator) -> RMSNorm:
+    """The model's RMSNorm with random weights, in `dtype`."""
+    norm = RMSNorm(size, 1e-6)
+    norm.weight.data = torch.randn(size, generator=generator)
+    return norm.to(dtype).to(DEVICE)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_module(dtype: torch.dtype) -> None:
     """bf16 included to the bit: the kernel rounds where the module rounds."""
     generator = torch.Generator().manual_seed(16)
-    norm = RMSNorm(48, 1e-6)
-    norm.weight.data = torch.randn(48, generator=generator)
-    norm = norm.to(dtype).to(DEVICE)
+    norm = _rms_norm_module(48, dtype, generator)
     x = torch.randn(2, 3, 48, generator=generator).to(dtype).to(DEVICE)
     with torch.no_grad():
         expected = norm(x)
@@ -263,9 +268,7 @@ def test_rms_norm_float32_weight_on_bf16_activations_promotes() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_add_rms_norm_updates_residual_in_place(dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(18)
-    norm = RMSNorm(40, 1e-6)
-    norm.weight.data = torch.randn(40, generator=generator)
-    norm = norm.to(dtype).to(DEVICE)
+    norm = _rms_norm_module(40, dtype, generator)
     x = torch.randn(6, 40, generator=generator).to(dtype).to(DEVICE)
     residual = torch.randn(6, 40, generator=generator).to(dtype).to(DEVICE)
     summed = x + residual
@@ -315,10 +318,7 @@ def test_qk_norm_rotary_matches_norm_then_rotary(dtype: torch.dtype) -> None:
     positions = torch.tensor([3, 0, 99, 42], device=DEVICE)
     q, k = _qkv(4, 4, 1, dtype, seed=20)
     generator = torch.Generator().manual_seed(21)
-    q_norm, k_norm = RMSNorm(HEAD_DIM, 1e-6), RMSNorm(HEAD_DIM, 1e-6)
-    q_norm.weight.data, k_norm.weight.data = torch.randn(HEAD_DIM, generator=generator), torch.randn(
-        HEAD_DIM, generator=generator)
-    q_norm, k_norm = q_norm.to(dtype).to(DEVICE), k_norm.to(dtype).to(DEVICE)
+    q_norm, k_norm = _rms_norm_module(HEAD_DIM, dtype, generator), _rms_norm_module(HEAD_DIM, dtype, generator)
     cos, sin = rope(positions, dtype)
     with torch.no_grad():
         expected_q, expected_k = apply_rotary(q_norm(q), cos, sin), apply_rotary(k_norm(k), cos, sin)

@@ -19,6 +19,22 @@ MASKED = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def load_kv_block(k_ptr, v_ptr, block_table, b, seq_len, kv_head, stride_kb, stride_kt, stride_kh,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The row's b-th block: keys, values [BLOCK_SIZE, BLOCK_D] (zeros past seq_len), positions, in-context mask."""
+    block_id = tl.load(block_table + b).to(tl.int64)
+    n = tl.arange(0, BLOCK_SIZE)
+    d = tl.arange(0, BLOCK_D)
+    pos = b * BLOCK_SIZE + n
+    in_context = pos < seq_len
+    offsets = block_id * stride_kb + n[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+    kv_mask = in_context[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+    return k, v, pos, in_context
+
+
+@triton.jit
 def attend_block(q, m_i, l_i, acc, k, v, valid, qk_scale, DOT_FP32: tl.constexpr):
     """One online-softmax step over a block of keys: q [M, D], k/v [N, D], valid [M, N]."""
     s = dot(q, tl.trans(k), DOT_FP32) * qk_scale
@@ -46,7 +62,6 @@ def decode_partial_kernel(
     seq_len = tl.load(seq_lens_ptr + row)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    n = tl.arange(0, BLOCK_SIZE)
     heads = kv_head * GROUP + g
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
@@ -57,14 +72,10 @@ def decode_partial_kernel(
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE)
+    block_table = block_tables_ptr + row.to(tl.int64) * stride_bt
     for b in range(first, last):
-        block_id = tl.load(block_tables_ptr + row.to(tl.int64) * stride_bt + b).to(tl.int64)
-        pos = b * BLOCK_SIZE + n
-        in_context = pos < seq_len
-        offsets = block_id * stride_kb + n[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-        kv_mask = in_context[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+        k, v, pos, in_context = load_kv_block(k_ptr, v_ptr, block_table, b, seq_len, kv_head,
+                                              stride_kb, stride_kt, stride_kh, HEAD_DIM, BLOCK_D, BLOCK_SIZE)
         m_i, l_i, acc = attend_block(q, m_i, l_i, acc, k, v, in_context[None, :], qk_scale, DOT_FP32)
     partial = (row.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
     tl.store(m_ptr + partial, m_i, mask=g_mask)
@@ -114,7 +125,6 @@ def prefill_kernel(
     kv_head = head // GROUP
     m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
-    n = tl.arange(0, BLOCK_SIZE)
     m_mask = m < q_len
     d_mask = d < HEAD_DIM
     q_pos = seq_len - q_len + m
@@ -124,14 +134,10 @@ def prefill_kernel(
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     kv_end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)  # past the tile's last query: masked
+    block_table = block_tables_ptr + row.to(tl.int64) * stride_bt
     for b in range(0, (kv_end + BLOCK_SIZE - 1) // BLOCK_SIZE):
-        block_id = tl.load(block_tables_ptr + row.to(tl.int64) * stride_bt + b).to(tl.int64)
-        pos = b * BLOCK_SIZE + n
-        in_context = pos < seq_len
-        offsets = block_id * stride_kb + n[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-        kv_mask = in_context[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+        k, v, pos, in_context = load_kv_block(k_ptr, v_ptr, block_table, b, seq_len, kv_head,
+                                              stride_kb, stride_kt, stride_kh, HEAD_DIM, BLOCK_D, BLOCK_SIZE)
         valid = (pos[None, :] <= q_pos[:, None]) & in_context[None, :]
         m_i, l_i, acc = attend_block(q, m_i, l_i, acc, k, v, valid, qk_scale, DOT_FP32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
