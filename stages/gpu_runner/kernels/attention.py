@@ -119,7 +119,8 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     """Ragged causal attention of a step's rows in one launch. query [T, num_heads, head_dim], rows
     back to back; row r's queries are tokens query_start_loc[r]..query_start_loc[r+1]-1 at positions
     seq_lens[r]-q_len_r..seq_lens[r]-1, attending its cached prefix and itself causally. Rows of one
-    token (decodes) may share the launch. max_query_len (host int) sizes the grid."""
+    token (decodes) may share the launch. max_query_len (host int) sizes the grid. Tokens past
+    query_start_loc[-1] (a padded buffer's tail) are left unwritten."""
     group, block_size, head_dim = _check_common(query, kv_cache, block_tables, seq_lens)
     num_rows, num_heads = seq_lens.shape[0], query.shape[1]
     if query_start_loc.dtype != torch.int32 or query_start_loc.shape != (num_rows + 1,):
