@@ -116,7 +116,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                             scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Ragged causal attention of a step's rows in one launch. query [T, num_heads, head_dim], rows
+    """Ragged causal attention of a step's rows in one launch (grid: rows x query tiles x kv heads). query [T, num_heads, head_dim], rows
     back to back; row r's queries are tokens query_start_loc[r]..query_start_loc[r+1]-1 at positions
     seq_lens[r]-q_len_r..seq_lens[r]-1, attending its cached prefix and itself causally. Rows of one
     token (decodes) may share the launch. max_query_len (host int) sizes the grid. Tokens past
@@ -135,14 +135,17 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     out = _output(query, out)
     if num_rows == 0 or query.shape[0] == 0:
         return out
-    block_m = max(16, min(64, next_power_of_2(max_query_len)))
+    # A tile is BLOCK_Q tokens x the kv head's query heads: 16 to 64 rows (tl.dot needs >= 16).
+    block_g = next_power_of_2(group)
+    block_m = max(16, block_g, min(64, next_power_of_2(max_query_len * block_g)))
+    block_q = block_m // block_g
     keys, values = kv_cache[0], kv_cache[1]
-    kernels_for("attention", query).prefill_kernel[(num_rows, cdiv(max_query_len, block_m), num_heads)](
+    kernels_for("attention", query).prefill_kernel[(num_rows, cdiv(max_query_len, block_q), kv_cache.shape[3])](
         query, keys, values, out, block_tables, seq_lens, query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0), scale * math.log2(math.e),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_M=block_m,
-        BLOCK_SIZE=block_size, DOT_FP32=_dot_fp32(query),
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)),
+        BLOCK_Q=block_q, BLOCK_SIZE=block_size, DOT_FP32=_dot_fp32(query),
     )
     return out
 
