@@ -248,7 +248,7 @@ def steady_step_times(record: dict[str, Any]) -> list[float]:
     ends, first, last = record["step_ends"], record["all_started"], record["first_finished"]
     if first is None or last is None:
         return []
-    return [b - a for a, b in zip(ends[first:last], ends[first + 1:last])]
+    return [b - a for a, b in zip(ends[first:last], ends[first + 1:last + 1])]
 
 
 def run_ours(llm: LLM, setup: Setup, batch: int, tokenizer_size: int, scheduling: str, graphs: bool) -> OursRun:

@@ -73,9 +73,8 @@ def test_bench_overhead_clients_run_in_a_process_without_torch() -> None:
     assert run.stdout.strip() == "False"
 
 
-@pytest.mark.timeout(150)
-def test_bench_gpu_quick_measures_every_path_and_the_floor() -> None:
-    report = quick_json_report("bench_gpu.py", timeout_s=140)
+def check_quick_gpu_bench(report: dict) -> None:
+    """What bench_gpu.py --quick reports: every path of ours, transformers beside it, the floor, the busy share."""
     assert report["setup"]["batches"] == [1, 4] and report["model"]["tokenizer_size"] < report["model"]["vocab_size"]
     ours = {(r["scheduling"], r["graphs"], r["batch"]) for r in report["ours"]}
     assert ours == {(s, g, b) for s in ("async", "sync") for g in (True, False) for b in (1, 4)}
@@ -124,7 +123,8 @@ def test_gpu_check_dry_run_walks_every_phase_and_writes_the_summary(tmp_path: Pa
     assert phases["bench"]["timeout_s"] + spent_before_bench <= 9 * 60 - 5
     assert json.loads((tmp_path / "versions.log").read_text())["torch"]
     assert "tests collected" in (tmp_path / "device_tests.log").read_text()
-    assert json.loads((tmp_path / "bench.json").read_text())["ours"]
+    # the dry run's benchmark is bench_gpu.py --quick, whole
+    check_quick_gpu_bench(json.loads((tmp_path / "bench.json").read_text()))
 
 
 def test_gpu_check_refuses_an_unknown_argument(tmp_path: Path) -> None:
