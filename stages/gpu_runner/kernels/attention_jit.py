@@ -1,0 +1,139 @@
+"""Triton kernels of paged attention: split-KV decode (partial + reduce) and ragged causal prefill.
+
+Loaded through kernels.loading, never imported directly. Softmax runs in base 2 on scores
+pre-multiplied by scale * log2(e). Masked scores are a large negative finite number, not -inf,
+so a tile or split with nothing to attend yields zero weight instead of NaN.
+"""
+import triton
+import triton.language as tl
+
+from stages.gpu_runner.kernels.loading import jit_module_in_loading_mode
+
+_common = jit_module_in_loading_mode("common")
+round_to = _common.round_to
+dot = _common.dot
+sum_over = _common.sum_over
+max_over = _common.max_over
+
+MASKED = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def attend_block(q, m_i, l_i, acc, k, v, valid, qk_scale, DOT_FP32: tl.constexpr):
+    """One online-softmax step over a block of keys: q [M, D], k/v [N, D], valid [M, N]."""
+    s = dot(q, tl.trans(k), DOT_FP32) * qk_scale
+    s = tl.where(valid, s, MASKED)
+    m_new = tl.maximum(m_i, max_over(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + sum_over(p, 1)
+    acc = acc * alpha[:, None] + dot(round_to(p, v.dtype), v, DOT_FP32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def decode_partial_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, m_ptr, l_ptr, acc_ptr,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+    qk_scale, num_heads, blocks_per_split,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Program (row, kv head, split): every query head of the kv head over the split's blocks."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + row)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_SIZE)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], MASKED, tl.float32)
+    l_i = tl.full([BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE)
+    for b in range(first, last):
+        block_id = tl.load(block_tables_ptr + row.to(tl.int64) * stride_bt + b).to(tl.int64)
+        pos = b * BLOCK_SIZE + n
+        in_context = pos < seq_len
+        offsets = block_id * stride_kb + n[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+        kv_mask = in_context[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+        m_i, l_i, acc = attend_block(q, m_i, l_i, acc, k, v, in_context[None, :], qk_scale, DOT_FP32)
+    partial = (row.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+    tl.store(m_ptr + partial, m_i, mask=g_mask)
+    tl.store(l_ptr + partial, l_i, mask=g_mask)
+    tl.store(acc_ptr + partial[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def decode_reduce_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, stride_ot, stride_oh, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Program (row, head): merge the splits' partial softmaxes. A row with no keys gets zeros."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    d_mask = d < HEAD_DIM
+    partial = (row.to(tl.int64) * num_heads + head) * NUM_SPLITS + s
+    m = tl.load(m_ptr + partial, mask=s_mask, other=MASKED)
+    l = tl.load(l_ptr + partial, mask=s_mask, other=0.0)
+    acc = tl.load(acc_ptr + partial[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    weight = tl.exp2(m - max_over(m, 0))
+    total = sum_over(l * weight, 0)
+    out = sum_over(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    out_ptrs = out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + d
+    tl.store(out_ptrs, round_to(out, out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Program (row, query tile, head): causal attention of BLOCK_M of the row's queries."""
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + row)
+    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + row)
+    kv_head = head // GROUP
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_SIZE)
+    m_mask = m < q_len
+    d_mask = d < HEAD_DIM
+    q_pos = seq_len - q_len + m
+    q_offsets = (q_start + m).to(tl.int64)[:, None] * stride_qt + head * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], MASKED, tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    kv_end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)  # past the tile's last query: masked
+    for b in range(0, (kv_end + BLOCK_SIZE - 1) // BLOCK_SIZE):
+        block_id = tl.load(block_tables_ptr + row.to(tl.int64) * stride_bt + b).to(tl.int64)
+        pos = b * BLOCK_SIZE + n
+        in_context = pos < seq_len
+        offsets = block_id * stride_kb + n[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+        kv_mask = in_context[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+        valid = (pos[None, :] <= q_pos[:, None]) & in_context[None, :]
+        m_i, l_i, acc = attend_block(q, m_i, l_i, acc, k, v, valid, qk_scale, DOT_FP32)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_offsets = (q_start + m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(out_ptr + out_offsets, round_to(out, out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
