@@ -56,14 +56,12 @@ def _decode_plan(step: int, batch: int, position: int) -> StepPlan:
                     num_new_blocks=np.zeros(batch, np.int32), new_block_ids=np.zeros(0, np.int32))
 
 
-def _prefilled_runner(model_dir: Path, batch: int, steps: int, **options: object) -> ModelRunner:
-    """A runner whose `batch` rows hold a PROMPT_LEN-token prompt each, prefilled, with blocks for `steps` more."""
+def bench_ours(model_dir: Path, batch: int, steps: int) -> tuple[float, list[int]]:
     total = PROMPT_LEN + steps + 1
     blocks_per_row = -(-total // BLOCK_SIZE)
     runner = ModelRunner(EngineConfig(
         model=str(model_dir), device="cpu", max_num_seqs=batch, max_model_len=total + BLOCK_SIZE,
-        num_kv_blocks=batch * blocks_per_row, block_size=BLOCK_SIZE, max_num_batched_tokens=max(batch * PROMPT_LEN, 8192),
-        **options.pop("config", {})), **options)
+        num_kv_blocks=batch * blocks_per_row, block_size=BLOCK_SIZE, max_num_batched_tokens=max(batch * PROMPT_LEN, 8192)))
     prompts = _prompts(batch)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     prefill = StepPlan(
@@ -75,11 +73,6 @@ def _prefilled_runner(model_dir: Path, batch: int, steps: int, **options: object
         num_new_blocks=np.full(batch, blocks_per_row, np.int32),
         new_block_ids=np.arange(batch * blocks_per_row, dtype=np.int32))
     runner.execute(prefill).to_host()
-    return runner
-
-
-def bench_ours(model_dir: Path, batch: int, steps: int) -> tuple[float, list[int]]:
-    runner = _prefilled_runner(model_dir, batch, steps)
     runner.execute(_decode_plan(1, batch, PROMPT_LEN)).to_host()  # warm-up step, not timed
     start = time.perf_counter()
     for i in range(steps):
@@ -167,8 +160,26 @@ def _launches(events) -> tuple[int, int]:
 
 
 def count_launches(model_dir: Path, batch: int, backend: str, static: bool) -> dict[str, int]:
-    """Launches of one greedy decode step at `batch` (after a warm-up step)."""
-    runner = _prefilled_runner(model_dir, batch, 2, config={"attention_backend": backend}, static_decode=static)
+    """Launches of one greedy decode step at `batch` (after a warm-up step). The KV cache is left
+    empty (the prompts are admitted, not prefilled): what a step launches does not depend on it,
+    and the interpreted Triton prefill would take minutes."""
+    blocks_per_row = -(-(PROMPT_LEN + 3) // BLOCK_SIZE)
+    runner = ModelRunner(EngineConfig(
+        model=str(model_dir), device="cpu", max_num_seqs=batch, max_model_len=blocks_per_row * BLOCK_SIZE,
+        num_kv_blocks=batch * blocks_per_row, block_size=BLOCK_SIZE, attention_backend=backend),
+        static_decode=static)
+    prompts = _prompts(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    admit = _decode_plan(0, batch, 0)
+    admit.rows = admit.rows[:0]
+    admit.num_computed_tokens, admit.num_scheduled_tokens = admit.rows.copy(), admit.rows.copy()
+    admit.sample, admit.num_new_blocks = np.zeros(0, bool), admit.rows.copy()
+    admit.new_requests = [NewRequest(req_id=r, row=r, token_ids=prompts[r], num_prompt_tokens=PROMPT_LEN,
+                                     params=params) for r in range(batch)]
+    runner.execute(admit)
+    warm_up = _decode_plan(1, batch, PROMPT_LEN)  # every row's blocks come with it
+    warm_up.num_new_blocks = np.full(batch, blocks_per_row, np.int32)
+    warm_up.new_block_ids = np.arange(batch * blocks_per_row, dtype=np.int32)
     if backend == "triton":
         _counted_kernels(runner)
     forward = runner._static_decode_forward
@@ -179,7 +190,7 @@ def count_launches(model_dir: Path, batch: int, backend: str, static: bool) -> d
 
     if runner.decode_graphs is not None:
         runner.decode_graphs.forward = marked_forward
-    runner.execute(_decode_plan(1, batch, PROMPT_LEN)).to_host()
+    runner.execute(warm_up).to_host()
     runner.copy_to_host = False  # as in the runner stage, where the mailbox carries the tokens
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         runner.execute(_decode_plan(2, batch, PROMPT_LEN + 1))

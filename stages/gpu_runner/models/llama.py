@@ -122,10 +122,11 @@ class LlamaFamilyModel(nn.Module):
             x, residual = layer(x, residual, backend, rope, kv_cache, meta)
         return x + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] of the tokens to sample from -> float32 logits [n, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [n, hidden] of the tokens to sample from -> float32 logits [n, vocab] (into `out` if given)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(self.backend.rms_norm(hidden, self.norm.weight, self.norm.eps), weight.t()).float()
+        logits = torch.matmul(self.backend.rms_norm(hidden, self.norm.weight, self.norm.eps), weight.t())
+        return logits.float() if out is None else out.copy_(logits)
 
     def expected_hf_tensors(self) -> dict[str, tuple[int, ...]]:
         """Checkpoint tensor name -> shape, for every tensor the checkpoint must provide."""
