@@ -39,8 +39,8 @@ class SyncCheckedRunner(ModelRunner):
 
 @pytest.mark.parametrize("sampling", [False, True])
 def test_steps_run_without_host_synchronisation(tiny_checkpoint, sampling):
-    runner = SyncCheckedRunner(tiny_checkpoint("qwen3"), device="cuda", dtype="float32", num_kv_blocks=64,
-                               max_num_seqs=4)
+    runner = SyncCheckedRunner(EngineConfig(model=str(tiny_checkpoint("qwen3")), device="cuda", dtype="float32",
+                                            num_kv_blocks=64, max_num_seqs=4))
     got = run_requests(runner, requests(sampling), token_budget=32, async_mode=True)
     assert [len(t) for t in got] == [12, 12, 12]
 
