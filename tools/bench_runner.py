@@ -114,6 +114,7 @@ _NO_LAUNCH = {
     "aten::unbind", "aten::flatten", "aten::unflatten", "aten::empty", "aten::empty_strided", "aten::empty_like",
     "aten::resize_", "aten::lift_fresh", "aten::_unsafe_view", "aten::view_as", "aten::contiguous",
     "aten::chunk", "aten::set_", "aten::result_type", "aten::is_nonzero", "aten::_local_scalar_dense",
+    "aten::to",  # a no-op when the dtype already matches; when it converts, its aten::_to_copy counts
 }
 _KERNEL_LAUNCHES = {"paged_decode_attention": 2, "paged_prefill_attention": 1, "rms_norm": 1,
                     "fused_add_rms_norm": 1, "rotary_embedding_": 1, "qk_norm_rotary_": 1}

@@ -98,16 +98,16 @@ class ModelRunner:
             static_decode = self.device.type == "cuda"
         self.static: StaticDecodeInputs | None = None
         self.decode_graphs: DecodeGraphs | None = None
-        self._decode_logits: torch.Tensor | None = None
         if static_decode:
             self.static = StaticDecodeInputs(self.batch, scratch_slot=num_kv_blocks * self.block_size)
             # Only the triton kernels read nothing but the static buffers (the torch backend sizes
             # its key gather by the step's longest context), so only they are captured.
             capture = (self.device.type == "cuda" and not config.enforce_eager
                        and resolve_attention_backend(config.attention_backend, self.device) == "triton")
-            # Captured graphs keep their outputs alive: the logits of every bucket share one buffer.
-            self._decode_logits = (torch.empty(self.max_num_seqs, self.vocab_size, dtype=torch.float32,
-                                               device=self.device) if capture else None)
+            # One logits buffer for every bucket: captured graphs keep their outputs alive (and the
+            # eager path runs the same code).
+            self._decode_logits = torch.empty(self.max_num_seqs, self.vocab_size, dtype=torch.float32,
+                                              device=self.device)
             self.decode_graphs = DecodeGraphs(self._static_decode_forward, self.static.buckets, self.device,
                                               capture=capture)
 
@@ -189,8 +189,7 @@ class ModelRunner:
         input_ids = static.token_table.view(-1).index_select(0, static.gather_index[:num_rows])
         meta = self.attention_backend.static_decode_metadata(static, num_rows, max_context)
         hidden = self.model(input_ids, static.positions[:num_rows], self._kv_storage, meta)
-        logits = self.model.compute_logits(hidden, out=None if self._decode_logits is None
-                                           else self._decode_logits[:num_rows])
+        logits = self.model.compute_logits(hidden, out=self._decode_logits[:num_rows])
         greedy = logits.argmax(dim=-1).to(torch.int32)
         static.token_table.view(-1).index_copy_(0, static.sampled_index[:num_rows], greedy)
         return logits, greedy

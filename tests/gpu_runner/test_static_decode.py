@@ -109,3 +109,15 @@ def test_decode_inputs_are_read_from_the_device_token_table(tiny_checkpoint):
     assert next_token(True, 77) == next_token(False, 77)
     assert next_token(True, 77) != next_token(True, None) or next_token(True, 300) != next_token(True, None)
 
+
+
+def test_decode_graphs_need_a_cuda_device_to_capture():
+    from stages.gpu_runner.decode_graphs import DecodeGraphs
+
+    calls = []
+    graphs = DecodeGraphs(lambda rows, context: calls.append((rows, context)) or (), [1, 2], torch.device("cpu"),
+                          capture=False)
+    graphs.run(2, 17)
+    assert calls == [(2, 17)] and not graphs.captured  # eager: the forward runs at every step
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, got cpu"):
+        DecodeGraphs(lambda rows, context: (), [1], torch.device("cpu"), capture=True)
