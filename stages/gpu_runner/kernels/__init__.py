@@ -1,4 +1,4 @@
-"""Triton kernels of the GPU runner: paged attention, RMSNorm, rotary; compiled on CUDA, interpreted on CPU.
+"""Triton kernels of the GPU runner: paged attention, KV store, RMSNorm, rotary; compiled on CUDA, interpreted on CPU.
 
 The runner calls `load(device)` once: it builds the kernels in the device's mode (see
 loading.py for why the mode is fixed when they are defined) and returns them together. The
@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from stages.gpu_runner.kernels.attention import paged_decode_attention, paged_prefill_attention
+from stages.gpu_runner.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
 from stages.gpu_runner.kernels.loading import interpreted, jit_module
 from stages.gpu_runner.kernels.norm import fused_add_rms_norm, rms_norm
 from stages.gpu_runner.kernels.rotary import qk_norm_rotary_, rotary_embedding_
@@ -25,6 +25,7 @@ class Kernels:
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding_: Callable[..., None]
     qk_norm_rotary_: Callable[..., None]
+    store_kv: Callable[..., None]
 
 
 def load(device: torch.device | str) -> Kernels:
@@ -33,8 +34,8 @@ def load(device: torch.device | str) -> Kernels:
     for name in ("attention", "norm", "rotary"):
         jit_module(name, interpret)
     return Kernels(paged_decode_attention, paged_prefill_attention, rms_norm, fused_add_rms_norm,
-                   rotary_embedding_, qk_norm_rotary_)
+                   rotary_embedding_, qk_norm_rotary_, store_kv)
 
 
 __all__ = ["Kernels", "load", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
-           "fused_add_rms_norm", "rotary_embedding_", "qk_norm_rotary_"]
+           "fused_add_rms_norm", "rotary_embedding_", "qk_norm_rotary_", "store_kv"]

@@ -116,10 +116,11 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                             scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Ragged causal attention of a step's rows in one launch. query [T, num_heads, head_dim], rows
+    """Ragged causal attention of a step's rows in one launch (grid: rows x query tiles x kv heads). query [T, num_heads, head_dim], rows
     back to back; row r's queries are tokens query_start_loc[r]..query_start_loc[r+1]-1 at positions
     seq_lens[r]-q_len_r..seq_lens[r]-1, attending its cached prefix and itself causally. Rows of one
-    token (decodes) may share the launch. max_query_len (host int) sizes the grid."""
+    token (decodes) may share the launch. max_query_len (host int) sizes the grid. Tokens past
+    query_start_loc[-1] (a padded buffer's tail) are left unwritten."""
     group, block_size, head_dim = _check_common(query, kv_cache, block_tables, seq_lens)
     num_rows, num_heads = seq_lens.shape[0], query.shape[1]
     if query_start_loc.dtype != torch.int32 or query_start_loc.shape != (num_rows + 1,):
@@ -134,13 +135,49 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     out = _output(query, out)
     if num_rows == 0 or query.shape[0] == 0:
         return out
-    block_m = max(16, min(64, next_power_of_2(max_query_len)))
+    # A tile is BLOCK_Q tokens x the kv head's query heads: 16 to 64 rows (tl.dot needs >= 16).
+    block_g = next_power_of_2(group)
+    block_m = max(16, block_g, min(64, next_power_of_2(max_query_len * block_g)))
+    block_q = block_m // block_g
     keys, values = kv_cache[0], kv_cache[1]
-    kernels_for("attention", query).prefill_kernel[(num_rows, cdiv(max_query_len, block_m), num_heads)](
+    kernels_for("attention", query).prefill_kernel[(num_rows, cdiv(max_query_len, block_q), kv_cache.shape[3])](
         query, keys, values, out, block_tables, seq_lens, query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0), scale * math.log2(math.e),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_M=block_m,
-        BLOCK_SIZE=block_size, DOT_FP32=_dot_fp32(query),
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)),
+        BLOCK_Q=block_q, BLOCK_SIZE=block_size, DOT_FP32=_dot_fp32(query),
     )
     return out
+
+
+def store_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write this step's K and V ([num_tokens, num_kv_heads, head_dim]) into the cache at their slots
+    (int64 [num_tokens], block_id * block_size + offset) in one launch; a token with slot -1 (a
+    static batch's padding) writes nothing. Same result as stages/gpu_runner/attention.write_kv."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got shape {tuple(kv_cache.shape)}")
+    if key.shape != value.shape or key.shape[1:] != kv_cache.shape[3:]:
+        raise ValueError(f"key and value must be [tokens, {kv_cache.shape[3]}, {kv_cache.shape[4]}], "
+                         f"got {tuple(key.shape)} and {tuple(value.shape)}")
+    if key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
+        raise ValueError(f"key/value dtype {key.dtype}/{value.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+    if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64 [{key.shape[0]}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    if key.stride(-1) != 1 or value.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("key, value and kv_cache must be contiguous in head_dim")
+    for name, tensor in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+        if tensor.device != kv_cache.device:
+            raise ValueError(f"{name} is on {tensor.device}, kv_cache on {kv_cache.device}")
+    if key.shape[0] == 0:
+        return
+    keys, values = kv_cache[0], kv_cache[1]
+    head_dim, num_kv_heads = kv_cache.shape[4], kv_cache.shape[3]
+    kernels_for("attention", kv_cache).store_kv_kernel[(key.shape[0],)](
+        key, value, keys, values, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2), num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_H=next_power_of_2(num_kv_heads),
+        BLOCK_SIZE=kv_cache.shape[2],
+    )

@@ -19,6 +19,22 @@ MASKED = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def load_kv_block(k_ptr, v_ptr, block_table, b, seq_len, kv_head, stride_kb, stride_kt, stride_kh,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The row's b-th block: keys, values [BLOCK_SIZE, BLOCK_D] (zeros past seq_len), positions, in-context mask."""
+    block_id = tl.load(block_table + b).to(tl.int64)
+    n = tl.arange(0, BLOCK_SIZE)
+    d = tl.arange(0, BLOCK_D)
+    pos = b * BLOCK_SIZE + n
+    in_context = pos < seq_len
+    offsets = block_id * stride_kb + n[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+    kv_mask = in_context[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+    return k, v, pos, in_context
+
+
+@triton.jit
 def attend_block(q, m_i, l_i, acc, k, v, valid, qk_scale, DOT_FP32: tl.constexpr):
     """One online-softmax step over a block of keys: q [M, D], k/v [N, D], valid [M, N]."""
     s = dot(q, tl.trans(k), DOT_FP32) * qk_scale
@@ -46,7 +62,6 @@ def decode_partial_kernel(
     seq_len = tl.load(seq_lens_ptr + row)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    n = tl.arange(0, BLOCK_SIZE)
     heads = kv_head * GROUP + g
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
@@ -57,14 +72,10 @@ def decode_partial_kernel(
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE)
+    block_table = block_tables_ptr + row.to(tl.int64) * stride_bt
     for b in range(first, last):
-        block_id = tl.load(block_tables_ptr + row.to(tl.int64) * stride_bt + b).to(tl.int64)
-        pos = b * BLOCK_SIZE + n
-        in_context = pos < seq_len
-        offsets = block_id * stride_kb + n[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-        kv_mask = in_context[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+        k, v, pos, in_context = load_kv_block(k_ptr, v_ptr, block_table, b, seq_len, kv_head,
+                                              stride_kb, stride_kt, stride_kh, HEAD_DIM, BLOCK_D, BLOCK_SIZE)
         m_i, l_i, acc = attend_block(q, m_i, l_i, acc, k, v, in_context[None, :], qk_scale, DOT_FP32)
     partial = (row.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
     tl.store(m_ptr + partial, m_i, mask=g_mask)
@@ -99,41 +110,61 @@ def decode_reduce_kernel(
 def prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    """Program (row, query tile, head): causal attention of BLOCK_M of the row's queries."""
+    """Program (row, query tile, kv head): causal attention of BLOCK_Q of the row's queries for every
+    query head of the kv head, so each key block is read once per group. Tile row i is query
+    token i // BLOCK_G of the tile, head i % BLOCK_G of the group."""
     row = tl.program_id(0)
     tile = tl.program_id(1)
-    head = tl.program_id(2)
+    kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + row)
     q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
-    if tile * BLOCK_M >= q_len:
+    if tile * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + row)
-    kv_head = head // GROUP
-    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    i = tl.arange(0, BLOCK_Q * BLOCK_G)
+    token = tile * BLOCK_Q + i // BLOCK_G
+    g = i % BLOCK_G
+    heads = kv_head * GROUP + g
     d = tl.arange(0, BLOCK_D)
-    n = tl.arange(0, BLOCK_SIZE)
-    m_mask = m < q_len
+    m_mask = (token < q_len) & (g < GROUP)
     d_mask = d < HEAD_DIM
-    q_pos = seq_len - q_len + m
-    q_offsets = (q_start + m).to(tl.int64)[:, None] * stride_qt + head * stride_qh + d[None, :]
+    q_pos = seq_len - q_len + token
+    q_offsets = (q_start + token).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    m_i = tl.full([BLOCK_M], MASKED, tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
-    kv_end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)  # past the tile's last query: masked
+    m_i = tl.full([BLOCK_Q * BLOCK_G], MASKED, tl.float32)
+    l_i = tl.full([BLOCK_Q * BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_Q * BLOCK_G, BLOCK_D], 0.0, tl.float32)
+    kv_end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_Q)  # past the tile's last query: masked
+    block_table = block_tables_ptr + row.to(tl.int64) * stride_bt
     for b in range(0, (kv_end + BLOCK_SIZE - 1) // BLOCK_SIZE):
-        block_id = tl.load(block_tables_ptr + row.to(tl.int64) * stride_bt + b).to(tl.int64)
-        pos = b * BLOCK_SIZE + n
-        in_context = pos < seq_len
-        offsets = block_id * stride_kb + n[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-        kv_mask = in_context[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+        k, v, pos, in_context = load_kv_block(k_ptr, v_ptr, block_table, b, seq_len, kv_head,
+                                              stride_kb, stride_kt, stride_kh, HEAD_DIM, BLOCK_D, BLOCK_SIZE)
         valid = (pos[None, :] <= q_pos[:, None]) & in_context[None, :]
         m_i, l_i, acc = attend_block(q, m_i, l_i, acc, k, v, valid, qk_scale, DOT_FP32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out_offsets = (q_start + m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
+    out_offsets = (q_start + token).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(out_ptr + out_offsets, round_to(out, out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, num_kv_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """Program (token): its K and V, every kv head, into the cache at its slot; a negative slot writes nothing."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < num_kv_heads)[:, None] & (d < HEAD_DIM)[None, :]
+    cache = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + h[:, None] * stride_ch + d[None, :]
+    key = tl.load(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    value = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + cache, key, mask=mask)
+    tl.store(v_cache_ptr + cache, value, mask=mask)

@@ -49,9 +49,12 @@ def jit_module(name: str, interpret: bool) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    sys.modules[module_name] = module
     try:
-        sys.modules[module_name] = module
         spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]
