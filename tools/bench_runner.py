@@ -117,7 +117,7 @@ _NO_LAUNCH = {
     "aten::to",  # a no-op when the dtype already matches; when it converts, its aten::_to_copy counts
 }
 _KERNEL_LAUNCHES = {"paged_decode_attention": 2, "paged_prefill_attention": 1, "rms_norm": 1,
-                    "fused_add_rms_norm": 1, "rotary_embedding_": 1, "qk_norm_rotary_": 1}
+                    "fused_add_rms_norm": 1, "rotary_embedding_": 1, "qk_norm_rotary_": 1, "store_kv": 1}
 _FORWARD_RANGE = "static_decode_forward"
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.gpu_runner.backend import StepLayout
+from stages.gpu_runner.models.norm import rms_norm
 from stages.gpu_runner.models.rotary import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
@@ -192,11 +193,7 @@ class TorchBackend:
         return self.rotary(self.rms_norm(query, q_weight, eps), self.rms_norm(key, k_weight, eps), rope)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as transformers does: the same
-        # rounding keeps low-precision outputs token-identical to the reference.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * x32.to(x.dtype)
+        return rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:

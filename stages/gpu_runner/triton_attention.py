@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from stages.gpu_runner.attention import write_kv
 from stages.gpu_runner.backend import StepLayout
 from stages.gpu_runner.models.rotary import RotaryEmbedding
 
@@ -94,7 +93,7 @@ class TritonBackend:
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                   meta: TritonMetadata, scale: float) -> torch.Tensor:
-        write_kv(kv_cache, key, value, meta.slot_mapping)
+        self.kernels.store_kv(kv_cache, key, value, meta.slot_mapping)
         if meta.query_start_loc is None:
             return self.kernels.paged_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale)
         return self.kernels.paged_prefill_attention(query, kv_cache, meta.block_tables, meta.seq_lens,

@@ -14,16 +14,8 @@ from torch import nn
 from stages.gpu_runner.attention import TorchBackend
 from stages.gpu_runner.backend import AttentionBackend
 from stages.gpu_runner.model_config import ModelConfig
+from stages.gpu_runner.models.norm import RMSNorm
 from stages.gpu_runner.models.rotary import RotaryEmbedding
-
-
-class RMSNorm(nn.Module):
-    """The weight and eps of an RMSNorm; the backend computes it."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
 
 
 class Attention(nn.Module):
