@@ -121,3 +121,14 @@ def test_decode_graphs_need_a_cuda_device_to_capture():
     assert calls == [(2, 17)] and not graphs.captured  # eager: the forward runs at every step
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, got cpu"):
         DecodeGraphs(lambda rows, context: (), [1], torch.device("cpu"), capture=True)
+
+
+def test_auto_attention_backend_is_triton_on_cuda_and_torch_on_cpu(tiny_checkpoint):
+    from stages.gpu_runner.backend import resolve_attention_backend
+
+    assert resolve_attention_backend("auto", torch.device("cuda")) == "triton"
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_attention_backend("triton", torch.device("cpu")) == "triton"
+    assert make_runner(tiny_checkpoint("llama"), num_kv_blocks=16).attention_backend.name == "torch"
+    with pytest.raises(ValueError, match="needs a block_size that is a power of two >= 16, got 8"):
+        make_runner(tiny_checkpoint("llama"), num_kv_blocks=16, block_size=8, attention_backend="triton")
