@@ -12,13 +12,26 @@ their keys padded to the longest context among them and masked (one fused SDPA c
 without repeating keys); longer prefill chunks are
 attended row by row, each against its own cached prefix plus itself, causally. Everything here
 is sized from host-known numbers, so nothing waits on the device.
+
+`TorchBackend` is this module as an AttentionBackend (backend.py), with RMSNorm and rotary in
+plain torch: the CPU product path.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from stages.gpu_runner.backend import StepLayout
+from stages.gpu_runner.models.norm import rms_norm
+from stages.gpu_runner.models.rotary import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from stages.gpu_runner.input_batch import InputBatch
+    from stages.gpu_runner.static_decode import StaticDecodeInputs
 
 
 @dataclass(slots=True)
@@ -106,3 +119,88 @@ def paged_attention(
         out[chunk.token_start:chunk.token_end] = _prefill_attention(
             query[chunk.token_start:chunk.token_end], flat_cache, chunk, scale)
     return out
+
+
+def _row_key_slots(block_table_rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int32 block ids [..., num_blocks] -> int64 slots [..., num_blocks * block_size] of their positions."""
+    blocks = block_table_rows.to(torch.int64)
+    slots = blocks.unsqueeze(-1) * block_size + torch.arange(block_size, device=blocks.device)
+    return slots.flatten(-2)
+
+
+def _decode_batch(block_table: torch.Tensor, rows: torch.Tensor, context: torch.Tensor, max_context: int,
+                  block_size: int, token_idx: torch.Tensor | None) -> DecodeBatch:
+    """The decode rows `rows` (int64 [d]) with `context` keys each (int64 [d]), padded to max_context."""
+    num_key_blocks = -(-max_context // block_size)
+    key_slots = _row_key_slots(block_table[rows, :num_key_blocks], block_size)
+    mask = torch.arange(num_key_blocks * block_size, device=rows.device) < context.unsqueeze(1)
+    return DecodeBatch(token_idx=token_idx, key_slots=key_slots, mask=mask.view(len(rows), 1, 1, -1))
+
+
+class TorchBackend:
+    """Paged attention by gathering each row's keys, and RMSNorm/rotary, in plain torch."""
+
+    name = "torch"
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def host_arrays(self, layout: StepLayout) -> list[np.ndarray]:
+        is_decode = layout.scheduled == 1
+        return [layout.query_start[:-1][is_decode], layout.rows[is_decode], layout.context[is_decode]]
+
+    def step_metadata(self, layout: StepLayout, arrays: list[torch.Tensor], slot_mapping: torch.Tensor,
+                      batch: InputBatch) -> AttentionMetadata:
+        decode_token_idx, decode_rows, decode_context = arrays
+        bs, device = self.block_size, slot_mapping.device
+        is_decode = layout.scheduled == 1
+        context = layout.context
+        decode = None
+        if is_decode.any():
+            all_decode = bool(is_decode.all())
+            decode = _decode_batch(batch.block_table, decode_rows, decode_context, int(context[is_decode].max()), bs,
+                                   None if all_decode else decode_token_idx)
+        prefills = []
+        for i in np.flatnonzero(~is_decode).tolist():
+            row, ctx, start = int(layout.rows[i]), int(context[i]), int(layout.computed[i])
+            key_slots = _row_key_slots(batch.block_table[row, :-(-ctx // bs)], bs)[:ctx]
+            mask = None
+            if start:
+                query_pos = torch.arange(start, ctx, device=device)
+                mask = torch.arange(ctx, device=device).unsqueeze(0) <= query_pos.unsqueeze(1)
+            prefills.append(PrefillChunk(token_start=int(layout.query_start[i]), token_end=int(layout.query_start[i + 1]),
+                                         key_slots=key_slots, mask=mask))
+        return AttentionMetadata(slot_mapping=slot_mapping, decode=decode, prefills=prefills)
+
+    def static_decode_metadata(self, inputs: StaticDecodeInputs, num_rows: int, max_context: int) -> AttentionMetadata:
+        # Padding rows have context 0; they attend to one (real, finite) key instead, so that no
+        # row is fully masked (a softmax over nothing is NaN). Their outputs are discarded.
+        context = inputs.seq_lens[:num_rows].clamp_min(1)
+        decode = _decode_batch(inputs.block_table, inputs.rows[:num_rows], context, max_context, self.block_size, None)
+        return AttentionMetadata(slot_mapping=inputs.slot_mapping[:num_rows], decode=decode, prefills=[])
+
+    def rope(self, positions: torch.Tensor, rotary: RotaryEmbedding,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary(positions, dtype)
+
+    def rotary(self, query: torch.Tensor, key: torch.Tensor,
+               rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope
+        return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+
+    def qk_norm_rotary(self, query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                       eps: float, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(self.rms_norm(query, q_weight, eps), self.rms_norm(key, k_weight, eps), rope)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(kv_cache, key, value, meta.slot_mapping)
+        return paged_attention(query, kv_cache, meta, scale)

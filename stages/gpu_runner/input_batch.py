@@ -52,6 +52,14 @@ class SamplingColumns:
         self.min_tokens[row] = params.min_tokens
         self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
 
+    def plain_greedy(self, rows: np.ndarray, output_pos: np.ndarray) -> bool:
+        """Whether sampling `rows` (their next outputs at output_pos) is a bare argmax of the logits:
+        greedy, no penalty, no logprobs, and no min_tokens still barring a stop."""
+        temperature, _, _, repetition, presence, frequency = self.floats[:, rows]
+        return bool(np.all(temperature == 0.0) and np.all(repetition == 1.0) and np.all(presence == 0.0)
+                    and np.all(frequency == 0.0) and np.all(self.logprobs[rows] < 0)
+                    and np.all(output_pos >= self.min_tokens[rows]))
+
     def take(self, rows: np.ndarray) -> SamplingColumns:
         """The columns of `rows`, in that order."""
         taken = SamplingColumns(0)
@@ -78,9 +86,15 @@ class InputBatch:
         self.block_size = block_size
         self.max_blocks_per_row = -(-max_model_len // block_size)
         self.device = device
-        self.token_table = torch.zeros(max_num_seqs, max_model_len, dtype=torch.int32, device=device)
+        # One scratch row past the last real row: padding rows of a bucketed decode step read and
+        # write there (static_decode.py), never in a request's row.
+        self.scratch_row = max_num_seqs
+        self.padded_token_table = torch.zeros(max_num_seqs + 1, max_model_len, dtype=torch.int32, device=device)
+        self.token_table = self.padded_token_table[:max_num_seqs]
         # Unused entries stay 0, a valid block id, so padded gathers read real (masked) memory.
-        self.block_table = torch.zeros(max_num_seqs, self.max_blocks_per_row, dtype=torch.int32, device=device)
+        self.padded_block_table = torch.zeros(max_num_seqs + 1, self.max_blocks_per_row, dtype=torch.int32,
+                                              device=device)
+        self.block_table = self.padded_block_table[:max_num_seqs]
         self.block_table_host = np.zeros((max_num_seqs, self.max_blocks_per_row), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
@@ -91,6 +105,12 @@ class InputBatch:
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.max_num_seqs:
             raise ValueError(f"row {row} is outside [0, max_num_seqs={self.max_num_seqs})")
+
+    def check_held(self, rows: np.ndarray) -> None:
+        """Refuse to sample rows that hold no request."""
+        empty = self.req_ids[rows] == -1
+        if np.any(empty):
+            raise ValueError(f"plan samples rows {rows[empty].tolist()} that hold no request")
 
     def apply(self, plan: StepPlan) -> TableWrites:
         """Free, admit and extend rows as the plan says; return the device-table writes it implies."""

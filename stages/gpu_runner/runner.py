@@ -2,9 +2,14 @@
 
 execute(plan) applies the plan to the persistent batch, gathers inputs on the device, runs the
 model over the step's flattened tokens, samples the sampled rows, writes the new tokens into
-the device token table (where the next step's decode inputs are read), starts a non-blocking
-copy of them into a fresh pinned host buffer and records an event after it. Nothing in it waits
-for the device: every size and index comes from the plan and host-side mirrors.
+the device token table (where the next step's decode inputs are read) and, when asked to
+(`copy_to_host`, for the offline engine), starts a non-blocking copy of them into a fresh pinned
+host buffer and records an event after it. Nothing in it waits for the device: every size and
+index comes from the plan and host-side mirrors.
+
+A decode-only step that fits a bucket takes the static path (static_decode.py): persistent
+buffers, padded rows, and on CUDA with the triton backend a replayed graph (decode_graphs.py).
+Prefill and mixed steps, and every step when the static path is off, take the dynamic path.
 """
 from __future__ import annotations
 
@@ -18,6 +23,9 @@ import torch
 from stages.contracts.config import EngineConfig
 from stages.contracts.connector import KVConnectorWorker
 from stages.contracts.plan import StepPlan
+from stages.gpu_runner.attention import TorchBackend
+from stages.gpu_runner.backend import AttentionBackend, resolve_attention_backend
+from stages.gpu_runner.decode_graphs import DecodeGraphs
 from stages.gpu_runner.input_batch import InputBatch
 from stages.gpu_runner.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from stages.gpu_runner.loader import load_model, tokenizer_path
@@ -26,7 +34,10 @@ from stages.gpu_runner.model_config import (
 )
 from stages.gpu_runner.output import StepOutput
 from stages.gpu_runner.sampler import Sampler, SamplerOutput, SamplingMetadata
-from stages.gpu_runner.step_inputs import prepare_step
+from stages.gpu_runner.static_decode import StaticDecodeInputs, is_decode_only
+from stages.gpu_runner.step_inputs import (
+    check_budget, check_plan, prepare_step, step_layout, upload_table_writes,
+)
 
 
 class ModelRunner:
@@ -37,8 +48,15 @@ class ModelRunner:
     offset p % block_size.
     """
 
-    def __init__(self, config: EngineConfig, *, kv_connector: KVConnectorWorker | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, kv_connector: KVConnectorWorker | None = None,
+                 static_decode: bool | None = None) -> None:
+        """static_decode: run decode-only steps over the static bucketed buffers (None: on CUDA only,
+        where they are what a graph replays; on the CPU padding rows only add work)."""
         self.device = torch.device(resolve_device(config.device))
+        if self.device.type == "cuda":
+            # cuDNN SDPA builds a new execution plan for every new (batch, key length) shape, a
+            # host stall of tens of ms inside a step every few tokens; the other SDPA kernels do not.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.config: ModelConfig = load_model_config(config.model)
@@ -50,12 +68,18 @@ class ModelRunner:
 
         self.model = load_model(config.model, device=self.device, dtype=self.dtype,
                                 max_positions=self.max_model_len, config=self.config)
+        self.attention_backend = make_attention_backend(config.attention_backend, self.device, self.block_size)
+        self.model.backend = self.attention_backend
         num_kv_blocks = config.num_kv_blocks
         if num_kv_blocks is None:
             num_kv_blocks = num_blocks_for_budget(self.config, self.block_size, self.dtype, self.device,
                                                   config.kv_cache_memory_bytes)
         self.num_kv_blocks = num_kv_blocks
-        self.kv_caches = allocate_kv_caches(self.config, self.num_kv_blocks, self.block_size, self.dtype, self.device)
+        # One block more than the pool: the scratch block where padding rows write their KV. The
+        # model gets the whole tensors; everyone else sees the pool alone.
+        self._kv_storage = allocate_kv_caches(self.config, num_kv_blocks + 1, self.block_size, self.dtype,
+                                              self.device)
+        self.kv_caches = [cache[:, :num_kv_blocks] for cache in self._kv_storage]
         self.batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size, self.device)
         generator = None
         if config.seed is not None:
@@ -66,6 +90,26 @@ class ModelRunner:
             kv_connector.bind(self.kv_caches, self.block_size)
         # Marks the phases of a step (a stage process sets its NVTX/profiler ranges here).
         self.phase: Callable[[str], AbstractContextManager] = nullcontext
+        # The offline engine reads each step's tokens through StepOutput.to_host(); the runner
+        # stage reads them from the mailbox and turns this off.
+        self.copy_to_host = True
+
+        if static_decode is None:
+            static_decode = self.device.type == "cuda"
+        self.static: StaticDecodeInputs | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        if static_decode:
+            self.static = StaticDecodeInputs(self.batch, scratch_slot=num_kv_blocks * self.block_size)
+            # Only the triton kernels read nothing but the static buffers (the torch backend sizes
+            # its key gather by the step's longest context), so only they are captured.
+            capture = (self.device.type == "cuda" and not config.enforce_eager
+                       and resolve_attention_backend(config.attention_backend, self.device) == "triton")
+            # One logits buffer for every bucket: captured graphs keep their outputs alive (and the
+            # eager path runs the same code).
+            self._decode_logits = torch.empty(self.max_num_seqs, self.vocab_size, dtype=torch.float32,
+                                              device=self.device)
+            self.decode_graphs = DecodeGraphs(self._static_decode_forward, self.static.buckets, self.device,
+                                              capture=capture)
 
     @property
     def vocab_size(self) -> int:
@@ -82,19 +126,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
+        if self.static is not None and is_decode_only(plan):
+            return self._execute_static_decode(plan)
         with self.phase("prepare_inputs"):
-            inputs = prepare_step(plan, self.batch, self.max_num_batched_tokens)
+            inputs = prepare_step(plan, self.batch, self.max_num_batched_tokens, self.attention_backend)
         connector_meta = plan.connector_meta if self.kv_connector is not None else None
         if connector_meta is not None:
             self.kv_connector.load(connector_meta)
         sampled = None
         if plan.num_rows:
             with self.phase("forward"):
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
+                hidden = self.model(inputs.input_ids, inputs.positions, self._kv_storage, inputs.attention)
             if len(inputs.sampled_rows):
                 with self.phase("sample"):
-                    sampled = self._sample(hidden[inputs.logits_index], inputs.sampled_rows,
-                                           inputs.sampled_num_tokens)
+                    logits = self.model.compute_logits(hidden[inputs.logits_index])
+                    sampled = self._sample(logits, inputs.sampled_rows, inputs.sampled_num_tokens)
                     self.batch.token_table.view(-1).index_copy_(0, inputs.sampled_token_index, sampled.token_ids)
         if connector_meta is not None:
             self.kv_connector.save(connector_meta)
@@ -102,24 +148,81 @@ class ModelRunner:
             sampled = SamplerOutput(torch.zeros(0, dtype=torch.int32, device=self.device), None, None)
         return self._output(plan.step, inputs.sampled_rows, sampled)
 
-    def _sample(self, hidden: torch.Tensor, rows: np.ndarray, num_tokens: np.ndarray) -> SamplerOutput:
+    def _execute_static_decode(self, plan: StepPlan) -> StepOutput:
+        """A decode-only step over the static buffers, padded to its bucket; sampled inside the
+        (graph's) forward when every row is a bare argmax, after it otherwise."""
+        static = self.static
+        with self.phase("prepare_inputs"):
+            check_budget(plan, self.max_num_batched_tokens)
+            writes = self.batch.apply(plan)
+            check_plan(plan, self.batch)
+            layout = step_layout(plan)
+            upload_table_writes(self.batch, writes)
+            static.fill(layout)
+            num_rows = plan.num_rows
+            bucket = static.bucket(num_rows)
+            context = layout.context
+            self.batch.check_held(plan.rows)
+            plain_greedy = self.batch.sampling.plain_greedy(plan.rows, context - self.batch.num_prompt_tokens[plan.rows])
+        connector_meta = plan.connector_meta if self.kv_connector is not None else None
+        if connector_meta is not None:
+            self.kv_connector.load(connector_meta)
+        with self.phase("forward"):
+            logits, greedy = self.decode_graphs.run(bucket, int(context.max()))
+        if plain_greedy:
+            # A graph's outputs are rewritten by its next replay; the step's tokens must outlive it.
+            token_ids = greedy[:num_rows].clone() if self.decode_graphs.captured else greedy[:num_rows]
+            sampled = SamplerOutput(token_ids, None, None)
+        else:
+            with self.phase("sample"):
+                sampled = self._sample(logits[:num_rows], plan.rows, context)
+                self.batch.token_table.view(-1).index_copy_(0, static.sampled_index[:num_rows], sampled.token_ids)
+        if connector_meta is not None:
+            self.kv_connector.save(connector_meta)
+        return self._output(plan.step, plan.rows, sampled)
+
+    def _static_decode_forward(self, num_rows: int, max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step over the first num_rows static rows -> (float32 logits [num_rows, vocab],
+        greedy tokens int32 [num_rows], also written into the token table). On CUDA with the triton
+        backend this is what each bucket's graph records: it reads only the static buffers."""
+        static = self.static
+        input_ids = static.token_table.view(-1).index_select(0, static.gather_index[:num_rows])
+        meta = self.attention_backend.static_decode_metadata(static, num_rows, max_context)
+        hidden = self.model(input_ids, static.positions[:num_rows], self._kv_storage, meta)
+        logits = self.model.compute_logits(hidden, out=self._decode_logits[:num_rows])
+        greedy = logits.argmax(dim=-1).to(torch.int32)
+        static.token_table.view(-1).index_copy_(0, static.sampled_index[:num_rows], greedy)
+        return logits, greedy
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, num_tokens: np.ndarray) -> SamplerOutput:
         meta = SamplingMetadata.for_rows(self.batch, rows, num_tokens, self.config.eos_token_ids)
-        return self.sampler(self.model.compute_logits(hidden), meta)
+        return self.sampler(logits, meta)
 
     def _output(self, step: int, rows: np.ndarray, sampled: SamplerOutput) -> StepOutput:
-        if self.device.type == "cpu":
-            host = (sampled.token_ids, sampled.logprobs, sampled.logprob_token_ids)
-            ready = None
+        tensors = (sampled.token_ids, sampled.logprobs, sampled.logprob_token_ids)
+        ready = None
+        if not self.copy_to_host:
+            host = (None, None, None)
+        elif self.device.type == "cpu":
+            host = tensors
         else:
             # A fresh pinned buffer per step: one still being filled is never rewritten.
-            host = tuple(None if t is None else _pinned_copy(t) for t in
-                         (sampled.token_ids, sampled.logprobs, sampled.logprob_token_ids))
+            host = tuple(None if t is None else _pinned_copy(t) for t in tensors)
             ready = torch.cuda.Event()
             ready.record()
         return StepOutput(
             step=step, rows=rows, token_ids=sampled.token_ids, logprobs=sampled.logprobs,
             logprob_token_ids=sampled.logprob_token_ids, host_token_ids=host[0], host_logprobs=host[1],
             host_logprob_token_ids=host[2], ready=ready)
+
+
+def make_attention_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
+    """The backend `name` resolves to on `device`; the triton kernels are loaded only when asked for."""
+    if resolve_attention_backend(name, device) == "triton":
+        from stages.gpu_runner.triton_attention import TritonBackend
+
+        return TritonBackend(device, block_size)
+    return TorchBackend(block_size)
 
 
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -93,9 +93,7 @@ class SamplingMetadata:
         """The metadata of sampling the persistent batch's `rows` (int32 [m]), row i having
         num_tokens[i] known tokens; its params are those the rows' requests were admitted with,
         gathered from the batch's columns (no Python loop over the rows)."""
-        empty = batch.req_ids[rows] == -1
-        if np.any(empty):
-            raise ValueError(f"plan samples rows {rows[empty].tolist()} that hold no request")
+        batch.check_held(rows)
         num_prompt_tokens = batch.num_prompt_tokens[rows]
         return cls._from_columns(batch.sampling.take(rows), lambda i: batch.params[rows[i]],
                                  num_tokens - num_prompt_tokens, rows, num_tokens, num_prompt_tokens,

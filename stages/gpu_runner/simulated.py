@@ -27,6 +27,7 @@ from stages.contracts.plan import StepPlan
 from stages.gpu_runner.input_batch import InputBatch
 from stages.gpu_runner.kv_cache import num_blocks_for_budget
 from stages.gpu_runner.loader import tokenizer_path
+from stages.gpu_runner.attention import TorchBackend
 from stages.gpu_runner.model_config import load_model_config, resolve_device, resolve_dtype, served_max_model_len
 from stages.gpu_runner.output import StepOutput
 from stages.gpu_runner.sampler import SamplingMetadata
@@ -63,6 +64,7 @@ class SimulatedDeviceRunner:
             config.kv_cache_memory_bytes)
         self.kv_connector = None
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size, self.device)
+        self.attention_backend = TorchBackend(config.block_size)  # its metadata is host work a step does
         self.tokens = SimulatedTokens(self.vocab_size, self.eos_token_ids)
         self.timeline = None if config.simulated_device_trace is None else StepTimeline(config.simulated_device_trace)
         self._device_free_ns = 0  # when the last launched step ends
@@ -72,7 +74,7 @@ class SimulatedDeviceRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         plan_ns = now_ns()
         with self.phase("prepare_inputs"):
-            inputs = prepare_step(plan, self.batch, self.max_num_batched_tokens)
+            inputs = prepare_step(plan, self.batch, self.max_num_batched_tokens, self.attention_backend)
         rows = inputs.sampled_rows
         host_tokens = torch.full((len(rows),), self.tokens.for_step(plan.step), dtype=torch.int32)
         token_ids = to_device(host_tokens.numpy(), self.device)

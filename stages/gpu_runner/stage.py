@@ -31,6 +31,7 @@ def serve(ctx: StageContext) -> None:
     ctx.board.publish_limits(model_limits(runner, config))
     step_range, execute_range, publish_range = ctx.range("step"), ctx.range("execute"), ctx.range("publish")
     runner.phase = ctx.range  # prepare_inputs, forward and sample inside execute
+    runner.copy_to_host = False  # the mailbox carries the tokens: no pinned copy and event per step
     ctx.ready()
     while True:
         ctx.tick()

@@ -9,11 +9,12 @@ token table, so tokens sampled by the previous step are read where the sampler l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from stages.gpu_runner.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from stages.gpu_runner.backend import AttentionBackend, StepLayout
 from stages.gpu_runner.input_batch import InputBatch, TableWrites
 from stages.contracts.plan import StepPlan
 
@@ -22,7 +23,7 @@ from stages.contracts.plan import StepPlan
 class StepInputs:
     input_ids: torch.Tensor  # int32 [num_tokens]
     positions: torch.Tensor  # int64 [num_tokens]
-    attention: AttentionMetadata
+    attention: Any  # the backend's metadata of the step
     logits_index: torch.Tensor  # int64 [m]: flattened index of each sampled row's last token
     sampled_token_index: torch.Tensor  # int64 [m]: where each sampled token goes in the flat token table
     # Host-side numbers for SamplingMetadata.build, in sampled-row order.
@@ -39,7 +40,8 @@ def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def _check_plan(plan: StepPlan, batch: InputBatch) -> None:
+def check_plan(plan: StepPlan, batch: InputBatch) -> None:
+    """Refuse a plan the batch cannot run, naming the problem."""
     n = plan.num_rows
     for name in ("num_computed_tokens", "num_scheduled_tokens", "sample", "num_new_blocks"):
         if getattr(plan, name).shape != (n,):
@@ -56,75 +58,72 @@ def _check_plan(plan: StepPlan, batch: InputBatch) -> None:
         raise ValueError(f"row {bad} schedules tokens beyond its {int(batch.num_blocks[bad])} allocated blocks")
 
 
-def prepare_step(plan: StepPlan, batch: InputBatch, max_num_batched_tokens: int) -> StepInputs:
-    """Apply the plan to the persistent batch and build its inputs on the batch's device."""
+def check_budget(plan: StepPlan, max_num_batched_tokens: int) -> None:
     if plan.num_tokens > max_num_batched_tokens:
         raise ValueError(f"step {plan.step} schedules {plan.num_tokens} tokens, "
                          f"more than max_num_batched_tokens {max_num_batched_tokens}")
-    return build_step_inputs(plan, batch, batch.apply(plan), batch.device)
 
 
-def build_step_inputs(plan: StepPlan, batch: InputBatch, writes: TableWrites, device: torch.device) -> StepInputs:
-    """Apply the plan's table writes on the device and gather this step's inputs."""
-    _check_plan(plan, batch)
-    bs, width = batch.block_size, batch.max_model_len
-    rows = plan.rows.astype(np.int64)
-    computed = plan.num_computed_tokens.astype(np.int64)
+def step_layout(plan: StepPlan) -> StepLayout:
     scheduled = plan.num_scheduled_tokens.astype(np.int64)
-    context = computed + scheduled
-    cu = np.concatenate(([0], np.cumsum(scheduled)))
+    return StepLayout(rows=plan.rows.astype(np.int64), computed=plan.num_computed_tokens.astype(np.int64),
+                      scheduled=scheduled, query_start=np.concatenate(([0], np.cumsum(scheduled))))
+
+
+def token_slots(batch: InputBatch, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """int64 KV slots of (row, position) pairs, from the host mirror of the block table."""
+    bs = batch.block_size
+    return batch.block_table_host[rows, positions // bs].astype(np.int64) * bs + positions % bs
+
+
+def prepare_step(plan: StepPlan, batch: InputBatch, max_num_batched_tokens: int,
+                 backend: AttentionBackend) -> StepInputs:
+    """Apply the plan to the persistent batch and build its inputs on the batch's device."""
+    check_budget(plan, max_num_batched_tokens)
+    return build_step_inputs(plan, batch, batch.apply(plan), batch.device, backend)
+
+
+def build_step_inputs(plan: StepPlan, batch: InputBatch, writes: TableWrites, device: torch.device,
+                      backend: AttentionBackend) -> StepInputs:
+    """Apply the plan's table writes on the device and gather this step's inputs."""
+    check_plan(plan, batch)
+    width = batch.max_model_len
+    layout = step_layout(plan)
+    rows, scheduled, cu, context = layout.rows, layout.scheduled, layout.query_start, layout.context
     num_tokens = int(cu[-1])
 
     token_rows = np.repeat(rows, scheduled)
-    positions = np.repeat(computed - cu[:-1], scheduled) + np.arange(num_tokens, dtype=np.int64)
-    slots = batch.block_table_host[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+    positions = np.repeat(layout.computed - cu[:-1], scheduled) + np.arange(num_tokens, dtype=np.int64)
+    slots = token_slots(batch, token_rows, positions)
 
-    is_decode = scheduled == 1
-    decode_rows, decode_context = rows[is_decode], context[is_decode]
     sample = plan.sample.astype(bool)
     logits_index = cu[1:][sample] - 1
     sampled_token_index = rows[sample] * width + context[sample]
 
+    backend_parts = backend.host_arrays(layout)
     parts = [writes.token_index, writes.token_ids, writes.block_index, writes.block_ids,
-             token_rows * width + positions, positions, slots, cu[:-1][is_decode], decode_rows, decode_context,
-             logits_index, sampled_token_index]
+             token_rows * width + positions, positions, slots, logits_index, sampled_token_index, *backend_parts]
     packed = to_device(np.concatenate(parts), device)
     cuts = np.cumsum([len(p) for p in parts])[:-1].tolist()
-    (token_index, token_ids, block_index, block_ids, gather_index, positions_dev, slots_dev, decode_token_idx,
-     decode_rows_dev, decode_context_dev, logits_index_dev, sampled_token_index_dev) = torch.tensor_split(packed, cuts)
+    (token_index, token_ids, block_index, block_ids, gather_index, positions_dev, slots_dev, logits_index_dev,
+     sampled_token_index_dev, *backend_dev) = torch.tensor_split(packed, cuts)
 
     batch.write_tables(token_index, token_ids, block_index, block_ids)
-    input_ids = batch.token_table.view(-1)[gather_index]
-
-    decode = None
-    if decode_rows.size:
-        num_key_blocks = -(-int(decode_context.max()) // bs)
-        max_context = num_key_blocks * bs
-        key_blocks = batch.block_table[decode_rows_dev, :num_key_blocks].to(torch.int64)
-        key_slots = (key_blocks.unsqueeze(-1) * bs + torch.arange(bs, device=device)).view(-1, max_context)
-        mask = torch.arange(max_context, device=device) < decode_context_dev.unsqueeze(1)
-        all_decode = bool(is_decode.all())
-        decode = DecodeBatch(token_idx=None if all_decode else decode_token_idx, key_slots=key_slots,
-                             mask=mask.view(-1, 1, 1, max_context))
-
-    prefills = []
-    for i in np.flatnonzero(~is_decode).tolist():
-        row, ctx, start = int(rows[i]), int(context[i]), int(computed[i])
-        num_key_blocks = -(-ctx // bs)
-        key_blocks = batch.block_table[row, :num_key_blocks].to(torch.int64)
-        key_slots = (key_blocks.unsqueeze(-1) * bs + torch.arange(bs, device=device)).view(-1)[:ctx]
-        mask = None
-        if start:
-            query_pos = torch.arange(start, ctx, device=device)
-            mask = torch.arange(ctx, device=device).unsqueeze(0) <= query_pos.unsqueeze(1)
-        prefills.append(PrefillChunk(token_start=int(cu[i]), token_end=int(cu[i + 1]), key_slots=key_slots, mask=mask))
-
     return StepInputs(
-        input_ids=input_ids,
+        input_ids=batch.token_table.view(-1)[gather_index],
         positions=positions_dev,
-        attention=AttentionMetadata(slot_mapping=slots_dev, decode=decode, prefills=prefills),
+        attention=backend.step_metadata(layout, backend_dev, slots_dev, batch),
         logits_index=logits_index_dev,
         sampled_token_index=sampled_token_index_dev,
         sampled_rows=plan.rows[sample],
         sampled_num_tokens=context[sample],
     )
+
+
+def upload_table_writes(batch: InputBatch, writes: TableWrites) -> None:
+    """Apply the plan's table writes on the device, in one upload (none when there are none)."""
+    parts = [writes.token_index, writes.token_ids, writes.block_index, writes.block_ids]
+    if not sum(len(p) for p in parts):
+        return
+    packed = to_device(np.concatenate(parts), batch.device)
+    batch.write_tables(*torch.tensor_split(packed, np.cumsum([len(p) for p in parts])[:-1].tolist()))

@@ -20,10 +20,12 @@ from stages.gpu_runner.runner import ModelRunner
 from stages.scheduler.step_loop import LocalExecutor, StepLoop
 
 
-def make_runner(model_dir: object, kv_connector: object = None, **options: object) -> ModelRunner:
+def make_runner(model_dir: object, kv_connector: object = None, static_decode: bool | None = None,
+                **options: object) -> ModelRunner:
     """A runner for `model_dir` on the CPU unless `options` (EngineConfig fields) say otherwise."""
     options.setdefault("device", "cpu")
-    return ModelRunner(EngineConfig(model=str(model_dir), **options), kv_connector=kv_connector)
+    return ModelRunner(EngineConfig(model=str(model_dir), **options), kv_connector=kv_connector,
+                       static_decode=static_decode)
 
 
 @dataclass

@@ -122,11 +122,26 @@ def test_bad_plans_are_refused_naming_the_problem(tiny_checkpoint):
         runner.execute(plan)
 
 
-def test_execute_never_reads_a_device_tensor(tiny_checkpoint, monkeypatch):
-    """On CPU nothing would stall, so catch the calls that would sync on an accelerator."""
-    runner = make_runner(tiny_checkpoint("qwen3"), num_kv_blocks=64, max_num_seqs=4)
+@pytest.mark.parametrize("static_decode", [False, True])
+def test_execute_never_reads_a_device_tensor(tiny_checkpoint, monkeypatch, static_decode):
+    """On CPU nothing would stall, so catch the calls that would sync on an accelerator; on both
+    the dynamic path and the static decode path (greedy steps sample inside its forward)."""
+    runner = make_runner(tiny_checkpoint("qwen3"), num_kv_blocks=64, max_num_seqs=4, static_decode=static_decode)
     outputs = []
     original_execute = runner.execute
+    static_steps = []  # per static step: whether it called the sampler after the forward
+    if static_decode:
+        original_static, original_sampler = runner._execute_static_decode, runner.sampler
+        sampler_calls = []
+        runner.sampler = lambda logits, meta: sampler_calls.append(1) or original_sampler(logits, meta)
+
+        def counted_static(plan):
+            before = len(sampler_calls)
+            output = original_static(plan)
+            static_steps.append(len(sampler_calls) > before)
+            return output
+
+        runner._execute_static_decode = counted_static
 
     def guarded_execute(plan):
         def forbidden(*args, **kwargs):
@@ -140,12 +155,17 @@ def test_execute_never_reads_a_device_tensor(tiny_checkpoint, monkeypatch):
         return output
 
     runner.execute = guarded_execute
-    requests = [PlannedRequest(list(range(2, 2 + n)), 6,
-                               params=SamplingParams(temperature=t, top_p=0.9, top_k=20, seed=3, max_tokens=6,
-                                                     repetition_penalty=1.2, logprobs=2, ignore_eos=True))
-                for n, t in ((1, 0.0), (20, 0.8), (45, 1.0))]
+    requests = [PlannedRequest(list(range(2, 2 + n)), k,
+                               params=SamplingParams(temperature=t, top_p=0.9, top_k=20, seed=3, max_tokens=k,
+                                                     repetition_penalty=1.2 if t else 1.0, logprobs=2 if t else None,
+                                                     ignore_eos=True))
+                for n, t, k in ((45, 0.0, 10), (20, 0.8, 6), (1, 1.0, 6))]
     got = run_requests(runner, requests, token_budget=16, async_mode=True)
-    assert [len(t) for t in got] == [6, 6, 6] and len(outputs) > 6
+    assert [len(t) for t in got] == [10, 6, 6] and len(outputs) > 6
+    if static_decode:  # steps sampled after the forward, and the greedy row alone sampled inside it
+        assert True in static_steps and False in static_steps
+    else:
+        assert not static_steps
 
 
 def test_input_batch_benchmark_prints_one_json_object():

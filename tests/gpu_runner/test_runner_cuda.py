@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stages.contracts.config import EngineConfig
 from stages.contracts.params import SamplingParams
 from runner_plans import PlannedRequest, make_runner, run_requests
 from stages.gpu_runner.runner import ModelRunner
@@ -38,8 +39,8 @@ class SyncCheckedRunner(ModelRunner):
 
 @pytest.mark.parametrize("sampling", [False, True])
 def test_steps_run_without_host_synchronisation(tiny_checkpoint, sampling):
-    runner = SyncCheckedRunner(tiny_checkpoint("qwen3"), device="cuda", dtype="float32", num_kv_blocks=64,
-                               max_num_seqs=4)
+    runner = SyncCheckedRunner(EngineConfig(model=str(tiny_checkpoint("qwen3")), device="cuda", dtype="float32",
+                                            num_kv_blocks=64, max_num_seqs=4))
     got = run_requests(runner, requests(sampling), token_budget=32, async_mode=True)
     assert [len(t) for t in got] == [12, 12, 12]
 
@@ -60,3 +61,19 @@ def test_bfloat16_auto_dtype_runs(tiny_checkpoint, tmp_path):
     assert runner.dtype == torch.bfloat16 and runner.kv_caches[0].dtype == torch.bfloat16
     got = run_requests(runner, requests(False), token_budget=32, async_mode=True)
     assert [len(t) for t in got] == [12, 12, 12]
+
+
+def test_decode_graphs_replay_the_cpu_tokens_without_host_synchronisation(tiny_checkpoint):
+    """With the triton backend a graph is captured per bucket at start; decode steps replay them
+    (greedy rows sample inside the graph, the others after it) with no host synchronisation."""
+    model_dir = tiny_checkpoint("qwen3")
+    cpu = run_requests(make_runner(model_dir, num_kv_blocks=64, max_num_seqs=4), requests(False), token_budget=32)
+    runner = SyncCheckedRunner(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", num_kv_blocks=64,
+                                            max_num_seqs=4, attention_backend="triton"))
+    assert sorted(runner.decode_graphs.graphs) == [1, 2, 4]
+    assert run_requests(runner, requests(False), token_budget=32, async_mode=True) == cpu
+    sampled = run_requests(runner, requests(True), token_budget=32, async_mode=True)
+    eager = make_runner(model_dir, device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4,
+                        attention_backend="triton", enforce_eager=True)
+    assert not eager.decode_graphs.captured
+    assert run_requests(eager, requests(True), token_budget=32, async_mode=True) == sampled

@@ -6,26 +6,16 @@ fused into one matmul each; `load_hf_tensor` places a checkpoint tensor into its
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from stages.gpu_runner.attention import AttentionMetadata, paged_attention, write_kv
+from stages.gpu_runner.attention import TorchBackend
+from stages.gpu_runner.backend import AttentionBackend
 from stages.gpu_runner.model_config import ModelConfig
-from stages.gpu_runner.models.rotary import RotaryEmbedding, apply_rotary
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as transformers does: the same
-        # rounding keeps low-precision outputs token-identical to the reference.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+from stages.gpu_runner.models.norm import RMSNorm
+from stages.gpu_runner.models.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -41,18 +31,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: AttentionBackend, rope: Any, kv_cache: torch.Tensor,
+                meta: Any) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, kv_cache, meta, self.scale)
+            q, k = backend.qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope)
+        else:
+            q, k = backend.rotary(q, k, rope)
+        out = backend.attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -76,10 +66,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, backend: AttentionBackend, rope: Any,
+                kv_cache: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (x, residual): the hidden state is x + residual (residual None: x alone)."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = x, backend.rms_norm(x, norm.weight, norm.eps)
+        else:
+            x, residual = backend.add_rms_norm(x, residual, norm.weight, norm.eps)
+        x = self.self_attn(x, backend, rope, kv_cache, meta)
+        norm = self.post_attention_layernorm
+        x, residual = backend.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(x), residual
 
 
 # checkpoint suffix -> (module attribute path, index of the slice in a fused weight or None)
@@ -103,19 +101,24 @@ class LlamaFamilyModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, max_positions, device)
+        self.backend: AttentionBackend = TorchBackend(block_size=1)  # the runner sets its own
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: Any) -> torch.Tensor:
+        """`meta` is the step's attention metadata, built by `self.backend`."""
+        backend = self.backend
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        rope = backend.rope(positions, self.rotary, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return x
+            x, residual = layer(x, residual, backend, rope, kv_cache, meta)
+        return x + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] of the tokens to sample from -> float32 logits [n, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [n, hidden] of the tokens to sample from -> float32 logits [n, vocab] (into `out` if given)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(self.norm(hidden), weight.t()).float()
+        logits = torch.matmul(self.backend.rms_norm(hidden, self.norm.weight, self.norm.eps), weight.t())
+        return logits.float() if out is None else out.copy_(logits)
 
     def expected_hf_tensors(self) -> dict[str, tuple[int, ...]]:
         """Checkpoint tensor name -> shape, for every tensor the checkpoint must provide."""

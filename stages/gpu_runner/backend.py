@@ -1,0 +1,88 @@
+"""The attention backend: one object the decoder layers call for KV writes, paged attention, RMSNorm
+and rotary, and that builds the per-step attention metadata those calls read.
+
+Two implement it: `TorchBackend` (attention.py, plain torch; the CPU product path) and
+`TritonBackend` (triton_attention.py, the kernels of `stages/gpu_runner/kernels/`). A backend
+builds only the metadata it reads, from host-known numbers: nothing here waits on the device.
+
+Metadata comes from two places. A dynamic step (any plan) asks `host_arrays` for the numbers it
+wants in the step's single packed upload and then `step_metadata` for the metadata over their
+device copies. A bucketed decode step (static_decode.py) calls `static_decode_metadata`, which
+reads only the persistent static buffers, so that on CUDA the call can be captured in a graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from stages.contracts.config import ATTENTION_BACKENDS
+
+if TYPE_CHECKING:
+    from stages.gpu_runner.input_batch import InputBatch
+    from stages.gpu_runner.models.rotary import RotaryEmbedding
+    from stages.gpu_runner.static_decode import StaticDecodeInputs
+
+
+@dataclass(slots=True)
+class StepLayout:
+    """The host-known shape of a step: its rows in batch order and their token counts."""
+
+    rows: np.ndarray  # int64 [n]: batch rows
+    computed: np.ndarray  # int64 [n]: tokens of each row already in the KV cache
+    scheduled: np.ndarray  # int64 [n]: tokens computed now
+    query_start: np.ndarray  # int64 [n + 1]: where each row's tokens start among the step's, then the total
+
+    @property
+    def context(self) -> np.ndarray:
+        """int64 [n]: each row's tokens once this step's are written."""
+        return self.computed + self.scheduled
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def host_arrays(self, layout: StepLayout) -> list[np.ndarray]:
+        """The int64 arrays this backend's metadata needs, appended to the step's packed upload."""
+
+    def step_metadata(self, layout: StepLayout, arrays: list[torch.Tensor], slot_mapping: torch.Tensor,
+                      batch: InputBatch) -> Any:
+        """The metadata of a dynamic step, from the device copies of `host_arrays(layout)`."""
+
+    def static_decode_metadata(self, inputs: StaticDecodeInputs, num_rows: int, max_context: int) -> Any:
+        """The metadata of a decode step over the first `num_rows` rows of the static buffers;
+        `max_context` is the longest context among the real rows (a backend that is captured in
+        a graph must not depend on it)."""
+
+    def rope(self, positions: torch.Tensor, rotary: RotaryEmbedding, dtype: torch.dtype) -> Any:
+        """What `rotary` and `qk_norm_rotary` read for this step's positions (built once per forward)."""
+
+    def rotary(self, query: torch.Tensor, key: torch.Tensor, rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """query [T, H, D], key [T, KVH, D] -> the two rotated."""
+
+    def qk_norm_rotary(self, query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                       eps: float, rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of query and key (Qwen3), then rotary."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dimension."""
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual)."""
+
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                  meta: Any, scale: float) -> torch.Tensor:
+        """Write this step's key/value into the paged cache, then attend: [T, H, D] -> [T, H, D]."""
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """The backend `name` (auto | torch | triton) means on `device`: auto is triton on CUDA, torch elsewhere."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name
+

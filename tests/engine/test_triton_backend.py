@@ -1,0 +1,34 @@
+"""The offline engine with the triton attention backend, its kernels under the Triton interpreter
+on the CPU: the same greedy tokens as the torch backend, on the dynamic and the static decode path."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline import LLM, SamplingParams
+from stages.contracts.config import EngineConfig
+from stages.gpu_runner.runner import ModelRunner
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.timeout(120)
+
+OPTIONS = dict(device="cpu", max_model_len=64, num_kv_blocks=16, block_size=16, max_num_seqs=2,
+               max_num_batched_tokens=24, async_scheduling=True)
+
+
+def greedy_tokens(model: Path, attention_backend: str, static_decode: bool) -> list[list[int]]:
+    config = EngineConfig(model=str(model), attention_backend=attention_backend, **OPTIONS)
+    runner = ModelRunner(config, static_decode=static_decode)
+    assert runner.attention_backend.name == attention_backend
+    llm = LLM(model=model, runner=runner, attention_backend=attention_backend, **OPTIONS)
+    # A prompt longer than the token budget (chunked: a mixed step) and a short one.
+    prompts = [list(range(40, 70)), [5, 9, 11]]
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))]
+
+
+def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_llama: Path) -> None:
+    expected = greedy_tokens(tiny_llama, "torch", static_decode=False)
+    assert [len(t) for t in expected] == [4, 4]
+    assert greedy_tokens(tiny_llama, "triton", static_decode=False) == expected
+    assert greedy_tokens(tiny_llama, "triton", static_decode=True) == expected

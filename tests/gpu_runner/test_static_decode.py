@@ -1,0 +1,134 @@
+"""The static decode path (bucketed persistent buffers, the inputs a CUDA graph replays) on the
+CPU: the same tokens as the dynamic path, inputs read from the device token table."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runner_plans import PlannedRequest, make_runner, run_requests
+from stages.contracts.params import SamplingParams
+from stages.contracts.plan import StepPlan
+from stages.gpu_runner.static_decode import decode_buckets
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_buckets_are_powers_of_two_to_16_then_steps_of_16_up_to_max_num_seqs():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(4) == [1, 2, 4]
+    assert decode_buckets(16) == [1, 2, 4, 8, 16]
+    assert decode_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+
+
+def test_a_step_takes_the_smallest_bucket_that_holds_it(tiny_checkpoint):
+    runner = make_runner(tiny_checkpoint("llama"), num_kv_blocks=16, max_num_seqs=40, static_decode=True)
+    assert [runner.static.bucket(n) for n in (1, 2, 3, 5, 9, 16, 17, 33, 40)] == [1, 2, 4, 8, 16, 16, 32, 40, 40]
+    with pytest.raises(ValueError, match="41 rows does not fit a bucket of at most 40"):
+        runner.static.bucket(41)
+
+
+def mixed_requests() -> list[PlannedRequest]:
+    """Requests that join and leave at different steps, share a prefix, and mix greedy rows with
+    penalties, seeded sampling, min_tokens and logprobs."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=9,
+                               ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=5, presence_penalty=0.4, max_tokens=11,
+                            ignore_eos=True, logprobs=2)
+    min_tokens = SamplingParams(temperature=0.0, min_tokens=6, max_tokens=8, stop_token_ids=[7, 8, 9])
+    prompt = list(range(30, 70))
+    return [
+        PlannedRequest(prompt, 14, params=greedy),
+        PlannedRequest([5, 6, 7], 9, params=penalised),
+        PlannedRequest(prompt[:32] + [900, 901, 902], 11, prefix_from=(0, 2), params=seeded),
+        PlannedRequest(list(range(200, 221)), 8, params=min_tokens),
+        PlannedRequest([3], 14, params=greedy),
+        PlannedRequest(list(range(400, 405)), 6, params=penalised),
+    ]
+
+
+def count_static_steps(runner) -> list[int]:
+    calls = []
+    original = runner._execute_static_decode
+
+    def counted(plan: StepPlan):
+        calls.append(plan.num_rows)
+        return original(plan)
+
+    runner._execute_static_decode = counted
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_static_path_gives_the_dynamic_paths_tokens_over_many_async_steps(tiny_checkpoint, arch):
+    model_dir = tiny_checkpoint(arch)
+    dynamic = run_requests(make_runner(model_dir, num_kv_blocks=64, max_num_seqs=4, block_size=8, static_decode=False),
+                           mixed_requests(), token_budget=24, async_mode=True)
+    runner = make_runner(model_dir, num_kv_blocks=64, max_num_seqs=4, block_size=8, static_decode=True)
+    static_steps = count_static_steps(runner)
+    static = run_requests(runner, mixed_requests(), token_budget=24, async_mode=True)
+    assert static == dynamic
+    assert [len(t) for t in static] == [14, 9, 11, 8, 14, 6]
+    # Decode steps of 1 to 4 rows ran on the static path, padded to buckets 1, 2 and 4.
+    assert len(static_steps) > 10 and {1, 2, 3, 4} <= set(static_steps)
+
+
+def test_padding_rows_touch_only_the_scratch_row_and_block(tiny_checkpoint):
+    """A 3-row step runs in the 4-row bucket: the padding row writes the token table's scratch row
+    and the KV scratch block, nothing a request owns."""
+    runner = make_runner(tiny_checkpoint("llama"), num_kv_blocks=32, max_num_seqs=4, block_size=8, static_decode=True)
+    requests = [PlannedRequest(list(range(10, 10 + n)), 5) for n in (3, 9, 12)]
+    run_requests(runner, requests, token_budget=64)
+    scratch = runner.batch.scratch_row
+    assert runner.batch.padded_token_table[scratch, 1] != 0  # a padding row's sampled token went there
+    scratch_block = runner._kv_storage[0][:, runner.num_kv_blocks]
+    assert scratch_block.abs().sum() > 0
+    used_blocks = sum(len(r.block_ids) for r in requests)
+    assert runner.kv_caches[0][:, used_blocks:].abs().sum() == 0  # no padding KV in the pool
+
+
+def test_decode_inputs_are_read_from_the_device_token_table(tiny_checkpoint):
+    """The static step's input id is whatever the device token table holds at the row's last
+    position: rewriting it there changes the next token exactly as on the dynamic path."""
+    model_dir = tiny_checkpoint("mistral")
+
+    def next_token(static_decode: bool, rewrite: int | None) -> int:
+        runner = make_runner(model_dir, num_kv_blocks=16, max_num_seqs=2, static_decode=static_decode)
+        maker_requests = [PlannedRequest(list(range(20, 28)), 2)]
+        from runner_plans import PlanMaker
+
+        maker = PlanMaker(runner, maker_requests, token_budget=64)
+        runner.execute(maker.schedule())  # prefill; its sampled token lands at position 8
+        if rewrite is not None:
+            runner.token_table[0, 8] = rewrite
+        return int(runner.execute(maker.schedule()).to_host().token_ids[0])
+
+    assert next_token(True, None) == next_token(False, None)
+    assert next_token(True, 77) == next_token(False, 77)
+    assert next_token(True, 77) != next_token(True, None) or next_token(True, 300) != next_token(True, None)
+
+
+
+def test_decode_graphs_need_a_cuda_device_to_capture():
+    from stages.gpu_runner.decode_graphs import DecodeGraphs
+
+    calls = []
+    graphs = DecodeGraphs(lambda rows, context: calls.append((rows, context)) or (), [1, 2], torch.device("cpu"),
+                          capture=False)
+    graphs.run(2, 17)
+    assert calls == [(2, 17)] and not graphs.captured  # eager: the forward runs at every step
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, got cpu"):
+        DecodeGraphs(lambda rows, context: (), [1], torch.device("cpu"), capture=True)
+
+
+def test_auto_attention_backend_is_triton_on_cuda_and_torch_on_cpu(tiny_checkpoint):
+    from stages.gpu_runner.backend import resolve_attention_backend
+
+    assert resolve_attention_backend("auto", torch.device("cuda")) == "triton"
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_attention_backend("triton", torch.device("cpu")) == "triton"
+    assert make_runner(tiny_checkpoint("llama"), num_kv_blocks=16).attention_backend.name == "torch"
+    with pytest.raises(ValueError, match="needs a block_size that is a power of two >= 16, got 8"):
+        make_runner(tiny_checkpoint("llama"), num_kv_blocks=16, block_size=8, attention_backend="triton")
