@@ -1,11 +1,12 @@
 """Output events on the events ring: one columnar batch per record, cutting a list of events into
-batches that each fit a record, and merging a request's events that go out together."""
+batches that each fit a record, and merging a request's events that go out together. A step's
+plain events (`TokenTexts`) travel as their own record, four arrays copied as they are."""
 from __future__ import annotations
 
 import numpy as np
 
 from shm.codec import Layout
-from stages.contracts.outputs import FinishReason, OutputEvent
+from stages.contracts.outputs import FinishReason, OutputEvent, TokenTexts
 from stages.messages import NO_REASON, REASON_CODE, REASONS
 
 _EMPTY = np.zeros(0, np.int32)
@@ -26,6 +27,36 @@ EVENTS = Layout("events", [
 NO_STOP_TOKEN = -1  # stop_token_ids entry of an event whose stop_reason is not a token id
 NOT_SCHEDULED = -1  # scheduled_ns entry of an event that does not carry the admission time
 _ERROR_SEPARATOR = "\x00"  # joins code, field and message of an error event
+
+
+TOKEN_TEXTS = Layout("token_texts", [("num_events", "I"), ("num_text_bytes", "I")], [
+    ("req_ids", "int64", "num_events"), ("token_ids", "int32", "num_events"), ("text_ends", "int64", "num_events"),
+    ("text", "uint8", "num_text_bytes"),
+])
+
+
+def encode_token_texts(batch: TokenTexts) -> bytes:
+    return TOKEN_TEXTS.encode({}, {"req_ids": batch.req_ids, "token_ids": batch.token_ids,
+                                   "text_ends": batch.text_ends, "text": batch.text})
+
+
+def decode_token_texts(payload: memoryview | bytes) -> TokenTexts:
+    """The batch; arrays are copies."""
+    m = TOKEN_TEXTS.decode(payload, copy=True)
+    return TokenTexts(m["req_ids"], m["token_ids"], m["text"], m["text_ends"])
+
+
+def token_texts_batches(batch: TokenTexts, max_bytes: int) -> list[TokenTexts]:
+    """`batch` cut into pieces that each encode to at most about `max_bytes`."""
+    num_bytes = 20 * len(batch) + len(batch.text)
+    if num_bytes <= max_bytes or len(batch) < 2:
+        return [batch]
+    half = len(batch) // 2
+    start = int(batch.text_ends[half - 1])
+    first = TokenTexts(batch.req_ids[:half], batch.token_ids[:half], batch.text[:start], batch.text_ends[:half])
+    second = TokenTexts(batch.req_ids[half:], batch.token_ids[half:], batch.text[start:],
+                        batch.text_ends[half:] - start)
+    return token_texts_batches(first, max_bytes) + token_texts_batches(second, max_bytes)
 
 
 def encode_events(events: list[OutputEvent]) -> bytes:

@@ -47,7 +47,7 @@ from pipeline.serve.recovery import Recovery, ResumeState
 from pipeline.serve.status import health_reply, stats_reply
 from shm.ring import RecordTooLarge
 from stages.contracts.errors import ErrorCode
-from stages.contracts.outputs import OutputEvent
+from stages.contracts.outputs import OutputEvent, TokenTexts
 from stages.contracts.params import InvalidParams, SamplingParams
 
 log = logging.getLogger("pipeline.serve")
@@ -226,14 +226,38 @@ class DaemonServer:
 
     # ---- backend output
 
-    def on_events(self, events: list[OutputEvent]) -> None:
+    def on_events(self, events: list[OutputEvent | TokenTexts]) -> None:
         for event in events:
+            if isinstance(event, TokenTexts):
+                self._on_token_texts(event)
+                continue
             request = self._requests.get(event.req_id)
             if request is None:
                 continue  # aborted or dropped meanwhile: its last tokens go nowhere
             self._on_event(request, event)
         if self.recovery.num_waiting and self.backend is not None:
             self._end_stage_failed(self.recovery.retry(self.backend, self._requests))
+
+    def _on_token_texts(self, batch: TokenTexts) -> None:
+        """A step's plain events: one token and its text each, nothing that ends a request."""
+        text = batch.text.tobytes()
+        requests = self._requests
+        delivered: list[RequestTimeline] = []
+        start = 0
+        for req_id, token_id, end in zip(batch.req_ids.tolist(), batch.token_ids.tolist(), batch.text_ends.tolist()):
+            request = requests.get(req_id)
+            piece, start = text[start:end], end
+            if request is None:
+                continue  # aborted or dropped meanwhile: its last tokens go nowhere
+            request.resume.answered = True
+            request.token_ids.append(token_id)
+            delivered.append(request.timeline)
+            if request.stream:
+                request.connection.send(Delta(request.request_id, piece.decode("utf-8"), [token_id]))
+            else:
+                request.texts.append(piece.decode("utf-8"))
+        self.num_generated_tokens += len(delivered)
+        self.metrics.one_token_each(delivered, time.monotonic())
 
     def _on_event(self, request: Request, event: OutputEvent) -> None:
         connection = request.connection

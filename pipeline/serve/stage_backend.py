@@ -36,10 +36,10 @@ from shm.naming import pid_alive, ring_name, sweep_stale, unlink_instance
 from shm.ring import RingReader, RingTimeout, RingWriter
 from shm.segment import PeerDied, RingSegment
 from stages.contracts.config import EngineConfig
-from stages.contracts.outputs import OutputEvent
+from stages.contracts.outputs import OutputEvent, TokenTexts
 from stages.contracts.params import SamplingParams
 from stages.contracts.topology import DAEMON, STAGES, Stage, links, stages
-from stages.events import coalesce, decode_events
+from stages.events import coalesce, decode_events, decode_token_texts
 from stages.messages import Kind, encode_generate, encode_req_id
 from stages.process import EXIT_PEER_DIED, launch
 from stages.status import StatusBoard
@@ -223,7 +223,15 @@ class StageBackend:
             raise RuntimeError("the backend is closed")
 
     def read_events(self, timeout_s: float) -> list[OutputEvent]:
-        """Blocks up to timeout_s for output; raises StageFailed when a stage has died."""
+        """Blocks up to timeout_s for output events; raises StageFailed when a stage has died."""
+        events: list[OutputEvent] = []
+        for item in self.read_outputs(timeout_s):
+            events.extend(item.to_events() if isinstance(item, TokenTexts) else (item,))
+        return events
+
+    def read_outputs(self, timeout_s: float) -> list[OutputEvent | TokenTexts]:
+        """As `read_events`, but each step's plain events come as one `TokenTexts`, in order with
+        the others: what the daemon routes without an object per token."""
         deadline = time.monotonic() + timeout_s
         self._rate.update(self._board.counters().tokens_generated)
         if self._pending_aborts:
@@ -241,15 +249,19 @@ class StageBackend:
                 break
             if time.monotonic() >= deadline:
                 return []
-        events: list[OutputEvent] = []
+        events: list[OutputEvent | TokenTexts] = []
         for _ in range(MAX_RECORDS_PER_READ):
-            events.extend(decode_events(record.payload))
+            if record.kind == Kind.TOKEN_TEXTS:
+                events.append(decode_token_texts(record.payload))
+            else:
+                events.extend(decode_events(record.payload))
             record = self._events.try_read()
             if record is None:
                 break
         self._events.release()
-        events = coalesce(events)  # several records: this thread fell behind, so one delta per request
-        finished = [e.req_id for e in events if e.is_last]
+        if not any(isinstance(e, TokenTexts) for e in events):
+            events = coalesce(events)  # several records: this thread fell behind, so one delta per request
+        finished = [e.req_id for e in events if isinstance(e, OutputEvent) and e.is_last]
         if finished:
             with self._lock:
                 self._live.difference_update(finished)

@@ -60,6 +60,27 @@ class StepUpdate:
 
 
 @dataclass(slots=True)
+class TokenTexts:
+    """The plain events of a step as arrays: request i got one token and its text, and nothing
+    else (no prompt, logprobs, finish or error). Most of a decoding step's events are these, so
+    they cross every hop as four arrays rather than an object each."""
+
+    req_ids: np.ndarray  # int64 [n]
+    token_ids: np.ndarray  # int32 [n]
+    text: np.ndarray  # uint8: the UTF-8 of every request's text, one after another
+    text_ends: np.ndarray  # int64 [n]: request i's text is text[text_ends[i - 1]:text_ends[i]]
+
+    def __len__(self) -> int:
+        return int(self.req_ids.shape[0])
+
+    def to_events(self) -> list[OutputEvent]:
+        text = self.text.tobytes()
+        starts = [0, *self.text_ends[:-1].tolist()]
+        return [OutputEvent(req_id, text[start:end].decode("utf-8"), self.token_ids[i:i + 1].copy())
+                for i, (req_id, start, end) in enumerate(zip(self.req_ids.tolist(), starts, self.text_ends.tolist()))]
+
+
+@dataclass(slots=True)
 class OutputEvent:
     """New output of one request. The last event of a request has finish_reason or error set."""
 
