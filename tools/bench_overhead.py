@@ -187,6 +187,7 @@ def measure(daemon: Daemon, batch: int, num_steps: int, device_ms: float, rng: n
     result["deliver_p50_ms"] = float(np.percentile(delivered, 50))
     result["deliver_p99_ms"] = float(np.percentile(delivered, 99))
     result["cpu_ms_per_step"] = cpu_ms_per_step(window, samples)
+    result["cpu_us_per_token"] = cpu_us_per_token(result["cpu_ms_per_step"], batch)
     result["window_steps"] = window.num_steps
     return result
 
@@ -256,6 +257,15 @@ def print_budget(results: dict) -> None:
           f"p99 {r['loop_p99_ms']:.2f} ms; headroom under T at p50 {device_ms - r['loop_p50_ms']:.2f} ms")
     print("  CPU ms per step: " + ", ".join(f"{name} {value:.2f}" for name, value in cpu.items())
           + f"; all {sum(cpu.values()):.2f} of the {cpus * device_ms:.1f} that {cpus} CPUs offer per step")
+    for prefix, source in [("", results)] + ([("baseline ", results["baseline"])] if "baseline" in results else []):
+        per_token = cpu_us_per_token(source["async"][batch]["cpu_ms_per_step"], int(batch))
+        print(f"  {prefix}CPU us per generated token: " + ", ".join(f"{n} {v:.2f}" for n, v in per_token.items()))
+
+
+def cpu_us_per_token(cpu_ms_per_step: dict[str, float], batch: int) -> dict[str, float]:
+    """Each process's CPU time per generated token, µs (every row samples one token a step).
+    `client` is this process: all the batch's streaming socket clients together."""
+    return {name: 1e3 * ms / batch for name, ms in cpu_ms_per_step.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
