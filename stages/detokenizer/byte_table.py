@@ -35,12 +35,14 @@ class ByteTable:
     """Bytes of every token id: `data[starts[i]:starts[i] + lengths[i]]`; id `size` is empty and
     stands for every id outside the vocabulary."""
 
-    __slots__ = ("data", "starts", "lengths", "lengths_skipping_special", "size", "plain")
+    __slots__ = ("data", "starts", "lengths", "lengths_skipping_special", "size", "plain", "_bytes", "_special")
 
     def __init__(self, token_bytes: list[bytes], special: list[bool]) -> None:
         if len(token_bytes) != len(special):
             raise ValueError(f"{len(token_bytes)} token byte strings but {len(special)} special flags")
         self.size = len(token_bytes)
+        self._bytes = token_bytes  # for a few tokens at a time, a list beats numpy's fixed cost
+        self._special = {token_id for token_id, is_special in enumerate(special) if is_special}
         lengths = np.array([len(b) for b in token_bytes] + [0], np.int64)
         self.data = np.frombuffer(b"".join(token_bytes), np.uint8)
         self.lengths = lengths
@@ -88,8 +90,10 @@ class ByteTable:
         return self.data[index]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool) -> bytes:
-        ids = np.asarray(token_ids, np.int64)
-        return self.gather(ids, self.lengths_of(ids, skip_special_tokens)).tobytes()
+        """The bytes of a few tokens (a request's, in the per-request path)."""
+        table, size = self._bytes, self.size
+        skip = self._special if skip_special_tokens else ()
+        return b"".join(table[i] for i in token_ids if 0 <= i < size and i not in skip)
 
     def ids(self, token_ids: np.ndarray) -> np.ndarray:
         """`token_ids` as table indices: those outside the vocabulary become `size`, the empty entry."""
