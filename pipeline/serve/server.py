@@ -239,25 +239,29 @@ class DaemonServer:
             self._end_stage_failed(self.recovery.retry(self.backend, self._requests))
 
     def _on_token_texts(self, batch: TokenTexts) -> None:
-        """A step's plain events: one token and its text each, nothing that ends a request."""
+        """Plain events: tokens and their text each, nothing that ends a request."""
         text = batch.text.tobytes()
+        token_ids = batch.token_ids.tolist()
+        token_ends = range(1, len(token_ids) + 1) if batch.token_ends is None else batch.token_ends.tolist()
         requests = self._requests
         delivered: list[RequestTimeline] = []
-        start = 0
-        for req_id, token_id, end in zip(batch.req_ids.tolist(), batch.token_ids.tolist(), batch.text_ends.tolist()):
+        counts: list[int] = []
+        start = first = 0
+        for req_id, end, last in zip(batch.req_ids.tolist(), batch.text_ends.tolist(), token_ends):
             request = requests.get(req_id)
-            piece, start = text[start:end], end
+            piece, tokens, start, first = text[start:end], token_ids[first:last], end, last
             if request is None:
                 continue  # aborted or dropped meanwhile: its last tokens go nowhere
             request.resume.answered = True
-            request.token_ids.append(token_id)
+            request.token_ids.extend(tokens)
             delivered.append(request.timeline)
+            counts.append(len(tokens))
             if request.stream:
-                request.connection.send(Delta(request.request_id, piece.decode("utf-8"), [token_id]))
+                request.connection.send(Delta(request.request_id, piece.decode("utf-8"), tokens))
             else:
                 request.texts.append(piece.decode("utf-8"))
-        self.num_generated_tokens += len(delivered)
-        self.metrics.one_token_each(delivered, time.monotonic())
+        self.num_generated_tokens += sum(counts)
+        self.metrics.tokens_each(delivered, counts, time.monotonic())
 
     def _on_event(self, request: Request, event: OutputEvent) -> None:
         connection = request.connection

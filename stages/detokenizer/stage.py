@@ -16,7 +16,7 @@ from shm.ring import Record, RingReader, RingWriter
 from stages import messages as msg
 from stages.contracts.outputs import OutputEvent, TokenTexts
 from stages.detokenizer.output_processor import OutputProcessor
-from stages.events import coalesce, encode_events, encode_token_texts, event_batches, token_texts_batches
+from stages.events import coalesce_outputs, encode_events, encode_token_texts, event_batches, token_texts_batches
 from stages.process import StageContext, run_stage
 
 # The device waits only on the scheduler and the runner; this stage's work is off that path. Where
@@ -100,21 +100,16 @@ class DetokenizerLoop:
             self.ctx.write(self.stop_strings, msg.Kind.STOP_STRING, msg.encode_req_id(req_id))
 
     def send(self, out: list[OutputEvent | TokenTexts]) -> None:
-        """Write `out` in order: each step's plain events as one TOKEN_TEXTS record, the others
-        as few EVENTS records as fit the ring, one event per request between two plain batches
-        (several steps' when this stage fell behind; a first event carries its prompt)."""
+        """Write `out` with one entry per request (several steps' when this stage fell behind):
+        the plain ones as TOKEN_TEXTS records, the events as few EVENTS records as fit the ring
+        (a first event carries its prompt)."""
         max_bytes = self.events.max_payload_bytes // 2
         events: list[OutputEvent] = []
-        for item in out:
+        for item in coalesce_outputs(out):
             if isinstance(item, OutputEvent):
                 events.append(item)
                 continue
-            self.send_events(events, max_bytes)
-            events = []
             for batch in token_texts_batches(item, max_bytes):
                 self.ctx.write(self.events, msg.Kind.TOKEN_TEXTS, encode_token_texts(batch))
-        self.send_events(events, max_bytes)
-
-    def send_events(self, events: list[OutputEvent], max_bytes: int) -> None:
-        for batch in event_batches(coalesce(events), max_bytes):
+        for batch in event_batches(events, max_bytes):
             self.ctx.write(self.events, msg.Kind.EVENTS, encode_events(batch))

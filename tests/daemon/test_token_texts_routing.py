@@ -41,3 +41,22 @@ def test_plain_batches_become_deltas_and_the_last_event_ends_each_request() -> N
     assert isinstance(unary_done, Done) and (unary_done.text, unary_done.token_ids) == ("a bc", [7, 9, 3])
     assert not [m for m in gone.sent if isinstance(m, Delta)]
     assert server.num_generated_tokens == 6
+
+
+def test_a_merged_batch_gives_each_request_one_delta_with_all_its_tokens() -> None:
+    server = DaemonServer(FakeBackend(EngineConfig(model="unused"), "1_a"), max_num_seqs=4)
+    streamed, unary = RecordingConnection(), RecordingConnection()
+    server.handle(streamed, Generate(prompt=[5, 6], stream=True))  # req_id 0
+    server.handle(unary, Generate(prompt=[5, 6]))  # req_id 1
+    server.on_events([OutputEvent(r, "", np.zeros(0, np.int32), prompt_token_ids=np.array([5, 6], np.int32))
+                      for r in (0, 1)])
+    merged = TokenTexts(np.array([1, 0], np.int64), np.array([9, 3, 8, 4, 2], np.int32),
+                        np.frombuffer("bcé中!".encode(), np.uint8), np.array([2, 8]), np.array([2, 5]))
+    server.on_events([merged])
+    server.on_events([OutputEvent(r, "", np.zeros(0, np.int32), finish_reason="length") for r in (0, 1)])
+
+    deltas = [m for m in streamed.sent if isinstance(m, Delta)]
+    assert [(d.text, d.token_ids) for d in deltas] == [("é中!", [8, 4, 2])]
+    unary_done = unary.sent[-1]
+    assert isinstance(unary_done, Done) and (unary_done.text, unary_done.token_ids) == ("bc", [9, 3])
+    assert server.num_generated_tokens == 5
