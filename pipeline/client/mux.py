@@ -15,6 +15,12 @@ closing a connection of its own would) and drops whatever comes for it later.
 Nothing waits on a slow reader: the reading task never blocks on a channel, and the deltas a
 channel's reader has not taken yet are merged into one (text and tokens appended), so what one
 stream holds unread is at most its own output, in one delta, and the other streams flow on.
+The daemon's limit on unread bytes (`max_unread_bytes`) then bounds the socket itself, since this
+end reads it whole as fast as it comes.
+
+A channel lives until it is closed (a stream's loop ending closes it; `AsyncClient.close` closes
+the shared connection, which aborts everything on it): a stream dropped unread without a close
+keeps its request running until then, where a connection of its own would close when collected.
 """
 from __future__ import annotations
 
@@ -23,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pipeline.client.connection import RECV_BYTES, _Inbox
-from pipeline.errors import ConnectionLost, DaemonNotRunning, ErrorCode
+from pipeline.client.connection import RECV_BYTES, _Inbox, abort_with_inbox, open_unix_streams
+from pipeline.errors import ConnectionLost, ErrorCode
 from pipeline.protocol import Abort, Accepted, Delta, Done, Error, FrameDecoder, Generate, ServerMessage, encode_frame
 
 MUX_RECV_BYTES = 16 * RECV_BYTES  # one read takes a step's replies for many streams
@@ -61,15 +67,7 @@ class Channel:
 
     async def abort(self, request_id: str) -> bool:
         """As `AsyncConnection.abort`."""
-        async with self._abort_lock:
-            self._inbox.expect_abort_reply(request_id)
-            try:
-                await self.send(Abort(request_id))
-                return await self._wait_for(lambda: self._inbox.abort_result)
-            except (ConnectionLost, OSError):
-                if self.closed:
-                    return False
-                raise
+        return await abort_with_inbox(self, self._inbox, self._abort_lock, request_id)
 
     def close(self) -> None:
         """Lets go of the request, aborting it if it still runs. Synchronous, as `AsyncConnection.close`."""
@@ -121,11 +119,7 @@ class SharedConnection:
 
     @classmethod
     async def open(cls, socket_path: Path) -> SharedConnection:
-        try:
-            reader, writer = await asyncio.open_unix_connection(str(socket_path))
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise DaemonNotRunning(socket_path) from None
-        return cls(reader, writer)
+        return cls(*await open_unix_streams(socket_path))
 
     @property
     def closed(self) -> bool:
