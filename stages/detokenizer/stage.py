@@ -63,7 +63,8 @@ class DetokenizerLoop:
                 continue
             out: list[OutputEvent | TokenTexts] = []
             self.handle(record, out)
-            while len(out) < MAX_EVENTS_PER_SEND and (record := self.inbox.try_read()) is not None:
+            while (sum(len(item) if isinstance(item, TokenTexts) else 1 for item in out) < MAX_EVENTS_PER_SEND
+                   and (record := self.inbox.try_read()) is not None):
                 self.handle(record, out)
             with self.emit_range:
                 self.send(out)
