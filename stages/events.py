@@ -1,11 +1,12 @@
 """Output events on the events ring: one columnar batch per record, cutting a list of events into
-batches that each fit a record, and merging a request's events that go out together."""
+batches that each fit a record, and merging a request's events that go out together. Plain events
+(`TokenTexts`) travel as their own record, a few arrays copied as they are."""
 from __future__ import annotations
 
 import numpy as np
 
 from shm.codec import Layout
-from stages.contracts.outputs import FinishReason, OutputEvent
+from stages.contracts.outputs import FinishReason, OutputEvent, TokenTexts
 from stages.messages import NO_REASON, REASON_CODE, REASONS
 
 _EMPTY = np.zeros(0, np.int32)
@@ -26,6 +27,117 @@ EVENTS = Layout("events", [
 NO_STOP_TOKEN = -1  # stop_token_ids entry of an event whose stop_reason is not a token id
 NOT_SCHEDULED = -1  # scheduled_ns entry of an event that does not carry the admission time
 _ERROR_SEPARATOR = "\x00"  # joins code, field and message of an error event
+
+
+TOKEN_TEXTS = Layout("token_texts", [("num_events", "I"), ("num_tokens", "I"), ("num_token_ends", "I"),
+                                     ("num_text_bytes", "I")], [
+    ("req_ids", "int64", "num_events"), ("token_ids", "int32", "num_tokens"), ("text_ends", "int64", "num_events"),
+    ("token_ends", "int64", "num_token_ends"), ("text", "uint8", "num_text_bytes"),
+])
+_NO_ENDS = np.zeros(0, np.int64)
+
+
+def encode_token_texts(batch: TokenTexts) -> bytes:
+    token_ends = _NO_ENDS if batch.token_ends is None else batch.token_ends
+    return TOKEN_TEXTS.encode({}, {"req_ids": batch.req_ids, "token_ids": batch.token_ids,
+                                   "text_ends": batch.text_ends, "token_ends": token_ends, "text": batch.text})
+
+
+def decode_token_texts(payload: memoryview | bytes) -> TokenTexts:
+    """The batch; arrays are copies."""
+    m = TOKEN_TEXTS.decode(payload, copy=True)
+    token_ends = m["token_ends"] if len(m["token_ends"]) else None
+    return TokenTexts(m["req_ids"], m["token_ids"], m["text"], m["text_ends"], token_ends)
+
+
+def token_texts_batches(batch: TokenTexts, max_bytes: int) -> list[TokenTexts]:
+    """`batch` cut into pieces that each encode to at most about `max_bytes`."""
+    num_bytes = 20 * len(batch) + 4 * len(batch.token_ids) + len(batch.text)
+    if num_bytes <= max_bytes or len(batch) < 2:
+        return [batch]
+    half = len(batch) // 2
+    start = int(batch.text_ends[half - 1])
+    if batch.token_ends is None:
+        first_ends = second_ends = None
+        token_start = half
+    else:
+        token_start = int(batch.token_ends[half - 1])
+        first_ends, second_ends = batch.token_ends[:half], batch.token_ends[half:] - token_start
+    first = TokenTexts(batch.req_ids[:half], batch.token_ids[:token_start], batch.text[:start],
+                       batch.text_ends[:half], first_ends)
+    second = TokenTexts(batch.req_ids[half:], batch.token_ids[token_start:], batch.text[start:],
+                        batch.text_ends[half:] - start, second_ends)
+    return token_texts_batches(first, max_bytes) + token_texts_batches(second, max_bytes)
+
+
+def coalesce_outputs(items: list[OutputEvent | TokenTexts]) -> list[OutputEvent | TokenTexts]:
+    """`coalesce` for events and plain batches together: each request's output of all `items` as
+    one entry. A request that has an event among them gets one event (its plain entries turned
+    into events, in order); the others share one `TokenTexts`, merged with array operations."""
+    events = [item for item in items if isinstance(item, OutputEvent)]
+    if len(events) == len(items):
+        return list(coalesce(events))
+    if len(items) == 1:
+        return items
+    with_events = np.fromiter({event.req_id for event in events}, np.int64)
+    ordered: list[OutputEvent] = []
+    plain: list[TokenTexts] = []
+    for item in items:
+        if isinstance(item, OutputEvent):
+            ordered.append(item)
+            continue
+        owed = np.isin(item.req_ids, with_events) if len(with_events) else None
+        if owed is None or not owed.any():
+            plain.append(item)
+            continue
+        ordered.extend(_rows(item, owed).to_events())  # few: requests starting or ending in these steps
+        if not owed.all():
+            plain.append(_rows(item, ~owed))
+    merged: list[OutputEvent | TokenTexts] = [merge_token_texts(plain)] if plain else []
+    return merged + coalesce(ordered)
+
+
+def _rows(batch: TokenTexts, keep: np.ndarray) -> TokenTexts:
+    """The requests of `batch` where `keep` is True."""
+    counts, lengths = batch.token_counts(), np.diff(batch.text_ends, prepend=0)
+    token_ids = batch.token_ids[_segments(np.cumsum(counts) - counts, counts, keep)]
+    text = batch.text[_segments(batch.text_ends - lengths, lengths, keep)]
+    token_ends = None if batch.token_ends is None else np.cumsum(counts[keep])
+    return TokenTexts(batch.req_ids[keep], token_ids, text, np.cumsum(lengths[keep]), token_ends)
+
+
+def _segments(starts: np.ndarray, lengths: np.ndarray, keep: np.ndarray | slice = slice(None)) -> np.ndarray:
+    """Indices of the segments [starts[i], starts[i] + lengths[i]) picked by `keep`, one after another."""
+    starts, lengths = starts[keep], lengths[keep]
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    offsets = np.cumsum(lengths) - lengths  # where each segment begins in the result
+    return np.repeat(starts - offsets, lengths) + np.arange(total)
+
+
+def merge_token_texts(batches: list[TokenTexts]) -> TokenTexts:
+    """One batch with each request once, in order of first appearance: its tokens and text of
+    every batch, in batch order."""
+    if len(batches) == 1:
+        return batches[0]
+    req_ids = np.concatenate([b.req_ids for b in batches])
+    counts = np.concatenate([b.token_counts() for b in batches])
+    lengths = np.concatenate([np.diff(b.text_ends, prepend=0) for b in batches])
+    token_ids = np.concatenate([b.token_ids for b in batches])
+    text = np.concatenate([b.text for b in batches])
+    unique, first, inverse = np.unique(req_ids, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")  # requests by first appearance
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    entry_rank = rank[inverse.reshape(-1)]
+    by_request = np.argsort(entry_rank, kind="stable")  # entries grouped by request, in batch order
+    token_starts, text_starts = np.cumsum(counts) - counts, np.cumsum(lengths) - lengths
+    per_request_tokens = np.bincount(entry_rank, weights=counts, minlength=len(order)).astype(np.int64)
+    per_request_bytes = np.bincount(entry_rank, weights=lengths, minlength=len(order)).astype(np.int64)
+    return TokenTexts(unique[order], token_ids[_segments(token_starts[by_request], counts[by_request])],
+                      text[_segments(text_starts[by_request], lengths[by_request])],
+                      np.cumsum(per_request_bytes), np.cumsum(per_request_tokens))
 
 
 def encode_events(events: list[OutputEvent]) -> bytes:

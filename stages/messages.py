@@ -38,6 +38,7 @@ class Kind(enum.IntEnum):
     FINISHED = 9  # scheduler -> detokenizer: a request ended outside a step (abort)
     STOP_STRING = 10  # detokenizer -> scheduler: finish this request
     EVENTS = 11  # detokenizer -> daemon: a batch of output events
+    TOKEN_TEXTS = 12  # detokenizer -> daemon: a step's plain events, as arrays
 
 
 _FRAME = struct.Struct("<Q")

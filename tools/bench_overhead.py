@@ -5,7 +5,8 @@ device (stages/gpu_runner/simulated.py) whose every step takes T ms of wall time
 whatever the host does shows as the device waiting. Two daemons run side by side, one with async
 scheduling and one with --no-async-scheduling; in each round, for each batch size (1, 64, 256),
 that many streamed requests (32-token prompts, long outputs) are sent at once to each daemon in
-turn by asyncio clients in this process, one connection per request. In the steady window (every
+turn by asyncio clients in this process, one connection per request (`--multiplex`: this
+checkout's requests of a batch share one connection; the baseline's keep one each). In the steady window (every
 row decoding, warm-up and tail cut off) it measures, per daemon and batch, the median over rounds:
 
   step_ms         mean wall time per step; exposed_pct = 100 * (step_ms - T) / T: device idle
@@ -144,16 +145,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S
 
 
-async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int) -> tuple[np.ndarray, np.ndarray,
-                                                                                          list[CpuSample]]:
-    """Streams one request per prompt at once; returns every token's receive time and id, and the
-    CPU samples taken meanwhile."""
+async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int,
+                       multiplex: bool) -> tuple[np.ndarray, np.ndarray, list[CpuSample]]:
+    """Streams one request per prompt at once (all on one connection when `multiplex`); returns
+    every token's receive time and id, and the CPU samples taken meanwhile."""
     pids = dict(daemon.pids, client=os.getpid())
     # Flat arrays, not a list of tuples: objects the collector must walk make its pauses grow.
     received_ns, received_ids = array("q"), array("q")
     samples: list[CpuSample] = []
     params = SamplingParams(max_tokens=num_steps, temperature=0.0, ignore_eos=True)
-    client = AsyncClient(daemon.socket_path)
+    client = AsyncClient(daemon.socket_path, multiplex=multiplex)
 
     async def one(prompt: list[int]) -> None:
         async for delta in client.stream(prompt, params):
@@ -170,14 +171,16 @@ async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int)
         await asyncio.gather(*(one(prompt) for prompt in prompts))
     finally:
         sampler.cancel()
+        await client.close()
     return np.frombuffer(received_ns, np.int64), np.frombuffer(received_ids, np.int64), samples
 
 
-def measure(daemon: Daemon, batch: int, num_steps: int, device_ms: float, rng: np.random.Generator) -> dict:
+def measure(daemon: Daemon, batch: int, num_steps: int, device_ms: float, rng: np.random.Generator,
+            multiplex: bool) -> dict:
     """One batch on one daemon: the steady window's numbers."""
     prompts = [rng.integers(2, VOCAB_SIZE, PROMPT_TOKENS).tolist() for _ in range(batch)]
     since_ns = time.monotonic_ns()
-    times, tokens, samples = uvloop.run(stream_batch(daemon, prompts, num_steps))
+    times, tokens, samples = uvloop.run(stream_batch(daemon, prompts, num_steps, multiplex))
     if len(tokens) != batch * num_steps:
         raise RuntimeError(f"{daemon.label} batch {batch}: got {len(tokens)} tokens, expected {batch * num_steps}")
     warmup = max(10, num_steps // 8)
@@ -187,6 +190,7 @@ def measure(daemon: Daemon, batch: int, num_steps: int, device_ms: float, rng: n
     result["deliver_p50_ms"] = float(np.percentile(delivered, 50))
     result["deliver_p99_ms"] = float(np.percentile(delivered, 99))
     result["cpu_ms_per_step"] = cpu_ms_per_step(window, samples)
+    result["cpu_us_per_token"] = cpu_us_per_token(result["cpu_ms_per_step"], batch)
     result["window_steps"] = window.num_steps
     return result
 
@@ -210,11 +214,13 @@ def run(args: argparse.Namespace) -> dict:
             for _ in range(args.rounds):
                 for batch in args.batches:
                     for daemon in daemons:
-                        runs[daemon.label][batch].append(measure(daemon, batch, num_steps, args.device_ms, rng))
+                        multiplex = args.multiplex and not daemon.label.startswith("baseline ")
+                        runs[daemon.label][batch].append(measure(daemon, batch, num_steps, args.device_ms, rng,
+                                                                 multiplex))
         finally:
             for daemon in daemons:
                 daemon.stop()
-    results: dict[str, object] = {"device_ms": args.device_ms}
+    results: dict[str, object] = {"device_ms": args.device_ms, "multiplex": args.multiplex}
     for label, by_batch in runs.items():
         target = results.setdefault("baseline", {"checkout": args.baseline}) if label.startswith("baseline ") else results
         target[label.split()[-1]] = {str(batch): median_of(batch_runs) for batch, batch_runs in by_batch.items()}
@@ -256,6 +262,15 @@ def print_budget(results: dict) -> None:
           f"p99 {r['loop_p99_ms']:.2f} ms; headroom under T at p50 {device_ms - r['loop_p50_ms']:.2f} ms")
     print("  CPU ms per step: " + ", ".join(f"{name} {value:.2f}" for name, value in cpu.items())
           + f"; all {sum(cpu.values()):.2f} of the {cpus * device_ms:.1f} that {cpus} CPUs offer per step")
+    for prefix, source in [("", results)] + ([("baseline ", results["baseline"])] if "baseline" in results else []):
+        per_token = cpu_us_per_token(source["async"][batch]["cpu_ms_per_step"], int(batch))
+        print(f"  {prefix}CPU us per generated token: " + ", ".join(f"{n} {v:.2f}" for n, v in per_token.items()))
+
+
+def cpu_us_per_token(cpu_ms_per_step: dict[str, float], batch: int) -> dict[str, float]:
+    """Each process's CPU time per generated token, µs (every row samples one token a step).
+    `client` is this process: all the batch's streaming socket clients together."""
+    return {name: 1e3 * ms / batch for name, ms in cpu_ms_per_step.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="rounds of every batch (default 3, --quick 1)")
     parser.add_argument("--batches", type=lambda text: [int(b) for b in text.split(",")], default=list(BATCHES))
     parser.add_argument("--baseline", help="another checkout whose daemons are measured in the same rounds")
+    parser.add_argument("--multiplex", action="store_true",
+                        help="this checkout's clients share one connection per batch (the baseline's keep one each)")
     parser.add_argument("--serve", metavar="SOCKET", help="only serve on the simulated device, until Ctrl-C")
     parser.add_argument("--model", help="with --serve: checkpoint directory (default: the embedded tiny model)")
     parser.add_argument("--max-model-len", type=int, default=1024, help=argparse.SUPPRESS)

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from pipeline.client.connection import AsyncConnection
+from pipeline.client.mux import Channel, SharedConnection
 from pipeline.client.replies import (
     Completion,
     Params,
@@ -31,7 +32,7 @@ class AsyncStream(StreamResult):
     def __init__(self, client: AsyncClient, generate: Generate) -> None:
         self._client = client
         self._generate = generate
-        self._connection: AsyncConnection | None = None
+        self._connection: AsyncConnection | Channel | None = None
         self._replies = RequestReplies()
 
     @property
@@ -42,7 +43,7 @@ class AsyncStream(StreamResult):
         """Sends the request and waits for the daemon to accept it (raises if it refuses)."""
         if self._connection is not None:
             return
-        self._connection = await AsyncConnection.open(self._client.socket_path)
+        self._connection = await self._client._open()
         self._client._streams.add(self)
         try:
             await self._connection.send(self._generate)
@@ -94,16 +95,35 @@ class AsyncStream(StreamResult):
 
 
 class AsyncClient:
-    """asyncio client: each call or stream has its own connection, so calls may run concurrently."""
+    """asyncio client: each call or stream has its own connection, so calls may run concurrently.
 
-    def __init__(self, socket: str | Path | None = None) -> None:
+    With `multiplex=True` every `generate` and `stream` shares one connection instead (mux.py):
+    one socket and one read per batch of replies however many streams run, and a stream whose
+    reader is slow holds only its own unread output, merged into one delta.
+    """
+
+    def __init__(self, socket: str | Path | None = None, *, multiplex: bool = False) -> None:
         self.socket_path = Path(socket) if socket is not None else default_socket_path()
+        self.multiplex = multiplex
         self._streams: weakref.WeakSet[AsyncStream] = weakref.WeakSet()
-        self._running: RunningRequests[AsyncConnection] = RunningRequests()
+        self._running: RunningRequests[AsyncConnection | Channel] = RunningRequests()
+        self._shared: SharedConnection | None = None
+
+    async def _open(self) -> AsyncConnection | Channel:
+        """A request's connection: its own, or its channel of the shared one."""
+        if not self.multiplex:
+            return await AsyncConnection.open(self.socket_path)
+        if self._shared is None or self._shared.closed:
+            shared = await SharedConnection.open(self.socket_path)
+            if self._shared is None or self._shared.closed:
+                self._shared = shared
+            else:  # another task opened one meanwhile
+                shared.close()
+        return self._shared.channel()
 
     async def generate(self, prompt: Prompt, params: Params = None) -> Completion:
         generate = make_generate(prompt, params, stream=False)
-        connection = await AsyncConnection.open(self.socket_path)
+        connection = await self._open()
         replies = RequestReplies()
         try:
             await connection.send(generate)
@@ -152,6 +172,9 @@ class AsyncClient:
         """Closes every open stream, aborting their requests."""
         for stream in list(self._streams):
             stream.close()
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
 
     async def __aenter__(self) -> AsyncClient:
         return self

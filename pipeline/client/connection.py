@@ -14,7 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pipeline.errors import ConnectionLost, DaemonNotRunning, ErrorCode
 from pipeline.protocol import Abort, Aborted, Error, FrameDecoder, ServerMessage, encode_frame
@@ -56,6 +56,39 @@ class _Inbox:
 
     def next_message(self) -> ServerMessage | None:
         return self.messages.popleft() if self.messages else None
+
+
+async def open_unix_streams(socket_path: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """An asyncio connection to the daemon's socket; DaemonNotRunning if nothing listens there."""
+    try:
+        return await asyncio.open_unix_connection(str(socket_path))
+    except (FileNotFoundError, ConnectionRefusedError):
+        raise DaemonNotRunning(socket_path) from None
+
+
+class _AsyncRequestEnd(Protocol):
+    """What `abort_with_inbox` needs of an asyncio connection (or a channel of a shared one)."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    async def send(self, message: Any) -> None: ...
+
+    async def _wait_for(self, take: Callable[[], T | None]) -> T: ...
+
+
+async def abort_with_inbox(end: _AsyncRequestEnd, inbox: _Inbox, lock: asyncio.Lock, request_id: str) -> bool:
+    """Sends Abort for `request_id` on `end` and waits for the verdict that `inbox` sets aside:
+    True if the daemon aborted it, False if it was no longer running (or `end` was closed)."""
+    async with lock:
+        inbox.expect_abort_reply(request_id)
+        try:
+            await end.send(Abort(request_id))
+            return await end._wait_for(lambda: inbox.abort_result)
+        except (ConnectionLost, OSError):
+            if end.closed:
+                return False
+            raise
 
 
 class Connection:
@@ -175,11 +208,7 @@ class AsyncConnection:
 
     @classmethod
     async def open(cls, socket_path: Path) -> AsyncConnection:
-        try:
-            reader, writer = await asyncio.open_unix_connection(str(socket_path))
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise DaemonNotRunning(socket_path) from None
-        return cls(reader, writer)
+        return cls(*await open_unix_streams(socket_path))
 
     @property
     def closed(self) -> bool:
@@ -201,15 +230,7 @@ class AsyncConnection:
 
     async def abort(self, request_id: str) -> bool:
         """As `Connection.abort`."""
-        async with self._abort_lock:
-            self._inbox.expect_abort_reply(request_id)
-            try:
-                await self.send(Abort(request_id))
-                return await self._wait_for(lambda: self._inbox.abort_result)
-            except (ConnectionLost, OSError):
-                if self.closed:
-                    return False
-                raise
+        return await abort_with_inbox(self, self._inbox, self._abort_lock, request_id)
 
     def close(self) -> None:
         """Synchronous, so `finally` blocks and generator finalisers can abort with it."""

@@ -53,7 +53,9 @@ class Backend(Protocol):
 
     def read_events(self, timeout_s: float) -> list[OutputEvent]:
         """Output events, waiting up to timeout_s for some; StageFailed (its `stage` naming the
-        stage, where one died) when the engine died."""
+        stage, where one died) when the engine died. A backend may also offer `read_outputs`,
+        the same with each step's plain events as one `TokenTexts` (StageBackend does): the
+        supervisor reads that where it exists."""
 
     def health(self) -> list[StageHealth]: ...
 

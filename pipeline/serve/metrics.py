@@ -90,6 +90,17 @@ class Metrics:
         timeline.num_output_tokens += num_tokens
         self._generation_tokens.inc(num_tokens)
 
+    def tokens_each(self, timelines: list[RequestTimeline], counts: list[int], now: float) -> None:
+        """counts[i] output tokens reached the client of timelines[i] (a batch of plain events)."""
+        for timeline, count in zip(timelines, counts):
+            if timeline.first_token_s is None:
+                timeline.first_token_s = now
+                self._ttft.observe(now - timeline.arrival_s)
+            timeline.last_token_s = now
+            timeline.num_output_tokens += count
+        if counts:
+            self._generation_tokens.inc(sum(counts))
+
     def request_finished(
         self,
         timeline: RequestTimeline,

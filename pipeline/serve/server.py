@@ -47,7 +47,7 @@ from pipeline.serve.recovery import Recovery, ResumeState
 from pipeline.serve.status import health_reply, stats_reply
 from shm.ring import RecordTooLarge
 from stages.contracts.errors import ErrorCode
-from stages.contracts.outputs import OutputEvent
+from stages.contracts.outputs import OutputEvent, TokenTexts
 from stages.contracts.params import InvalidParams, SamplingParams
 
 log = logging.getLogger("pipeline.serve")
@@ -226,14 +226,42 @@ class DaemonServer:
 
     # ---- backend output
 
-    def on_events(self, events: list[OutputEvent]) -> None:
+    def on_events(self, events: list[OutputEvent | TokenTexts]) -> None:
         for event in events:
+            if isinstance(event, TokenTexts):
+                self._on_token_texts(event)
+                continue
             request = self._requests.get(event.req_id)
             if request is None:
                 continue  # aborted or dropped meanwhile: its last tokens go nowhere
             self._on_event(request, event)
         if self.recovery.num_waiting and self.backend is not None:
             self._end_stage_failed(self.recovery.retry(self.backend, self._requests))
+
+    def _on_token_texts(self, batch: TokenTexts) -> None:
+        """Plain events: tokens and their text each, nothing that ends a request."""
+        text = batch.text.tobytes()
+        token_ids = batch.token_ids.tolist()
+        token_ends = range(1, len(token_ids) + 1) if batch.token_ends is None else batch.token_ends.tolist()
+        requests = self._requests
+        delivered: list[RequestTimeline] = []
+        counts: list[int] = []
+        start = first = 0
+        for req_id, end, last in zip(batch.req_ids.tolist(), batch.text_ends.tolist(), token_ends):
+            request = requests.get(req_id)
+            piece, tokens, start, first = text[start:end], token_ids[first:last], end, last
+            if request is None:
+                continue  # aborted or dropped meanwhile: its last tokens go nowhere
+            request.resume.answered = True
+            request.token_ids.extend(tokens)
+            delivered.append(request.timeline)
+            counts.append(len(tokens))
+            if request.stream:
+                request.connection.send(Delta(request.request_id, piece.decode("utf-8"), tokens))
+            else:
+                request.texts.append(piece.decode("utf-8"))
+        self.num_generated_tokens += sum(counts)
+        self.metrics.tokens_each(delivered, counts, time.monotonic())
 
     def _on_event(self, request: Request, event: OutputEvent) -> None:
         connection = request.connection

@@ -1,4 +1,7 @@
-"""One client connection on the daemon's Unix socket: frames in, messages out, never awaiting."""
+"""One client connection on the daemon's Unix socket: frames in, messages out, never awaiting.
+
+Replies are gathered and written once per turn of the event loop: a step's deltas for every
+request of a connection leave in one write, however many streams it carries."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +22,7 @@ class SocketConnection(asyncio.Protocol):
         self._decoder: FrameDecoder[ClientMessage] = FrameDecoder(ClientMessage)
         self.transport: asyncio.Transport | None = None
         self.requests: dict[str, Request] = {}  # this connection's running requests by public id
+        self._frames: list[bytes] = []  # encoded replies not yet written: `_flush` writes them
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -44,15 +48,27 @@ class SocketConnection(asyncio.Protocol):
             frame = encode_frame(message)
         except ProtocolError as exc:  # a reply over the frame limit: report it instead
             frame = encode_frame(error_for(exc, getattr(message, "request_id", None)))
-        transport.write(frame)
+        if not self._frames:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._frames.append(frame)
+
+    def _flush(self) -> None:
+        """Writes the replies gathered since the last flush, in one write."""
+        frames, self._frames = self._frames, []
+        transport = self.transport
+        if not frames or transport is None or transport.is_closing():
+            return
+        transport.write(frames[0] if len(frames) == 1 else b"".join(frames))
         if transport.get_write_buffer_size() > self._server.max_unread_bytes:
             log.warning("dropping a client that left %d bytes unread", transport.get_write_buffer_size())
             transport.abort()
 
     def close(self) -> None:
         if self.transport is not None:
+            self._flush()
             self.transport.close()  # flushes what is buffered, then connection_lost runs
 
     def abort(self) -> None:
+        self._frames.clear()
         if self.transport is not None:
             self.transport.abort()  # drops what is buffered

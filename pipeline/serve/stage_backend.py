@@ -36,10 +36,10 @@ from shm.naming import pid_alive, ring_name, sweep_stale, unlink_instance
 from shm.ring import RingReader, RingTimeout, RingWriter
 from shm.segment import PeerDied, RingSegment
 from stages.contracts.config import EngineConfig
-from stages.contracts.outputs import OutputEvent
+from stages.contracts.outputs import OutputEvent, TokenTexts
 from stages.contracts.params import SamplingParams
 from stages.contracts.topology import DAEMON, STAGES, Stage, links, stages
-from stages.events import coalesce, decode_events
+from stages.events import coalesce_outputs, decode_events, decode_token_texts
 from stages.messages import Kind, encode_generate, encode_req_id
 from stages.process import EXIT_PEER_DIED, launch
 from stages.status import StatusBoard
@@ -158,6 +158,12 @@ class StageBackend:
         ready = "" if self._board.is_ready(index) else " while starting"
         return StageFailed(f"stage {name!r} {how}{ready}" + (f": {error}" if error else ""), stage=name)
 
+    def _dead_peer_failure(self, message: str, stage: str | None) -> StageFailed:
+        """The failure behind a ring's PeerDied: the ring sees its peer dead as soon as it is a
+        zombie, which may be before its exit status can be read, so that is waited for briefly."""
+        self._reap_dead_peers()
+        return self._failed_stage() or StageFailed(message, stage=stage)
+
     def _reap_dead_peers(self) -> bool:
         """Waits (briefly) for the exit status of stages that are dead but not yet reapable; True
         if one came. A stage that ended because a peer died can be reaped before that peer: a
@@ -215,7 +221,7 @@ class StageBackend:
         except RingTimeout:
             return False
         except PeerDied as exc:
-            raise self._failed_stage() or StageFailed(str(exc)) from None
+            raise self._dead_peer_failure(str(exc), None) from None
         return True
 
     def _check_open(self) -> None:
@@ -223,7 +229,15 @@ class StageBackend:
             raise RuntimeError("the backend is closed")
 
     def read_events(self, timeout_s: float) -> list[OutputEvent]:
-        """Blocks up to timeout_s for output; raises StageFailed when a stage has died."""
+        """Blocks up to timeout_s for output events; raises StageFailed when a stage has died."""
+        events: list[OutputEvent] = []
+        for item in self.read_outputs(timeout_s):
+            events.extend(item.to_events() if isinstance(item, TokenTexts) else (item,))
+        return events
+
+    def read_outputs(self, timeout_s: float) -> list[OutputEvent | TokenTexts]:
+        """As `read_events`, but each step's plain events come as one `TokenTexts`, in order with
+        the others: what the daemon routes without an object per token."""
         deadline = time.monotonic() + timeout_s
         self._rate.update(self._board.counters().tokens_generated)
         if self._pending_aborts:
@@ -236,20 +250,23 @@ class StageBackend:
             try:
                 record = self._events.read(timeout=min(LIVENESS_CHECK_S, max(0.0, deadline - time.monotonic())))
             except PeerDied:
-                raise self._failed_stage() or StageFailed("stage 'detokenizer' died", stage="detokenizer") from None
+                raise self._dead_peer_failure("stage 'detokenizer' died", "detokenizer") from None
             if record is not None:
                 break
             if time.monotonic() >= deadline:
                 return []
-        events: list[OutputEvent] = []
+        events: list[OutputEvent | TokenTexts] = []
         for _ in range(MAX_RECORDS_PER_READ):
-            events.extend(decode_events(record.payload))
+            if record.kind == Kind.TOKEN_TEXTS:
+                events.append(decode_token_texts(record.payload))
+            else:
+                events.extend(decode_events(record.payload))
             record = self._events.try_read()
             if record is None:
                 break
         self._events.release()
-        events = coalesce(events)  # several records: this thread fell behind, so one delta per request
-        finished = [e.req_id for e in events if e.is_last]
+        events = coalesce_outputs(events)  # several records: this thread fell behind, so one delta per request
+        finished = [e.req_id for e in events if isinstance(e, OutputEvent) and e.is_last]
         if finished:
             with self._lock:
                 self._live.difference_update(finished)

@@ -1,17 +1,43 @@
-"""What the daemon says about itself: health (are the stages alive and going round?) and stats."""
+"""What the daemon says about itself: health (are the stages alive and going round?) and stats.
+
+It reads the daemon server through `ServerState`, what the server holds, so that this module and
+server.py (which answers Health and Stats with it) do not import each other.
+"""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from enum import Enum
+from typing import Protocol
 
+from pipeline.engine.backend import Backend
 from pipeline.protocol import HealthReply, StatsReply
-from pipeline.serve.config import version
+from pipeline.serve.config import DaemonConfig, version
+from pipeline.serve.model import ServedModel
+from pipeline.serve.recovery import Recovery
 
-if TYPE_CHECKING:
-    from pipeline.serve.server import DaemonServer
+
+class ServerState(Protocol):
+    """What health and stats read of the daemon server (pipeline/serve/server.py)."""
+
+    config: DaemonConfig
+    backend: Backend | None
+    model: ServedModel | None
+    recovery: Recovery
+    state: Enum  # its value: "serving", "restarting" or "down"
+    started_at: float
+    shutting_down: bool
+    last_failure: str | None
+    down_reason: str | None
+    http_url: str | None
+    num_restarts: int
+    num_finished: int
+    num_overloaded: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    max_in_flight_requests: int
 
 
-def health_reply(server: DaemonServer) -> HealthReply:
+def health_reply(server: ServerState) -> HealthReply:
     """"ok" only while every stage lives and none has stalled, with no restart under way."""
     config = server.config
     reply = HealthReply("ok", version(), time.monotonic() - server.started_at, num_restarts=server.num_restarts,
@@ -47,7 +73,7 @@ def health_reply(server: DaemonServer) -> HealthReply:
     return reply
 
 
-def stats_reply(server: DaemonServer) -> StatsReply:
+def stats_reply(server: ServerState) -> StatsReply:
     reply = StatsReply(
         num_finished_requests=server.num_finished,
         num_prompt_tokens_total=server.num_prompt_tokens,

@@ -23,7 +23,7 @@ from pipeline.errors import StageFailed
 from pipeline.engine.backend import Backend, BackendFactory
 from shm.naming import new_instance_id
 from stages.contracts.config import EngineConfig
-from stages.contracts.outputs import OutputEvent
+from stages.contracts.outputs import OutputEvent, TokenTexts
 
 log = logging.getLogger("pipeline.serve.supervisor")
 
@@ -34,7 +34,7 @@ LOOP_CALL_POLL_S = 0.1
 class BackendEvents(Protocol):
     """What the supervisor reports, each call made on the daemon's event loop."""
 
-    def on_events(self, events: list[OutputEvent]) -> None: ...
+    def on_events(self, events: list[OutputEvent | TokenTexts]) -> None: ...
 
     def on_backend_failed(self, reason: str, stage: str | None) -> None:
         """A stage died (`stage` names it, where known): park the requests in flight; let go of
@@ -131,9 +131,10 @@ class StageSupervisor:
 
     def _pump(self, backend: Backend) -> StageFailed | None:
         """Hands events to the loop until a stage fails (returns the failure) or the daemon stops (None)."""
+        read = getattr(backend, "read_outputs", backend.read_events)  # see Backend.read_events
         while not self._stopping.is_set():
             try:
-                events = backend.read_events(EVENT_POLL_S)
+                events = read(EVENT_POLL_S)
             except StageFailed as exc:
                 return exc
             except Exception as exc:  # noqa: BLE001 - any reader failure leaves the requests unserved

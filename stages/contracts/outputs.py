@@ -60,6 +60,39 @@ class StepUpdate:
 
 
 @dataclass(slots=True)
+class TokenTexts:
+    """Plain events as arrays: request i got tokens and their text, and nothing else (no prompt,
+    logprobs, finish or error). Most of a decoding step's events are these, so they cross every
+    hop as a few arrays rather than an object each. A step's batch has one token per request
+    (`token_ends` None); batches of several steps merged (a reader that fell behind) have a
+    request's tokens of all of them together."""
+
+    req_ids: np.ndarray  # int64 [n], each request once
+    token_ids: np.ndarray  # int32: every request's tokens, one after another
+    text: np.ndarray  # uint8: the UTF-8 of every request's text, one after another
+    text_ends: np.ndarray  # int64 [n]: request i's text is text[text_ends[i - 1]:text_ends[i]]
+    token_ends: np.ndarray | None = None  # int64 [n], as text_ends for token_ids; None: one token each
+
+    def __len__(self) -> int:
+        return int(self.req_ids.shape[0])
+
+    def token_counts(self) -> np.ndarray:
+        """How many tokens each request got."""
+        if self.token_ends is None:
+            return np.ones(len(self), np.int64)
+        return np.diff(self.token_ends, prepend=0)
+
+    def to_events(self) -> list[OutputEvent]:
+        text = self.text.tobytes()
+        starts = [0, *self.text_ends[:-1].tolist()]
+        token_ends = np.arange(1, len(self) + 1) if self.token_ends is None else self.token_ends
+        token_starts = [0, *token_ends[:-1].tolist()]
+        return [OutputEvent(req_id, text[start:end].decode("utf-8"), self.token_ids[first:last].copy())
+                for req_id, start, end, first, last in zip(self.req_ids.tolist(), starts, self.text_ends.tolist(),
+                                                           token_starts, token_ends.tolist())]
+
+
+@dataclass(slots=True)
 class OutputEvent:
     """New output of one request. The last event of a request has finish_reason or error set."""
 

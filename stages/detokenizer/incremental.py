@@ -13,6 +13,10 @@ The window starts on the last few prompt tokens, so the first output token decod
 (a sentencepiece "▁word" keeps its space). For byte-level BPE the emitted text is exactly
 `tokenizer.decode(output_token_ids)`.
 
+With a `ByteTable` (byte-level tokenizers, byte_table.py) the same text comes from the table with
+no call into the library: the bytes not yet emitted are kept, and released once they no longer
+end inside a character. Byte-level decoding is plain concatenation, so no context is needed.
+
 Stop strings are matched on the decoded text. Text that could be the start of a stop string is
 held back until the next tokens show whether it is one; `flush()` releases it at the end.
 """
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from stages.contracts.params import SamplingParams
+from stages.detokenizer.byte_table import ByteTable
 
 # How many prompt tokens give the first output token its decoding context (vLLM uses 5).
 PROMPT_CONTEXT_TOKENS = 5
@@ -93,14 +98,17 @@ class IncrementalDetokenizer:
     and every later `add` returns an empty, stopped delta.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+                 table: ByteTable | None = None) -> None:
         self._tokenizer = tokenizer
+        self._table = table
         self._skip_special_tokens = params.skip_special_tokens
         self._min_tokens = params.min_tokens
         self._matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self.pending_bytes = b""  # with a table: output bytes not yet emitted (they end inside a character)
 
-        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        if self._decode(context).endswith(REPLACEMENT_CHAR):
+        context = [] if table is not None else list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        if context and self._decode(context).endswith(REPLACEMENT_CHAR):
             # The prompt ends inside a character: its text is not a stable prefix of what
             # follows, so the output decodes without prompt context.
             context = []
@@ -143,11 +151,17 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self._stopped
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return self._matcher is not None
+
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
     def _decode_new(self, *, final: bool) -> str:
         """Text of the tokens past read_offset, or "" while it ends inside a character."""
+        if self._table is not None:
+            return self._decode_new_bytes(final=final)
         if self._read_offset == len(self._token_ids):
             return ""
         prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
@@ -157,6 +171,20 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
         return new_text[len(prefix_text) :]
+
+    def _decode_new_bytes(self, *, final: bool) -> str:
+        """As `_decode_new`, from the table: the bytes of the tokens not yet emitted."""
+        if self._read_offset < len(self._token_ids):
+            self.pending_bytes += self._table.decode(self._token_ids[self._read_offset:], self._skip_special_tokens)
+            self._token_ids.clear()  # the table needs no window of earlier tokens
+            self._read_offset = 0
+        if not self.pending_bytes:
+            return ""
+        text = self.pending_bytes.decode("utf-8", "replace")
+        if text.endswith(REPLACEMENT_CHAR) and not final:
+            return ""
+        self.pending_bytes = b""
+        return text
 
     def _release(self, new_text: str, *, final: bool) -> DetokenizerDelta:
         pending = self._pending + new_text

@@ -5,6 +5,11 @@ the offline `LLM` and the in-process backend all feed it the scheduler's reading
 (which entries are real outputs of which request, which requests finished) and the step's tokens.
 A stop string is matched here: the request ends at once for the client, and the caller tells
 the scheduler (`StepEvents.stopped`), whose later tokens for it are dropped.
+
+With a byte-level tokenizer (byte_table.py) a step is decoded whole: the rows of requests that
+hold no partial character, have no stop strings, logprobs, prompt or finish to report, and got an
+ASCII token, are answered by gathering their bytes from the table at once (`StepEvents.plain`);
+only the other rows take the per-request path.
 """
 from __future__ import annotations
 
@@ -14,8 +19,9 @@ from typing import Protocol
 import numpy as np
 from tokenizers import Tokenizer
 
-from stages.contracts.outputs import FinishReason, OutputEvent, StepTokens
+from stages.contracts.outputs import FinishReason, OutputEvent, StepTokens, TokenTexts
 from stages.contracts.params import SamplingParams
+from stages.detokenizer.byte_table import ByteTable
 from stages.detokenizer.incremental import IncrementalDetokenizer, stop_token_reason
 
 _NO_TOKENS = np.zeros(0, np.int32)
@@ -34,6 +40,7 @@ class StepEntries(Protocol):
 class StepEvents:
     events: list[OutputEvent] = field(default_factory=list)
     stopped: list[int] = field(default_factory=list)  # requests a stop string ended
+    plain: TokenTexts | None = None  # `on_step_batch` only: the plain events, as arrays (not in `events`)
 
 
 @dataclass(slots=True)
@@ -42,6 +49,7 @@ class _Stream:
     prompt_token_ids: np.ndarray | None  # sent with the request's first event, then None
     params: SamplingParams
     scheduled_ns: int | None = None  # its admission time, sent with its next event, then None
+    fast: bool = False  # decoded from the byte table, with no stop strings or logprobs to report
 
 
 class OutputProcessor:
@@ -49,6 +57,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
+        self.table = ByteTable.of(tokenizer) if tokenizer is not None else None
         self._streams: dict[int, _Stream] = {}
 
     def __contains__(self, req_id: int) -> bool:
@@ -63,28 +72,48 @@ class OutputProcessor:
         prompt = np.asarray(prompt_token_ids, np.int32)
         detokenizer = None
         if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt.tolist(), params)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt.tolist(), params, self.table)
             # One token at a time, as they first came: the detokenizer's offsets, held-back
             # stop-string text and min_tokens count end up where the first run left them. The
             # text this gives was delivered then and is not sent again.
             for token_id in np.asarray(output_token_ids, np.int32).tolist():
                 detokenizer.add([token_id])
-        self._streams[req_id] = _Stream(detokenizer, prompt, params)
+        fast = self.table is not None and not params.stop and params.logprobs is None
+        self._streams[req_id] = _Stream(detokenizer, prompt, params, fast=fast)
 
     def on_step(self, entries: StepEntries, tokens: StepTokens) -> StepEvents:
         """Events of one step: entry i is request entries.req_ids[i]'s token at row
         entries.output_index[i] of the step's `tokens`; entries.finished end with this step."""
+        out = self.on_step_batch(entries, tokens)
+        if out.plain is not None:
+            out.events[:0] = out.plain.to_events()
+            out.plain = None
+        return out
+
+    def on_step_batch(self, entries: StepEntries, tokens: StepTokens) -> StepEvents:
+        """As `on_step`, but the step's plain events come as one `TokenTexts` in `plain`."""
         out = StepEvents()
         this_step: dict[int, OutputEvent] = {}
         for req_id, scheduled_ns in entries.admitted:
             stream = self._streams.get(req_id)
             if stream is not None:
                 stream.scheduled_ns = scheduled_ns
-        for req_id, index in zip(entries.req_ids.tolist(), entries.output_index.tolist()):
-            stream = self._streams.get(req_id)
+        req_ids = np.asarray(entries.req_ids, np.int64)
+        step_token_ids = np.asarray(tokens.token_ids)[np.asarray(entries.output_index, np.int64)].astype(np.int32)
+        streams = [self._streams.get(req_id) for req_id in req_ids.tolist()]
+        rest = range(len(streams))
+        if self.table is not None and len(streams):
+            plain = self._plain_rows(req_ids, step_token_ids, streams, entries.finished)
+            if plain.any():
+                ids = step_token_ids[plain]
+                lengths = self.table.lengths_of(ids, skip_special_tokens=False)
+                out.plain = TokenTexts(req_ids[plain], ids, self.table.gather(ids, lengths), np.cumsum(lengths))
+                rest = np.flatnonzero(~plain).tolist()
+        for row in rest:
+            stream = streams[row]
             if stream is None:
                 continue  # ended here by a stop string; the scheduler has not heard yet
-            token_id = int(tokens.token_ids[index])
+            req_id, index, token_id = int(req_ids[row]), int(entries.output_index[row]), int(step_token_ids[row])
             event = self._event(req_id, stream)
             event.token_ids = np.array([token_id], np.int32)
             if stream.params.logprobs is not None and tokens.logprobs is not None:
@@ -116,6 +145,19 @@ class OutputProcessor:
             if reason == FinishReason.STOP and len(event.token_ids):
                 event.stop_reason = stop_token_reason(stream.params, int(event.token_ids[-1]))
         return out
+
+    def _plain_rows(self, req_ids: np.ndarray, token_ids: np.ndarray, streams: list[_Stream | None],
+                    finished: list[tuple[int, FinishReason]]) -> np.ndarray:
+        """Which rows' events are plain: a fast stream with nothing held back or owed (prompt,
+        admission time), an ASCII token, and no finish this step."""
+        plain = np.fromiter((s is not None and s.fast and s.prompt_token_ids is None and s.scheduled_ns is None
+                             and not s.detokenizer.pending_bytes for s in streams), np.bool_, len(streams))
+        plain &= self.table.plain[self.table.ids(token_ids)]
+        if finished:
+            plain &= ~np.isin(req_ids, [req_id for req_id, _ in finished])
+        if plain.any() and len(np.unique(req_ids)) != len(req_ids):
+            plain[:] = False  # several tokens of one request: the per-request path keeps their order
+        return plain
 
     def finish(self, req_id: int, reason: FinishReason) -> OutputEvent | None:
         """The last event of a request that ended outside a step (an abort); None if it had

@@ -14,9 +14,9 @@ from tokenizers import Tokenizer
 from shm.mailbox import MailboxReader
 from shm.ring import Record, RingReader, RingWriter
 from stages import messages as msg
-from stages.contracts.outputs import OutputEvent
+from stages.contracts.outputs import OutputEvent, TokenTexts
 from stages.detokenizer.output_processor import OutputProcessor
-from stages.events import coalesce, encode_events, event_batches
+from stages.events import coalesce_outputs, encode_events, encode_token_texts, event_batches, token_texts_batches
 from stages.process import StageContext, run_stage
 
 # The device waits only on the scheduler and the runner; this stage's work is off that path. Where
@@ -61,14 +61,15 @@ class DetokenizerLoop:
             record = self.ctx.read_input(self.inbox)
             if record is None:
                 continue
-            out: list[OutputEvent] = []
+            out: list[OutputEvent | TokenTexts] = []
             self.handle(record, out)
-            while len(out) < MAX_EVENTS_PER_SEND and (record := self.inbox.try_read()) is not None:
+            while (sum(len(item) if isinstance(item, TokenTexts) else 1 for item in out) < MAX_EVENTS_PER_SEND
+                   and (record := self.inbox.try_read()) is not None):
                 self.handle(record, out)
             with self.emit_range:
                 self.send(out)
 
-    def handle(self, record: Record, out: list[OutputEvent]) -> None:
+    def handle(self, record: Record, out: list[OutputEvent | TokenTexts]) -> None:
         kind = record.kind
         if kind == msg.Kind.MANIFEST:
             self.on_step(msg.decode_manifest(record.payload), out)
@@ -87,18 +88,29 @@ class DetokenizerLoop:
         else:
             raise ValueError(f"unexpected record kind {kind} on the scheduler's ring")
 
-    def on_step(self, manifest: msg.Manifest, out: list[OutputEvent]) -> None:
+    def on_step(self, manifest: msg.Manifest, out: list[OutputEvent | TokenTexts]) -> None:
         with self.manifest_range:
             tokens = self.mailbox.read(manifest.step, manifest.slot, check=self.ctx.tick)
             self.mailbox.release(manifest.step)
         with self.detokenize_range:
-            step = self.outputs.on_step(manifest, tokens)
+            step = self.outputs.on_step_batch(manifest, tokens)
+        if step.plain is not None:
+            out.append(step.plain)
         out.extend(step.events)
         for req_id in step.stopped:
             self.ctx.write(self.stop_strings, msg.Kind.STOP_STRING, msg.encode_req_id(req_id))
 
-    def send(self, out: list[OutputEvent]) -> None:
-        """Write `out`, one event per request (several steps' when this stage fell behind), as few
-        EVENTS records as fit the ring (a first event carries its prompt)."""
-        for batch in event_batches(coalesce(out), self.events.max_payload_bytes // 2):
+    def send(self, out: list[OutputEvent | TokenTexts]) -> None:
+        """Write `out` with one entry per request (several steps' when this stage fell behind):
+        the plain ones as TOKEN_TEXTS records, the events as few EVENTS records as fit the ring
+        (a first event carries its prompt)."""
+        max_bytes = self.events.max_payload_bytes // 2
+        events: list[OutputEvent] = []
+        for item in coalesce_outputs(out):
+            if isinstance(item, OutputEvent):
+                events.append(item)
+                continue
+            for batch in token_texts_batches(item, max_bytes):
+                self.ctx.write(self.events, msg.Kind.TOKEN_TEXTS, encode_token_texts(batch))
+        for batch in event_batches(events, max_bytes):
             self.ctx.write(self.events, msg.Kind.EVENTS, encode_events(batch))
