@@ -151,10 +151,12 @@ class DaemonServer:
         connection.send(Accepted(request_id))
 
     def start_request(self, connection: Connection, prompt: str | list[int], params: SamplingParams,
-                      stream: bool) -> str:
+                      stream: bool, resume_token_ids: list[int] | None = None) -> str:
         """Hands a request to the backend for `connection`, which then gets its Delta (when
-        streamed) and Done or Error messages; returns its public id. Raises Overloaded,
-        StageFailed, RequestAborted (shutting down) or PromptTooLong when it is refused."""
+        streamed) and Done or Error messages; returns its public id. `resume_token_ids` are
+        outputs delivered elsewhere (by a replica that died) that it continues after, as a
+        request resumed after a crash does. Raises Overloaded, StageFailed, RequestAborted
+        (shutting down) or PromptTooLong when it is refused."""
         self._check_available()
         if len(self._requests) >= self.max_in_flight_requests:
             self.num_overloaded += 1
@@ -166,8 +168,10 @@ class DaemonServer:
                           ResumeState(prompt, params, submitted=True))
         if isinstance(prompt, list):
             request.prompt_token_ids = list(prompt)
+        if resume_token_ids:
+            request.token_ids = list(resume_token_ids)
         try:
-            self.backend.submit(req_id, prompt, params)
+            self.backend.submit(req_id, prompt, params, request.token_ids)
         except Overloaded:
             self.num_overloaded += 1
             raise
