@@ -44,6 +44,15 @@ def start_replica(model: Path, port: int | None = None, extra: list[str] | None 
     return Replica(daemon, directory, url, port)
 
 
+def restart_replica(replica: Replica) -> Replica:
+    """A fresh daemon on a killed one's socket (which sweeps what it left in /dev/shm) and port."""
+    if replica.daemon.process.poll() is None:
+        raise RuntimeError("the replica's daemon still runs")
+    daemon = start_daemon(replica.daemon.model, replica.directory,
+                          ["--port", str(replica.port), "--served-model-name", "default"])
+    return Replica(daemon, replica.directory, replica.url, replica.port)
+
+
 def stop_replica(replica: Replica) -> None:
     try:
         replica.daemon.stop()
