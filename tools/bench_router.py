@@ -33,9 +33,9 @@ import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not t
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_e2e import engine_options, start_daemon  # noqa: E402
+from bench_http import _run as run_bench  # noqa: E402
 from bench_http import cpu_s  # noqa: E402
 from pipeline.bench.multiturn import run_workload  # noqa: E402
-from pipeline.bench.serve_bench import run_benchmark  # noqa: E402
 from pipeline.bench.targets import HttpTarget  # noqa: E402
 from pipeline.bench.workload import random_requests  # noqa: E402
 from pipeline.client import Client  # noqa: E402
@@ -144,7 +144,7 @@ def streamed_cost(direct: str, routed: str, router_pid: int, daemon_pid: int, re
     for _ in range(rounds):
         for name, url in (("direct", direct), ("router", routed)):
             router_before, daemon_before = cpu_s(router_pid), cpu_s(daemon_pid)
-            result = asyncio.run(_bench(url, requests))
+            result = asyncio.run(run_bench(lambda url=url: HttpTarget(url), requests))
             router_used, daemon_used = cpu_s(router_pid) - router_before, cpu_s(daemon_pid) - daemon_before
             chunks = sum(len(record.chunk_tokens) for record in result.records)
             runs[name].append({"output_tok_s": result.metrics.output_throughput,
@@ -153,14 +153,6 @@ def streamed_cost(direct: str, routed: str, router_pid: int, daemon_pid: int, re
                                "daemon_cpu_us_per_chunk": daemon_used / chunks * 1e6})
     return {name: {key: statistics.median(run[key] for run in results) for key in results[0]}
             for name, results in runs.items()}
-
-
-async def _bench(url: str, requests: list) -> object:
-    target = HttpTarget(url)
-    try:
-        return await run_benchmark(None, requests, ignore_eos=True, target=target)
-    finally:
-        await target.close()
 
 
 def main() -> int:

@@ -8,6 +8,7 @@ on through relay.py.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -19,7 +20,7 @@ from pipeline.router.prefix import PrefixKeyer
 from pipeline.router.relay import MAX_REPLICA_DEATHS, ChoiceState, StreamRelay
 from pipeline.router.upstream import UNREACHABLE, Refused, Sender, error_json
 from pipeline.serve.config import version
-from pipeline.serve.openai.app import error_response, json_response, read_json_body
+from pipeline.serve.openai.app import error_response, json_response, openai_router, read_json_body
 from pipeline.serve.openai.asgi import HttpRequest, Response, Router as AsgiRouter, StreamResponse
 from pipeline.serve.openai.errors import OpenAIError
 from pipeline.serve.openai.params import (
@@ -29,7 +30,12 @@ from pipeline.serve.openai.params import (
     derive_seed,
     stream_usage,
 )
-from pipeline.serve.openai.schemas import decode_chat_request, decode_completion_request
+from pipeline.serve.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_chat_request,
+    decode_completion_request,
+)
 from pipeline.serve.openai.sse import SSE_CONTENT_TYPE
 
 FORWARDED_HEADERS = ("authorization",)
@@ -51,12 +57,7 @@ class RouterApi:
             ("/version", "GET"): self.version,
             ("/metrics", "GET"): self.metrics_page,
         }
-
-        def unknown(request: HttpRequest, status: int) -> Response:
-            what = "no such route" if status == 404 else "this route does not take that method"
-            return error_response(OpenAIError(status, f"{request.method} {request.path}: {what}"))
-
-        return AsgiRouter(routes, unknown)
+        return openai_router(routes)
 
     # ---- generation
 
@@ -111,9 +112,10 @@ class RouterApi:
         headers.update({name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers})
         return Sender(self.session, self.router, self.metrics, path, headers, key)
 
-    async def _stream(self, sender: Sender, body: dict, states: list[ChoiceState], parsed: object,
-                      max_tokens: int | None, count_prompt_tokens: object) -> Response | StreamResponse:
-        relay = StreamRelay(sender, body, states, client_wants_ids=bool(getattr(parsed, "return_token_ids", False)),
+    async def _stream(self, sender: Sender, body: dict, states: list[ChoiceState],
+                      parsed: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                      count_prompt_tokens: Callable[[], int]) -> Response | StreamResponse:
+        relay = StreamRelay(sender, body, states, client_wants_ids=bool(parsed.return_token_ids),
                             include_usage=stream_usage(parsed), max_tokens=max_tokens,
                             count_prompt_tokens=count_prompt_tokens,
                             on_failover=self.metrics.failovers.inc,

@@ -20,6 +20,7 @@ from pipeline.serve.config import version
 from pipeline.serve.openai.asgi import (
     BodyTooLarge,
     ClientGone,
+    Handler,
     HttpRequest,
     Response,
     Router,
@@ -75,12 +76,7 @@ class OpenAIApi:
             ("/version", "GET"): self.version,
             ("/metrics", "GET"): self.metrics,
         }
-
-        def unknown(request: HttpRequest, status: int) -> Response:
-            what = "no such route" if status == 404 else "this route does not take that method"
-            return error_response(OpenAIError(status, f"{request.method} {request.path}: {what}"))
-
-        return Router(routes, unknown)
+        return openai_router(routes)
 
     # ---- the API
 
@@ -227,6 +223,15 @@ class OpenAIApi:
         if isinstance(choice.prompt, str):
             return choice.prompt
         return self.model.decode(list(choice.prompt))
+
+
+def openai_router(routes: dict[tuple[str, str], Handler]) -> Router:
+    """An ASGI app of `routes` that answers an unknown path (404) or method (405) as OpenAI does."""
+    def unknown(request: HttpRequest, status: int) -> Response:
+        what = "no such route" if status == 404 else "this route does not take that method"
+        return error_response(OpenAIError(status, f"{request.method} {request.path}: {what}"))
+
+    return Router(routes, unknown)
 
 
 async def read_json_body(request: HttpRequest) -> bytes:
