@@ -1,18 +1,23 @@
 """Which replica takes a request: prefix-aware with bounded load, round-robin, or least-load.
 
-`prefix`: a request whose prompt has a full leading block goes to its key's replica on the
-consistent-hash ring, unless that one has more than (1 + epsilon) times the mean outstanding
-requests (then the next on the ring); a prompt with no full block goes to the replica with the
-fewest outstanding requests. `round-robin` and `least-load` ignore the prompt; they exist to
+`prefix`: a request whose prompt has a full leading block goes where its key's KV most likely
+is: the replica that served the key last, else the key's replica on the consistent-hash ring;
+either only while it holds no more than ceil((1 + epsilon) x the mean) outstanding requests, this
+one counted (else the next on the ring). Remembering where a key went keeps a conversation whose
+turn once spilled over on the replica that now holds its history. A prompt with no full block
+goes to the replica with the fewest outstanding requests. `round-robin` and `least-load` ignore the prompt; they exist to
 compare against.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Collection
 from enum import Enum
 
 from pipeline.router.replicas import Replica, Replicas
-from pipeline.router.ring import HashRing
+from pipeline.router.ring import HashRing, load_bound
+
+MAX_REMEMBERED_KEYS = 65536  # keys whose last replica is remembered, least recently used forgotten first
 
 
 class Policy(Enum):
@@ -24,7 +29,7 @@ class Policy(Enum):
 class Route(Enum):
     """How a request's replica was chosen, as the metrics count it."""
 
-    PREFIX_OWNER = "prefix_owner"  # the key's own replica on the ring
+    PREFIX_OWNER = "prefix_owner"  # where the key's KV is: the replica that served it last, or its ring owner
     PREFIX_SPILL = "prefix_spill"  # the key's replica was over the load bound: the next one
     LEAST_LOAD = "least_load"
     ROUND_ROBIN = "round_robin"
@@ -41,6 +46,7 @@ class Router:
         self.epsilon = epsilon
         self.ring = HashRing()
         self._next = 0
+        self._last_replica: OrderedDict[bytes, str] = OrderedDict()  # key -> the replica that served it last
 
     def on_change(self, url: str, healthy: bool) -> None:
         if healthy:
@@ -57,10 +63,24 @@ class Router:
             self._next += 1
             return candidates[self._next % len(candidates)], Route.ROUND_ROBIN
         if self.policy is Policy.PREFIX and key is not None:
-            by_url = self.replicas.by_url
-            allowed = {r.url for r in candidates}
-            url = self.ring.choose(key, lambda u: by_url[u].outstanding, self.epsilon, allowed.__contains__)
-            if url is not None:
-                owner = next((u for u in self.ring.walk(key) if u in allowed), None)
-                return by_url[url], Route.PREFIX_OWNER if url == owner else Route.PREFIX_SPILL
+            chosen = self._by_prefix(key, candidates)
+            if chosen is not None:
+                self._last_replica[key] = chosen[0].url
+                self._last_replica.move_to_end(key)
+                if len(self._last_replica) > MAX_REMEMBERED_KEYS:
+                    self._last_replica.popitem(last=False)
+                return chosen
         return min(candidates, key=lambda r: (r.outstanding, r.num_requests)), Route.LEAST_LOAD
+
+    def _by_prefix(self, key: bytes, candidates: list[Replica]) -> tuple[Replica, Route] | None:
+        by_url = self.replicas.by_url
+        allowed = {r.url for r in candidates}
+        last = self._last_replica.get(key)
+        if last in allowed and by_url[last].outstanding + 1 <= load_bound([r.outstanding for r in candidates],
+                                                                          self.epsilon):
+            return by_url[last], Route.PREFIX_OWNER
+        url = self.ring.choose(key, lambda u: by_url[u].outstanding, self.epsilon, allowed.__contains__)
+        if url is None:
+            return None
+        owner = next((u for u in self.ring.walk(key) if u in allowed), None)
+        return by_url[url], Route.PREFIX_OWNER if url == owner else Route.PREFIX_SPILL

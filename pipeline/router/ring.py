@@ -71,9 +71,14 @@ class HashRing:
         members = [name for name in self.walk(key) if allowed(name)]
         if not members:
             return None
-        total = sum(load(name) for name in members) + 1
-        bound = math.ceil((1 + epsilon) * total / len(members))
+        bound = load_bound([load(name) for name in members], epsilon)
         for name in members:
             if load(name) + 1 <= bound:
                 return name
-        return min(members, key=load)  # unreachable with epsilon >= 0: kept for safety of rounding
+        return min(members, key=load)  # not reached with epsilon >= 0: the least loaded is within the bound
+
+
+def load_bound(loads: list[int], epsilon: float) -> int:
+    """The most requests a member may hold with one more request placed: ceil((1 + epsilon) x the
+    mean, this request counted)."""
+    return math.ceil((1 + epsilon) * (sum(loads) + 1) / len(loads))

@@ -130,6 +130,8 @@ def test_prefix_routing_doubles_the_fleets_hit_rate_within_the_load_bound(fleet,
                                             for url in urls]
         finally:
             router.stop()
+    print(f"fleet prefix-cache hit rate: {hit_rates}; requests per replica with prefix routing: "
+          f"{requests_per_replica['prefix']}")
     assert hit_rates["prefix"] >= 2 * hit_rates["round-robin"], hit_rates
     counts = requests_per_replica["prefix"]
     assert max(counts) <= 1.5 * sum(counts) / len(counts), counts

@@ -82,6 +82,21 @@ def test_policies_choose_among_healthy_replicas_only() -> None:
     replicas.mark(replica.url, False, "gone")
     other, _ = router.choose(b"k")
     assert other.url != replica.url
+    # A key passed over for load goes on to where it went, which now holds its KV.
+    for url in replicas.by_url:
+        replicas.mark(url, True, "ok")
+    owner, _ = router.choose(b"conversation")
+    owner.outstanding = 5
+    spill, route = router.choose(b"conversation")
+    assert route is Route.PREFIX_SPILL and spill.url != owner.url
+    owner.outstanding = 0
+    assert router.choose(b"conversation") == (spill, Route.PREFIX_OWNER)
+    replicas.mark(spill.url, False, "gone")
+    assert router.choose(b"conversation") == (owner, Route.PREFIX_OWNER)
+    replicas.mark(spill.url, True, "ok")
+    for replica in replicas.by_url.values():
+        replica.outstanding = 0
+    replicas.mark("http://c:1", False, "gone")
     replicas.by_url["http://a:1"].outstanding = 3
     assert router.choose(None)[1] is Route.LEAST_LOAD and router.choose(None)[0].url != "http://a:1"
     router.policy = Policy.ROUND_ROBIN
