@@ -36,7 +36,7 @@ def conversations(num_conversations: int, num_system_prompts: int, seed: int) ->
     """(system prompt, user messages) per conversation; conversation i uses system prompt i % S."""
     rng = random.Random(seed)
     systems = [f"System {seed}-{s}: " + sentence(rng, 6) for s in range(num_system_prompts)]
-    return [(systems[i % num_system_prompts], [f"User {i}: " + sentence(rng, 30) for _ in range(8)])
+    return [(systems[i % num_system_prompts], [f"User {i}: " + sentence(rng, 60) for _ in range(8)])
             for i in range(num_conversations)]
 
 
