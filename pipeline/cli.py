@@ -268,6 +268,53 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_router_options(parser: argparse.ArgumentParser) -> None:
+    from pipeline.router.main import RouterConfig
+    from pipeline.router.policy import Policy
+
+    defaults = RouterConfig([], "")
+    parser.add_argument("--backend", action="append", required=True, metavar="URL",
+                        help="a daemon's HTTP API, http://host:port (repeat for each replica)")
+    parser.add_argument("--port", type=_port, default=defaults.port, help="TCP port (default %(default)s)")
+    parser.add_argument("--host", default=defaults.host, help="address to listen on (default %(default)s)")
+    parser.add_argument("--policy", choices=[p.value for p in Policy], default=defaults.policy.value,
+                        help="prefix: the prompt's leading blocks pick a replica by consistent hashing, bounded by "
+                             "load; round-robin and least-load ignore the prompt (default %(default)s)")
+    parser.add_argument("--model", default=None,
+                        help="the replicas' checkpoint directory, for its tokenizer and chat template "
+                             "(default: the embedded default model)")
+    parser.add_argument("--block-size", type=positive_int, default=defaults.block_size,
+                        help="the replicas' --block-size (default %(default)s)")
+    parser.add_argument("--prefix-blocks", type=positive_int, default=defaults.prefix_blocks,
+                        help="leading full blocks of a prompt that make its routing key (default %(default)s)")
+    parser.add_argument("--epsilon", type=float, default=defaults.epsilon,
+                        help="a replica with more than (1 + epsilon) x the mean outstanding requests is passed over "
+                             "(default %(default)s)")
+    parser.add_argument("--health-interval", type=_seconds, default=defaults.health_interval_s,
+                        help="seconds between health checks of each backend (default %(default)s)")
+    parser.set_defaults(handler=_router)
+
+
+def _router(args: argparse.Namespace) -> int:
+    from pipeline.router.main import RouterConfig, run
+    from pipeline.router.policy import Policy
+
+    if args.model is None:
+        from pipeline.models.default_model import ensure_default_model
+        model = str(ensure_default_model())
+    else:
+        model = args.model
+    if not args.epsilon >= 0:
+        raise PipelineError(f"--epsilon must be >= 0, got {args.epsilon}")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = RouterConfig(args.backend, model, args.host, args.port, Policy(args.policy), args.epsilon,
+                              args.block_size, args.prefix_blocks, max(args.health_interval, 0.05))
+        return run(config)
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipeline", description="LLM serving engine daemon and client")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -298,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument("--stream", action="store_true", help="print text as it is generated")
     generate.set_defaults(handler=_generate)
+    add_router_options(commands.add_parser("router", help="an OpenAI-compatible HTTP front that routes requests "
+                                           "to several daemons' --port APIs, with failover between them"))
     # Listed for --help only: main() hands `bench` and its arguments to pipeline.serve_bench.
     commands.add_parser("bench", add_help=False, help="load a running daemon and report latency percentiles "
                         "(see `pipeline bench --help`)")

@@ -39,6 +39,8 @@ from stages.status import StatusBoard
 EXIT_ERROR = 1
 EXIT_PEER_DIED = 3
 EXIT_PARENT_GONE = 4
+# How often a stage whose forkserver died (its parent is no longer the daemon's) checks the daemon by pid.
+DAEMON_CHECK_S = 0.1
 TICK_S = 0.05  # the longest a working stage loop blocks between ticks
 # An idle stage wakes this often only: to beat, and to see a stop or the daemon's death. The
 # daemon's stall limit must exceed it (pipeline.daemon.MIN_STALL_S).
@@ -78,6 +80,7 @@ class StageContext:
         # The parent to watch; none if the daemon went before this process could watch it (the
         # first tick then stops).
         self._parent_pid = os.getppid() if pid_alive(self._daemon_pid) else -1
+        self._next_daemon_check_s = 0.0
         self.board = StatusBoard.open(spec["status"])
         self.board.mark_started(self.index, os.getpid())
         self.profiler = StageProfiler(self.name)
@@ -127,12 +130,22 @@ class StageContext:
         if board.stop_requested:
             raise StageStop(0, "stop requested")
         if os.getppid() != self._parent_pid:
-            raise StageStop(EXIT_PARENT_GONE, f"the daemon (pid {self._daemon_pid}) is gone")
+            self._check_daemon()
         if board.profile_generation() != self._profile_generation:
             request = board.profile_request()
             self._profile_generation = request.generation
             board.answer_profile(self.index, self.profiler.answer(request))
             board.beat(self.index)  # starting or writing a capture may take a while
+
+    def _check_daemon(self) -> None:
+        """The parent changed: the daemon died, or only the forkserver this stage was forked
+        from (then the daemon is watched by its pid, at most every DAEMON_CHECK_S)."""
+        now = time.monotonic()
+        if now < self._next_daemon_check_s:
+            return
+        if self._parent_pid == -1 or not pid_alive(self._daemon_pid):
+            raise StageStop(EXIT_PARENT_GONE, f"the daemon (pid {self._daemon_pid}) is gone")
+        self._next_daemon_check_s = now + DAEMON_CHECK_S
 
     def read_input(self, reader: RingReader, share: int = 1) -> Record | None:
         """The next record of an input ring, or None after a while without one: TICK_S while

@@ -151,10 +151,12 @@ class DaemonServer:
         connection.send(Accepted(request_id))
 
     def start_request(self, connection: Connection, prompt: str | list[int], params: SamplingParams,
-                      stream: bool) -> str:
+                      stream: bool, resume_token_ids: list[int] | None = None) -> str:
         """Hands a request to the backend for `connection`, which then gets its Delta (when
-        streamed) and Done or Error messages; returns its public id. Raises Overloaded,
-        StageFailed, RequestAborted (shutting down) or PromptTooLong when it is refused."""
+        streamed) and Done or Error messages; returns its public id. `resume_token_ids` are
+        outputs delivered elsewhere (by a replica that died) that it continues after, as a
+        request resumed after a crash does. Raises Overloaded, StageFailed, RequestAborted
+        (shutting down) or PromptTooLong when it is refused."""
         self._check_available()
         if len(self._requests) >= self.max_in_flight_requests:
             self.num_overloaded += 1
@@ -162,18 +164,22 @@ class DaemonServer:
                              f"(max_num_seqs {self.max_num_seqs} + max_waiting {self.config.max_waiting}); retry later")
         req_id = self._next_req_id
         self._next_req_id += 1
+        restarting = self.state is BackendState.RESTARTING
         request = Request(req_id, new_request_id(), connection, stream, params.logprobs, self.metrics.request_arrived(),
-                          ResumeState(prompt, params, submitted=True))
+                          ResumeState(prompt, params, submitted=not restarting))
         if isinstance(prompt, list):
             request.prompt_token_ids = list(prompt)
-        try:
-            self.backend.submit(req_id, prompt, params)
-        except Overloaded:
-            self.num_overloaded += 1
-            raise
-        except RecordTooLarge:  # far longer than any max_model_len: refused before tokenizing
-            unit = "characters" if isinstance(prompt, str) else "token ids"
-            raise PromptTooLong(f"prompt of {len(prompt)} {unit} is too large to queue") from None
+        if resume_token_ids:
+            request.token_ids = list(resume_token_ids)
+        if not restarting:  # else it waits with the parked requests and starts with them on the fresh stages
+            try:
+                self.backend.submit(req_id, prompt, params, request.token_ids)
+            except Overloaded:
+                self.num_overloaded += 1
+                raise
+            except RecordTooLarge:  # far longer than any max_model_len: refused before tokenizing
+                unit = "characters" if isinstance(prompt, str) else "token ids"
+                raise PromptTooLong(f"prompt of {len(prompt)} {unit} is too large to queue") from None
         self._requests[req_id] = request
         self._idle.clear()
         connection.requests[request.request_id] = request
@@ -183,8 +189,6 @@ class DaemonServer:
         """Raises why the daemon cannot take a request at all now, if it cannot."""
         if self.shutting_down:
             raise RequestAborted("the daemon is shutting down and accepts no new requests")
-        if self.state is BackendState.RESTARTING:
-            raise StageFailed(f"stages are restarting after: {self.last_failure}; retry")
         if self.state is BackendState.DOWN:
             raise StageFailed(f"stages failed ({self.last_failure}) and are not restarted: {self.down_reason}")
 
@@ -313,8 +317,8 @@ class DaemonServer:
 
     def on_backend_failed(self, reason: str, stage: str | None = None) -> None:
         """A stage died: the requests in flight wait for fresh stages (but those the poison guard
-        fails end with stage_failed), new ones are refused until then, and the backend is no
-        longer touched (the supervisor closes it)."""
+        fails end with stage_failed), new ones wait with them (within max_waiting), and the
+        backend is no longer touched (the supervisor closes it)."""
         log.error("stages failed: %s", reason)
         self.backend = None
         self.state = BackendState.RESTARTING

@@ -19,7 +19,9 @@ import atexit
 import json
 import logging
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
+import signal
 import sys
 import threading
 import time
@@ -52,6 +54,9 @@ READY_POLL_S = 0.01
 KILL_GRACE_S = 1.0
 REAP_WAIT_S = 1.0  # how long a stage seen dead may take to become reapable (its threads exiting)
 MIN_RATE_WINDOW_S = 0.5
+# multiprocessing's exit code for a child whose forkserver died: the server reports each child's
+# exit, and with it gone the report is lost, though the child (a stage) may well run on.
+FORKSERVER_LOST = 255
 # What the stages' server imports before its first fork: every stage's module and torch._dynamo,
 # which the runner's first model construction would import otherwise (nn.init on the meta
 # device goes through it: a second and more).
@@ -77,6 +82,7 @@ class StageBackend:
         self._live: set[int] = set()  # submitted and not yet finished: abort targets
         self._pending_aborts: deque[int] = deque()  # aborts that found the abort ring full
         self._next_tokenizer = 0
+        self._forkserver_watch: threading.Thread | None = None  # replacing a dead forkserver
         self._rate = _TokenRate()
         self._writers: list[RingWriter] = []
         self._readers: list[RingReader] = []
@@ -146,7 +152,8 @@ class StageBackend:
     def _failed_stage(self) -> StageFailed | None:
         """StageFailed naming a dead stage, if any died: one that failed on its own (killed, or
         its own error) is named before one that ended because a peer died under it."""
-        dead = [(index, name, p.exitcode) for index, (name, p) in enumerate(self._procs) if p.exitcode is not None]
+        dead = [(index, name, code) for index, (name, p) in enumerate(self._procs)
+                if (code := _exit_code(p)) is not None]
         if not dead:
             return None
         if all(code == EXIT_PEER_DIED for _, _, code in dead) and self._reap_dead_peers():
@@ -154,6 +161,8 @@ class StageBackend:
         dead.sort(key=lambda d: (d[2] == EXIT_PEER_DIED, d[2] >= 0))  # killed first, then own errors
         index, name, code = dead[0]
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        if code == FORKSERVER_LOST:
+            how = "died (its exit status was lost with the forkserver it was forked from)"
         error = self._board.error(index)
         ready = "" if self._board.is_ready(index) else " while starting"
         return StageFailed(f"stage {name!r} {how}{ready}" + (f": {error}" if error else ""), stage=name)
@@ -170,7 +179,7 @@ class StageBackend:
         killed process with many threads is seen dead (a zombie leader) while its threads exit."""
         reaped = False
         for _, process in self._procs:
-            if process.exitcode is None and not pid_alive(process.pid or 0):
+            if _exit_code(process) is None and not pid_alive(process.pid or 0):
                 process.join(REAP_WAIT_S)
                 reaped = reaped or process.exitcode is not None
         return reaped
@@ -240,6 +249,7 @@ class StageBackend:
         the others: what the daemon routes without an object per token."""
         deadline = time.monotonic() + timeout_s
         self._rate.update(self._board.counters().tokens_generated)
+        self._watch_forkserver()
         if self._pending_aborts:
             with self._lock:
                 self._send_pending_aborts()
@@ -272,6 +282,14 @@ class StageBackend:
                 self._live.difference_update(finished)
         return events
 
+    def _watch_forkserver(self) -> None:
+        """Once the forkserver has died under running stages, a thread starts a fresh one."""
+        if self._forkserver_watch is None and any(p.exitcode == FORKSERVER_LOST for _, p in self._procs):
+            procs = [p for _, p in self._procs]
+            self._forkserver_watch = threading.Thread(target=replace_dead_forkserver, args=(procs,),
+                                                      name="pipeline-forkserver", daemon=True)
+            self._forkserver_watch.start()
+
     def start_profile(self, directory: str) -> None:
         """Every live stage starts a torch.profiler capture (stages/profiling.py) for `directory`, an
         absolute path to a directory only its owner may write; returns once all have started.
@@ -284,7 +302,7 @@ class StageBackend:
         return self._profile.stop()
 
     def health(self) -> list[StageHealth]:
-        return [StageHealth(name, process.pid or 0, process.is_alive(), self._board.heartbeat_age_s(index))
+        return [StageHealth(name, process.pid or 0, _exit_code(process) is None, self._board.heartbeat_age_s(index))
                 for index, (name, process) in enumerate(self._procs)]
 
     def stats(self) -> BackendStats:
@@ -305,15 +323,15 @@ class StageBackend:
             board.request_stop()
         deadline = time.monotonic() + timeout_s
         for _, process in self._procs:
-            process.join(max(0.0, deadline - time.monotonic()))
+            _join(process, deadline)
         for _, process in self._procs:
-            if process.exitcode is None:
-                process.terminate()
+            if _exit_code(process) is None:
+                _signal(process, signal.SIGTERM)
         for _, process in self._procs:
-            process.join(KILL_GRACE_S)
-            if process.exitcode is None:
-                process.kill()
-                process.join()
+            _join(process, time.monotonic() + KILL_GRACE_S)
+            if _exit_code(process) is None:
+                _signal(process, signal.SIGKILL)
+                _join(process, time.monotonic() + KILL_GRACE_S)
         for end in [*self._writers, *self._readers]:
             end.close()
         if board is not None:
@@ -357,6 +375,45 @@ def _stage_process(module: str, spec_json: str) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _exit_code(process: mp.process.BaseProcess) -> int | None:
+    """A stage's exit code, None while it runs. Its pid decides when its forkserver died (the
+    process's own exitcode then says FORKSERVER_LOST whether or not the stage still runs)."""
+    code = process.exitcode
+    if code == FORKSERVER_LOST and process.pid is not None and pid_alive(process.pid):
+        return None
+    return code
+
+
+def _join(process: mp.process.BaseProcess, deadline: float) -> None:
+    """Waits until the stage has exited or the deadline passed."""
+    process.join(max(0.0, deadline - time.monotonic()))
+    while _exit_code(process) is None and time.monotonic() < deadline:
+        time.sleep(READY_POLL_S)  # a stage whose forkserver died: not our child, no sentinel to wait on
+
+
+def _signal(process: mp.process.BaseProcess, signum: int) -> None:
+    """Signals a running stage, also one that multiprocessing, its forkserver dead, takes for ended."""
+    try:
+        os.kill(process.pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def replace_dead_forkserver(procs: Sequence[mp.process.BaseProcess]) -> bool:
+    """Starts a fresh forkserver when the one `procs` were forked from has died (they run on,
+    orphaned), so that the next restart forks at once instead of starting one then; True if
+    one was started. Blocks while the new server imports the stages' modules."""
+    if not any(p.exitcode == FORKSERVER_LOST and _exit_code(p) is None for p in procs):
+        return False
+    try:
+        multiprocessing.forkserver.ensure_running()
+    except Exception:  # noqa: BLE001 - the next restart starts one itself, and says why it cannot
+        log.exception("could not replace the dead forkserver")
+        return False
+    log.warning("the forkserver died; a fresh one serves the next restart (the stages run on)")
+    return True
 
 
 def _process_context() -> mp.context.BaseContext:

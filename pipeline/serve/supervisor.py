@@ -3,10 +3,11 @@
 One thread does it all, in order: read events from the backend until a stage fails; hand the
 failure to the event loop, which parks the requests in flight and lets go of the backend; close
 the dead backend (its processes and /dev/shm entries); start a fresh one under a new instance
-id; hand that to the loop, which resumes the parked requests on it. Restarts are bounded, so a
-broken model does not loop for ever: a failure while the new stages start, or more than
-`max_restarts` restarts within `window_s`, leaves the daemon degraded with the reason (and ends
-the parked requests), as does a failure once the daemon is shutting down.
+id; hand that to the loop, which resumes the parked requests (and those that came meanwhile) on
+it. A start that fails (the forkserver died with it, a stage crashed while loading) is tried
+again after a backoff. Restarts are bounded, so a broken model does not loop for ever: more than
+`max_restarts` restarts (tries included) within `window_s` leave the daemon degraded with the
+reason (and end the parked requests), as does a failure once the daemon is shutting down.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ log = logging.getLogger("pipeline.serve.supervisor")
 
 EVENT_POLL_S = 0.1  # how long one read_events call blocks: bounds how late the thread sees a stop
 LOOP_CALL_POLL_S = 0.1
+FIRST_RETRY_S = 0.1  # after a restart that failed; doubled after each further failure
+MAX_RETRY_S = 5.0
 
 
 class BackendEvents(Protocol):
@@ -145,29 +148,37 @@ class StageSupervisor:
         return None
 
     def _restart(self, reason: str) -> Backend | None:
-        """A fresh backend, or None (with the loop told why) when no restart is allowed or it fails."""
-        if self._no_restarts.is_set():
-            self._give_up("the daemon is shutting down")
-            return None
-        refusal = self._budget.take(time.monotonic())
-        if refusal is not None:
-            self._give_up(f"not restarting after {refusal}")
-            return None
-        instance = new_instance_id()
-        log.warning("restarting the stages as instance %s after: %s", instance, reason)
-        try:
-            backend = self._factory(self._config, instance)
-        except Exception as exc:  # noqa: BLE001 - a model that cannot start would fail every time
-            message = exc.message if isinstance(exc, StageFailed) else f"{type(exc).__name__}: {exc}"
-            self._give_up(f"the restart failed: {message}")
-            return None
-        if self._no_restarts.is_set():  # the daemon began to stop while the stages started
-            backend.close()
-            self._give_up("the daemon is shutting down")
-            return None
-        self._call_on_loop(self._server.on_backend_restarted, backend)
-        log.warning("stages restarted as instance %s", instance)
-        return backend
+        """A fresh backend, or None (with the loop told why) when no restart is allowed. A start
+        that fails is tried again after a backoff, each try taking one restart of the budget."""
+        delay_s = FIRST_RETRY_S
+        last_failure = ""
+        while True:
+            if self._no_restarts.is_set():
+                self._give_up("the daemon is shutting down")
+                return None
+            refusal = self._budget.take(time.monotonic())
+            if refusal is not None:
+                self._give_up(f"not restarting after {refusal}" + last_failure)
+                return None
+            instance = new_instance_id()
+            log.warning("restarting the stages as instance %s after: %s", instance, reason)
+            try:
+                backend = self._factory(self._config, instance)
+            except Exception as exc:  # noqa: BLE001 - a model that cannot start spends the budget, then stays down
+                message = exc.message if isinstance(exc, StageFailed) else f"{type(exc).__name__}: {exc}"
+                last_failure = f"; the last restart failed: {message}"
+                log.error("the restart failed (%s); trying again in %.1f s", message, delay_s)
+                if self._no_restarts.wait(delay_s):
+                    continue  # shutting down: said at the top
+                delay_s = min(2 * delay_s, MAX_RETRY_S)
+                continue
+            if self._no_restarts.is_set():  # the daemon began to stop while the stages started
+                backend.close()
+                self._give_up("the daemon is shutting down")
+                return None
+            self._call_on_loop(self._server.on_backend_restarted, backend)
+            log.warning("stages restarted as instance %s", instance)
+            return backend
 
     def _give_up(self, reason: str) -> None:
         log.error("stages stay down: %s", reason)

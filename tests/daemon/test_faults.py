@@ -264,6 +264,90 @@ def test_the_poison_guard_fails_the_request_that_crashes_a_stage_twice_and_resum
     assert wait_idle(socket_path, timeout_s=5.0).kv_blocks_used == 0
 
 
+def _forkserver_pid(daemon_pid: int, timeout_s: float = 60.0, other_than: int = 0) -> int:
+    """The pid of the daemon's forkserver (the process its stages fork from), once there is one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == other_than:
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as stat, open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    ppid = int(stat.read().rsplit(b")", 1)[1].split()[1])
+                    command = cmdline.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == daemon_pid and b"multiprocessing.forkserver" in command:
+                return int(entry)
+        assert time.monotonic() < deadline, f"the daemon {daemon_pid} has no forkserver after {timeout_s} s"
+        time.sleep(0.05)
+
+
+@live
+@pytest.mark.timeout(240)
+def test_a_killed_forkserver_costs_nothing_and_a_stage_killed_later_restarts_from_its_replacement(
+        slot: DaemonSlot, load: Load) -> None:
+    socket_path, daemon_pid = slot.daemon.socket_path, slot.daemon.process.pid
+    before = wait_for_health(socket_path, lambda h: h.status == "ok", 30)
+    forkserver = _forkserver_pid(daemon_pid)
+
+    async def kill_forkserver_under_load() -> list[Completion | BaseException]:
+        client = AsyncClient(socket_path)
+        streams = [client.stream(prompt, params) for prompt, params in zip(load.prompts, load.params)]
+        try:
+            running = await asyncio.wait_for(asyncio.gather(*(_running(stream) for stream in streams)), 30)
+            os.kill(forkserver, signal.SIGKILL)
+            ended = await asyncio.wait_for(asyncio.gather(*(_finish(deltas) for deltas in running)), 60)
+        finally:
+            await client.close()
+        return [stream.completion if error is None else error for stream, (error, _) in zip(streams, ended)]
+
+    _assert_as_offline(asyncio.run(kill_forkserver_under_load()), load, "the forkserver")
+    health = wait_for_health(socket_path, lambda h: h.status == "ok", 5)
+    assert (health.instance, health.num_restarts, health.stage_pids) == (before.instance, before.num_restarts,
+                                                                         before.stage_pids)  # nothing restarted
+    _forkserver_pid(daemon_pid, other_than=forkserver)  # a fresh one, ready for the next restart
+    results, resumed_after_s = asyncio.run(_kill_under_load(socket_path, load, "runner"))
+    _assert_as_offline(results, load, "runner, after the forkserver")
+    print(f"runner killed after the forkserver: first resumed token {resumed_after_s * 1000:.0f} ms after the kill")
+    after = wait_for_health(socket_path, lambda h: h.status == "ok" and h.num_restarts == before.num_restarts + 1, 30)
+    # Its exit status went with the forkserver that forked it; its death did not.
+    assert after.last_failure == "stage 'runner' died (its exit status was lost with the forkserver it was forked from)"
+    assert not any(pid_alive(pid) for pid in before.stage_pids.values())
+    assert [e for e in slot.daemon.shm_entries() if str(before.instance) in e] == []
+
+
+@live
+@pytest.mark.timeout(180)
+def test_requests_that_come_during_a_restart_wait_for_it_and_complete_exactly(slot: DaemonSlot, load: Load) -> None:
+    socket_path = slot.daemon.socket_path
+    before = wait_for_health(socket_path, lambda h: h.status == "ok", 30)
+    forkserver = _forkserver_pid(slot.daemon.process.pid)
+
+    async def scenario() -> list[Completion | BaseException]:
+        client = AsyncClient(socket_path)
+        try:
+            # A stopped forkserver holds the restart: the fresh stages' forks wait for it.
+            os.kill(forkserver, signal.SIGSTOP)
+            try:
+                os.kill(before.stage_pids["scheduler"], signal.SIGKILL)
+                while "restarting" not in str((await client.health()).reason):
+                    await asyncio.sleep(0.01)
+                streams = [client.stream(prompt, params) for prompt, params in zip(load.prompts, load.params)]
+                await asyncio.wait_for(asyncio.gather(*(stream.start() for stream in streams)), 30)  # accepted
+                health = await client.health()
+                assert health.status == "degraded" and "restarting" in str(health.reason)
+            finally:
+                os.kill(forkserver, signal.SIGCONT)
+            ended = await asyncio.wait_for(asyncio.gather(*(_finish(stream.__aiter__()) for stream in streams)), 90)
+        finally:
+            await client.close()
+        return [stream.completion if error is None else error for stream, (error, _) in zip(streams, ended)]
+
+    _assert_as_offline(asyncio.run(scenario()), load, "scheduler, with requests sent during the restart")
+    wait_for_health(socket_path, lambda h: h.status == "ok" and h.num_restarts == before.num_restarts + 1, 30)
+
+
 @live
 @pytest.mark.timeout(60)
 def test_a_killed_daemon_takes_its_stages_along_and_the_next_start_sweeps(slot: DaemonSlot, reference: str) -> None:

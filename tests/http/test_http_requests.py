@@ -180,3 +180,15 @@ def test_out_of_range_chat_values_name_the_field_as_the_request_spells_it(fields
     error = refused(chat_params, decode_chat_request(chat(**fields)), default_max_tokens=100)
     assert error.param == param
     assert error.message.startswith(param + ":") and words in error.message
+
+
+def test_resume_token_ids_continue_one_choice_and_are_checked() -> None:
+    (choice,) = completion_requests(decode_completion_request(completion(resume_token_ids=[5, 6], seed=4)))
+    assert choice.resume_token_ids == [5, 6] and choice.params.seed == 4
+    assert completion_requests(decode_completion_request(completion()))[0].resume_token_ids == []
+    assert refused(completion_requests, decode_completion_request(completion(resume_token_ids=[5], n=2))).param == \
+        "resume_token_ids"
+    assert "echo" in refused(completion_requests, decode_completion_request(
+        completion(resume_token_ids=[5], echo=True))).message
+    assert refused(completion_requests, decode_completion_request(
+        completion(resume_token_ids=[5, -1]))).param == "resume_token_ids[1]"

@@ -20,6 +20,7 @@ from pipeline.serve.config import version
 from pipeline.serve.openai.asgi import (
     BodyTooLarge,
     ClientGone,
+    Handler,
     HttpRequest,
     Response,
     Router,
@@ -28,7 +29,13 @@ from pipeline.serve.openai.asgi import (
 )
 from pipeline.serve.openai.call import Choice, HttpCall
 from pipeline.serve.openai.errors import OpenAIError, error_body, from_pipeline_error
-from pipeline.serve.openai.params import ChoiceRequest, chat_params, completion_requests, stream_usage
+from pipeline.serve.openai.params import (
+    ChoiceRequest,
+    chat_params,
+    completion_requests,
+    resume_token_ids,
+    stream_usage,
+)
 from pipeline.serve.openai.responses import FinishedChoice, chat_completion_body, completion_body, count_usage, encoder
 from pipeline.serve.openai.schemas import (
     ChatCompletionRequest,
@@ -69,12 +76,7 @@ class OpenAIApi:
             ("/version", "GET"): self.version,
             ("/metrics", "GET"): self.metrics,
         }
-
-        def unknown(request: HttpRequest, status: int) -> Response:
-            what = "no such route" if status == 404 else "this route does not take that method"
-            return error_response(OpenAIError(status, f"{request.method} {request.path}: {what}"))
-
-        return Router(routes, unknown)
+        return openai_router(routes)
 
     # ---- the API
 
@@ -89,7 +91,7 @@ class OpenAIApi:
         stream = CompletionStream(f"cmpl-{new_request_id()}", self.model.name, int(time.time()), self.model.token_text,
                                   include_usage=stream_usage(body))
         if body.stream:
-            return self._streaming(call, stream, echo=bool(body.echo))
+            return self._streaming(call, stream, echo=bool(body.echo), with_ids=bool(body.return_token_ids))
         return await self._finished(request, call, lambda choices, usage: completion_body(
             stream.response_id, self.model.name, stream.created, choices, usage, self.model.token_text),
             echo=bool(body.echo))
@@ -101,13 +103,14 @@ class OpenAIApi:
             self._check_model(body.model)
             prompt = self.model.chat_template.render(body.messages)
             params = chat_params(body, default_max_tokens=self.model.max_model_len)
-            call = self._start([ChoiceRequest(i, prompt, p) for i, p in enumerate(params)], body)
+            resumed = resume_token_ids(body, len(params))
+            call = self._start([ChoiceRequest(i, prompt, p, resumed) for i, p in enumerate(params)], body)
         except OpenAIError as error:
             return error_response(error)
         stream = ChatStream(f"chatcmpl-{new_request_id()}", self.model.name, int(time.time()), self.model.token_text,
                             include_usage=stream_usage(body))
         if body.stream:
-            return self._streaming(call, stream, echo=False)
+            return self._streaming(call, stream, echo=False, with_ids=bool(body.return_token_ids))
         return await self._finished(request, call, lambda choices, usage: chat_completion_body(
             stream.response_id, self.model.name, stream.created, choices, usage, self.model.token_text), echo=False)
 
@@ -158,17 +161,7 @@ class OpenAIApi:
                               param="model", code="model_not_found")
 
     async def _body(self, request: HttpRequest) -> bytes:
-        content_type = request.headers.get("content-type")
-        if content_type is not None and content_type.split(";")[0].strip().lower() != JSON:
-            raise OpenAIError(415, f"the request body must be JSON (Content-Type: {JSON}), got {content_type!r}",
-                              type="invalid_request_error")
-        try:
-            return await request.body(MAX_BODY_BYTES)
-        except BodyTooLarge as exc:
-            raise OpenAIError(413, f"the request body of {exc.num_bytes} bytes is over this server's limit of "
-                                   f"{MAX_BODY_BYTES} bytes") from None
-        except ClientGone:
-            raise OpenAIError(400, "the client closed the connection before sending the whole body") from None
+        return await read_json_body(request)
 
     def _start(self, choices: list[ChoiceRequest], body: CompletionRequest | ChatCompletionRequest) -> HttpCall:
         keep_logprobs = not body.stream
@@ -179,7 +172,8 @@ class OpenAIApi:
             raise from_pipeline_error(exc) from None
         return call
 
-    def _streaming(self, call: HttpCall, stream: CompletionStream | ChatStream, *, echo: bool) -> StreamResponse:
+    def _streaming(self, call: HttpCall, stream: CompletionStream | ChatStream, *, echo: bool,
+                   with_ids: bool = False) -> StreamResponse:
         async def frames() -> AsyncIterator[bytes]:
             try:
                 opened: set[int] = set()
@@ -193,10 +187,12 @@ class OpenAIApi:
                     for reply in replies:
                         if reply.error is not None:
                             out.append(_error_frame(from_pipeline_error(reply.error)))
-                        elif reply.text or reply.logprobs or reply.finish_reason or reply.choice.index not in opened:
+                        elif (reply.text or reply.logprobs or reply.finish_reason or reply.choice.index not in opened
+                              or (with_ids and reply.token_ids)):
                             opened.add(reply.choice.index)
                             out.append(stream.chunk(reply.choice.index, reply.text, logprobs=reply.logprobs,
-                                                    finish_reason=reply.finish_reason))
+                                                    finish_reason=reply.finish_reason,
+                                                    token_ids=reply.token_ids or [] if with_ids else None))
                     yield b"".join(out)
                 if stream.include_usage:
                     yield stream.usage_chunk(call.num_prompt_tokens(), call.num_completion_tokens)
@@ -227,6 +223,30 @@ class OpenAIApi:
         if isinstance(choice.prompt, str):
             return choice.prompt
         return self.model.decode(list(choice.prompt))
+
+
+def openai_router(routes: dict[tuple[str, str], Handler]) -> Router:
+    """An ASGI app of `routes` that answers an unknown path (404) or method (405) as OpenAI does."""
+    def unknown(request: HttpRequest, status: int) -> Response:
+        what = "no such route" if status == 404 else "this route does not take that method"
+        return error_response(OpenAIError(status, f"{request.method} {request.path}: {what}"))
+
+    return Router(routes, unknown)
+
+
+async def read_json_body(request: HttpRequest) -> bytes:
+    """A request's JSON body; 415 when it says it is something else, 413 past MAX_BODY_BYTES."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None and content_type.split(";")[0].strip().lower() != JSON:
+        raise OpenAIError(415, f"the request body must be JSON (Content-Type: {JSON}), got {content_type!r}",
+                          type="invalid_request_error")
+    try:
+        return await request.body(MAX_BODY_BYTES)
+    except BodyTooLarge as exc:
+        raise OpenAIError(413, f"the request body of {exc.num_bytes} bytes is over this server's limit of "
+                               f"{MAX_BODY_BYTES} bytes") from None
+    except ClientGone:
+        raise OpenAIError(400, "the client closed the connection before sending the whole body") from None
 
 
 def _error_frame(error: OpenAIError) -> bytes:

@@ -54,6 +54,7 @@ class Reply:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     error: PipelineError | None = None
+    token_ids: list[int] | None = None
 
 
 class HttpCall:
@@ -89,7 +90,8 @@ class HttpCall:
 
     def _start(self, choice: Choice) -> None:
         request = choice.request
-        choice.request_id = self.server.start_request(self, request.prompt, request.params, stream=True)
+        choice.request_id = self.server.start_request(self, request.prompt, request.params, stream=True,
+                                                      resume_token_ids=request.resume_token_ids)
         self._by_request_id[choice.request_id] = choice
         if self._keep_logprobs and request.params.logprobs is not None:
             choice.logprobs = []
@@ -112,7 +114,7 @@ class HttpCall:
             choice.num_tokens += len(message.token_ids)
             if choice.logprobs is not None and message.logprobs:
                 choice.logprobs.extend(message.logprobs)
-            self._replies.append(Reply(choice, message.text, message.logprobs))
+            self._replies.append(Reply(choice, message.text, message.logprobs, token_ids=message.token_ids))
             if message.token_ids and choice.index in self._waiting:
                 asyncio.get_running_loop().call_soon(self._start_followers, choice)
         elif isinstance(message, Done):

@@ -36,6 +36,7 @@ class ChoiceRequest:
     index: int
     prompt: str | list[int]  # text, or token ids that skip the tokenizer
     params: SamplingParams
+    resume_token_ids: list[int] = dataclasses.field(default_factory=list)  # outputs it continues after
 
 
 def derive_seed(seed: int, choice: int) -> int:
@@ -57,8 +58,9 @@ def completion_requests(request: CompletionRequest) -> list[ChoiceRequest]:
         )
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
     choice_params = _choice_params(request, n, max_tokens=max_tokens, logprobs=request.logprobs, renames={})
+    resumed = resume_token_ids(request, len(prompts) * n)
     return [
-        ChoiceRequest(prompt_index * n + i, prompt, params)
+        ChoiceRequest(prompt_index * n + i, prompt, params, resumed)
         for prompt_index, prompt in enumerate(prompts)
         for i, params in enumerate(choice_params)
     ]
@@ -81,6 +83,22 @@ def chat_params(request: ChatCompletionRequest, *, default_max_tokens: int) -> l
         raise OpenAIError.bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return _choice_params(request, n, max_tokens=max_tokens, logprobs=logprobs, renames=renames)
+
+
+def resume_token_ids(request: SamplingRequest, num_choices: int) -> list[int]:
+    """The engine extension `resume_token_ids`: outputs already delivered that the request
+    continues after, as the daemon resumes a request after a crash (same params, the output
+    position carried, so seeded sampling goes on exactly). One choice only."""
+    token_ids = request.resume_token_ids
+    if not token_ids:
+        return []
+    if num_choices != 1:
+        raise OpenAIError.bad_request(
+            f"resume_token_ids: continues one choice only, this request makes {num_choices}", "resume_token_ids")
+    if request.echo if isinstance(request, CompletionRequest) else False:
+        raise OpenAIError.bad_request("resume_token_ids: cannot be combined with echo", "resume_token_ids")
+    _check_token_ids("resume_token_ids", token_ids)
+    return list(token_ids)
 
 
 def stream_usage(request: SamplingRequest) -> bool:

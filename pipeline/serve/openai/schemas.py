@@ -48,6 +48,10 @@ class SamplingRequest(Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # engine extensions: each streamed chunk carries its tokens' ids; a request that continues
+    # outputs already delivered (one choice only), as the daemon resumes one after a crash
+    return_token_ids: bool | None = None
+    resume_token_ids: list[int] | None = None
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
@@ -143,6 +147,7 @@ class CompletionChoice(Struct):
     index: int
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    token_ids: list[int] | UnsetType = UNSET  # with `return_token_ids`, in stream chunks
 
 
 class _ResponseHead(Struct, kw_only=True):
@@ -207,6 +212,7 @@ class ChatChunkChoice(Struct):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    token_ids: list[int] | UnsetType = UNSET  # with `return_token_ids`
 
 
 class ChatCompletionChunk(_ResponseHead, kw_only=True):

@@ -51,12 +51,17 @@ class _Stream:
         *,
         logprobs: Sequence[TokenLogprobs] | None = None,
         finish_reason: str | None = None,
+        token_ids: list[int] | None = None,
     ) -> bytes:
         """The frame of choice `index`'s next text (and its tokens' logprobs, when asked for);
-        the choice's last frame gives `finish_reason`."""
+        the choice's last frame gives `finish_reason`. `token_ids` (the `return_token_ids`
+        extension) are the ids of the text's tokens."""
         offset = self._chars_streamed.get(index)
         self._chars_streamed[index] = (offset or 0) + len(text)
-        return self._frame([self._choice(index, text, logprobs, finish_reason, offset)], self._usage)
+        choice = self._choice(index, text, logprobs, finish_reason, offset)
+        if token_ids is not None:
+            choice.token_ids = token_ids
+        return self._frame([choice], self._usage)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         """The last frame before DONE when the request set `stream_options.include_usage`."""

@@ -1,0 +1,37 @@
+"""Prometheus metrics of the router (`pipeline:router_` prefix), in its own registry."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pipeline.router.policy import Route
+
+
+class RouterMetrics:
+    def __init__(self, backends: list[str]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pipeline:router_requests", "Requests the router took, by endpoint.",
+                                ["endpoint"], registry=self.registry)
+        self.routed = Counter("pipeline:router_routed", "Upstream requests by how their replica was chosen "
+                              "(prefix_owner is a prefix-routing hit).", ["route"], registry=self.registry)
+        self.retries = Counter("pipeline:router_retries", "Upstream attempts after the first, for any reason.",
+                               registry=self.registry)
+        self.failovers = Counter("pipeline:router_failovers", "Streams resumed on another replica after theirs broke.",
+                                 registry=self.registry)
+        self.failed = Counter("pipeline:router_requests_failed", "Requests the router ended with an error of its own.",
+                              ["reason"], registry=self.registry)
+        self.outstanding = Gauge("pipeline:router_backend_outstanding", "Requests outstanding per backend.",
+                                 ["backend"], registry=self.registry)
+        self.healthy = Gauge("pipeline:router_backend_healthy", "1 while a backend is in the ring.",
+                             ["backend"], registry=self.registry)
+        self.sent = Counter("pipeline:router_backend_requests", "Upstream requests sent per backend.",
+                            ["backend"], registry=self.registry)
+        for url in backends:
+            self.outstanding.labels(url).set(0)
+            self.healthy.labels(url).set(0)
+            self.sent.labels(url)
+        for route in Route:
+            self.routed.labels(route.value)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,260 @@
+"""The router's parts in one process: the ring and its load bound, the policies, health verdicts,
+and stream failover against fake replicas (aiohttp servers that speak the daemon's SSE with
+token ids, and die mid-stream when told to)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import httpx
+import numpy as np
+import pytest
+from aiohttp import web
+
+from pipeline.models.tiny_model import make_tiny_model
+from pipeline.router.app import RouterApi
+from pipeline.router.metrics import RouterMetrics
+from pipeline.router.policy import Policy, Route, Router
+from pipeline.router.prefix import PrefixKeyer
+from pipeline.router.replicas import Replicas, health_verdict
+from pipeline.router.ring import HashRing
+from pipeline.serve.http import HttpListener, bind
+from pipeline.serve.openai.params import derive_seed
+from stages.scheduler.block_manager import hash_block
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ---- ring, policy, health
+
+
+def test_the_ring_moves_only_a_leaving_members_keys_and_bounds_load() -> None:
+    ring = HashRing(["a", "b", "c"])
+    keys = [f"key{i}".encode() for i in range(300)]
+    owners = {key: ring.walk(key)[0] for key in keys}
+    assert {owner for owner in owners.values()} == {"a", "b", "c"}
+    ring.remove("b")
+    assert all(ring.walk(key)[0] == owner for key, owner in owners.items() if owner != "b")
+    ring.add("b")
+    assert {key: ring.walk(key)[0] for key in keys} == owners
+    load = {"a": 0, "b": 0, "c": 0}
+    key = keys[0]
+    owner = owners[key]
+    load[owner] = 5  # mean with this request: (5 + 1) / 3 = 2, bound ceil(1.25 * 2) = 3
+    chosen = ring.choose(key, load.__getitem__, 0.25)
+    assert chosen != owner and chosen == next(name for name in ring.walk(key) if name != owner)
+    load = {"a": 1, "b": 1, "c": 1}  # bound ceil(1.25 * 4 / 3) = 2: the owner may take one more
+    assert ring.choose(key, load.__getitem__, 0.25) == owner
+
+
+def test_the_prefix_key_is_the_engines_chained_block_hash(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "m", "llama", seed=3)
+    keyer = PrefixKeyer(model, block_size=4, num_blocks=2)
+    ids = list(range(10, 30))
+    want = hash_block(hash_block(None, np.array(ids[:4])), np.array(ids[4:8]))
+    assert keyer.key_of_tokens(ids) == want
+    assert keyer.key_of_tokens(ids[:8] + [99]) == want  # only the leading blocks count
+    assert keyer.key_of_tokens(ids[:3]) is None  # no full block: no key
+    text = "The same system prompt, then a question of its own"
+    assert keyer.key_of_text(text) == keyer.key_of_tokens(keyer.tokenizer.encode(text, add_special_tokens=False).ids)
+    with pytest.raises(ValueError, match="block_size"):
+        PrefixKeyer(model, block_size=0, num_blocks=2)
+
+
+def _replicas(urls: list[str]) -> tuple[Replicas, Router]:
+    holder: list[Router] = []
+    replicas = Replicas(urls, lambda url, healthy: holder[0].on_change(url, healthy), interval_s=0.1, timeout_s=1)
+    router = Router(replicas, Policy.PREFIX, 0.25)
+    holder.append(router)
+    return replicas, router
+
+
+def test_policies_choose_among_healthy_replicas_only() -> None:
+    replicas, router = _replicas(["http://a:1", "http://b:1", "http://c:1"])
+    assert router.choose(b"k") is None  # none checked healthy yet
+    for url in replicas.by_url:
+        replicas.mark(url, True, "ok")
+    replica, route = router.choose(b"k")
+    assert route is Route.PREFIX_OWNER
+    replicas.mark(replica.url, False, "gone")
+    other, _ = router.choose(b"k")
+    assert other.url != replica.url
+    # A key passed over for load goes on to where it went, which now holds its KV.
+    for url in replicas.by_url:
+        replicas.mark(url, True, "ok")
+    owner, _ = router.choose(b"conversation")
+    owner.outstanding = 5
+    spill, route = router.choose(b"conversation")
+    assert route is Route.PREFIX_SPILL and spill.url != owner.url
+    owner.outstanding = 0
+    assert router.choose(b"conversation") == (spill, Route.PREFIX_OWNER)
+    replicas.mark(spill.url, False, "gone")
+    assert router.choose(b"conversation") == (owner, Route.PREFIX_OWNER)
+    replicas.mark(spill.url, True, "ok")
+    for replica in replicas.by_url.values():
+        replica.outstanding = 0
+    replicas.mark("http://c:1", False, "gone")
+    replicas.by_url["http://a:1"].outstanding = 3
+    assert router.choose(None)[1] is Route.LEAST_LOAD and router.choose(None)[0].url != "http://a:1"
+    router.policy = Policy.ROUND_ROBIN
+    assert len({router.choose(b"k")[0].url for _ in range(4)}) == 2  # the two healthy ones, in turn
+    with pytest.raises(ValueError, match="http://host:port"):
+        Replicas(["ftp://x"], lambda u, h: None, interval_s=1, timeout_s=1)
+
+
+@pytest.mark.parametrize(("status", "body", "healthy"), [
+    (200, b'{"status": "ok"}', True),
+    (503, b'{"status": "degraded", "reason": "stages are restarting"}', False),
+    (200, b"<html>hello</html>", False),
+    (200, b'{"status": 3}', False),
+    (200, b'{"status": "fine"}', False),
+])
+def test_a_health_answer_that_is_not_the_daemons_is_not_trusted(status: int, body: bytes, healthy: bool) -> None:
+    verdict, why = health_verdict(status, body)
+    assert verdict is healthy and (why == "ok" if healthy else why)
+
+
+# ---- failover against fake replicas
+
+
+class FakeReplica:
+    """Streams tokens `len(resume_token_ids)` .. max_tokens - 1, one per chunk, each token t as
+    text "t<t> " with its id; dies after `die_after` chunks of a request when a script says so."""
+
+    def __init__(self, deaths: list[int | None], bodies: list[dict], health_body: bytes = b'{"status": "ok"}') -> None:
+        self.deaths, self.bodies, self.health_body = deaths, bodies, health_body
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/v1/completions", self.completions)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.health_body, content_type="application/json")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        die_after = self.deaths.pop(0) if self.deaths else None
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        n = body.get("n", 1)
+        start = len(body.get("resume_token_ids") or [])
+        sent = 0
+        for t in range(start, body["max_tokens"]):
+            for index in range(n):
+                if die_after is not None and sent == die_after:
+                    request.transport.close()
+                    return response
+                last = t == body["max_tokens"] - 1
+                chunk = {"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": "default",
+                         "choices": [{"text": f"t{t} ", "index": index, "logprobs": None,
+                                      "finish_reason": "length" if last else None, "token_ids": [t]}]}
+                await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+                sent += 1
+            await asyncio.sleep(0.001)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+async def _serve_fleet(model: Path, fakes: list[FakeReplica], scenario: Callable) -> None:
+    runners = []
+    urls = []
+    for fake in fakes:
+        runner = web.AppRunner(fake.app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    replicas, router = _replicas(urls)
+    async with aiohttp.ClientSession() as session:
+        await replicas.check_all(session)
+        listener = HttpListener(RouterApi(session, router, PrefixKeyer(model, 16, 4), RouterMetrics(urls)).app(),
+                                bind("127.0.0.1", 0))
+        await listener.start()
+        try:
+            await scenario(listener.url, replicas, urls)
+        finally:
+            await listener.stop()
+            for runner in runners:
+                await runner.cleanup()
+
+
+async def _stream(url: str, request: dict) -> tuple[dict[int, str], list[str], list[int]]:
+    texts: dict[int, str] = {}
+    errors: list[str] = []
+    ids: list[int] = []
+    async with httpx.AsyncClient(timeout=20) as client:
+        async with client.stream("POST", f"{url}/v1/completions", json={**request, "stream": True}) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    errors.append(chunk["error"]["message"])
+                    continue
+                assert chunk["id"] == "cmpl-fake"
+                for choice in chunk["choices"]:
+                    texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+                    ids.extend(choice.get("token_ids", []))
+    return texts, errors, ids
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("router-units"), "llama", seed=3)
+
+
+def test_a_stream_whose_replica_dies_goes_on_elsewhere_with_every_token_once(tiny_model: Path) -> None:
+    bodies: list[dict] = []
+    deaths = [5]  # the first request dies after 5 chunks (choice 0 has 3 tokens, choice 1 has 2); the rest live
+    fakes = [FakeReplica(deaths, bodies), FakeReplica(deaths, bodies)]
+
+    async def scenario(url: str, replicas: Replicas, urls: list[str]) -> None:
+        texts, errors, ids = await _stream(url, {"prompt": "hello", "max_tokens": 6, "n": 2, "seed": 11})
+        want = "".join(f"t{t} " for t in range(6))
+        assert errors == [] and texts == {0: want, 1: want} and ids == []  # token ids only when asked
+        first_url = next(u for u in urls if not replicas.by_url[u].healthy)  # left the ring when it broke
+        assert first_url
+        resumed = sorted(bodies[1:], key=lambda b: len(b["resume_token_ids"]))
+        assert [b["resume_token_ids"] for b in resumed] == [[0, 1], [0, 1, 2]]
+        assert all(b["n"] == 1 and b["return_token_ids"] is True for b in resumed)
+        assert sorted(b["seed"] for b in resumed) == sorted([11, derive_seed(11, 1)])
+
+    asyncio.run(_serve_fleet(tiny_model, fakes, scenario))
+
+
+def test_a_choice_in_flight_on_two_replicas_that_die_fails_clearly(tiny_model: Path) -> None:
+    bodies: list[dict] = []
+    deaths = [2, 1]  # the first request dies after 2 chunks, its resubmission after 1
+    fakes = [FakeReplica(deaths, bodies), FakeReplica(deaths, bodies), FakeReplica(deaths, bodies)]
+
+    async def scenario(url: str, replicas: Replicas, urls: list[str]) -> None:
+        texts, errors, _ = await _stream(url, {"prompt": "hello", "max_tokens": 6})
+        assert texts == {0: "t0 t1 t2 "}  # two tokens, then one more from the second replica
+        assert len(errors) == 1 and "in flight on 2 replicas that died in a row" in errors[0]
+        assert len(bodies) == 2  # not sent to the third
+
+    asyncio.run(_serve_fleet(tiny_model, fakes, scenario))
+
+
+def test_a_replica_answering_garbage_health_gets_no_request(tiny_model: Path) -> None:
+    bodies_good: list[dict] = []
+    bodies_bad: list[dict] = []
+    fakes = [FakeReplica([], bodies_good), FakeReplica([], bodies_bad, health_body=b"I am not a daemon")]
+
+    async def scenario(url: str, replicas: Replicas, urls: list[str]) -> None:
+        assert [r.healthy for r in replicas.by_url.values()] == [True, False]
+        assert "not the daemon's health JSON" in replicas.by_url[urls[1]].reason
+        for _ in range(4):
+            texts, errors, _ = await _stream(url, {"prompt": "hello", "max_tokens": 2})
+            assert texts == {0: "t0 t1 "} and errors == []
+        assert len(bodies_good) == 4 and bodies_bad == []
+
+    asyncio.run(_serve_fleet(tiny_model, fakes, scenario))
