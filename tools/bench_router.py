@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from bench_e2e import engine_options, start_daemon  # noqa: E402
 from bench_http import _run as run_bench  # noqa: E402
 from bench_http import cpu_s  # noqa: E402
-from pipeline.bench.multiturn import run_workload  # noqa: E402
+from pipeline.bench.multiturn import fleet_prefix_hit_tokens, run_workload, scrape_metric  # noqa: E402
 from pipeline.bench.targets import HttpTarget  # noqa: E402
 from pipeline.bench.workload import random_requests  # noqa: E402
 from pipeline.client import Client  # noqa: E402
@@ -86,32 +86,15 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def metric(url: str, name: str, labels: str = "") -> float:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(name + "{" + labels) or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise RuntimeError(f"no {name} in {url}/metrics")
-
-
-def fleet_hits(urls: list[str]) -> tuple[float, float]:
-    """(prefix-cache hit tokens, prompt tokens) summed over the daemons, from their metrics."""
-    hits = total = 0.0
-    for url in urls:
-        prompt_tokens = metric(url, "pipeline:prompt_tokens_total")
-        hits += metric(url, "pipeline:prefix_cache_hit_rate") * prompt_tokens
-        total += prompt_tokens
-    return hits, total
-
-
 def run_policy(model: Path, urls: list[str], policy: str, seed: int, directory: Path, args: argparse.Namespace) -> dict:
     process, url = start_router(model, urls, policy, directory / f"router-{policy}.log")
     try:
-        hits_before, total_before = fleet_hits(urls)
+        hits_before, total_before = fleet_prefix_hit_tokens(urls)
         result = asyncio.run(run_workload(url, num_conversations=args.conversations, num_turns=args.turns,
                                           max_tokens=args.max_tokens, seed=seed))
-        hits, total = fleet_hits(urls)
-        per_backend = [metric(url, "pipeline:router_backend_requests_total", f'backend="{u}"') for u in urls]
-        prefix_owner = metric(url, "pipeline:router_routed_total", 'route="prefix_owner"')
+        hits, total = fleet_prefix_hit_tokens(urls)
+        per_backend = [scrape_metric(url, f'pipeline:router_backend_requests_total{{backend="{u}"}}') for u in urls]
+        prefix_owner = scrape_metric(url, 'pipeline:router_routed_total{route="prefix_owner"}')
     finally:
         stop(process)
     ttft_ms = np.array([turn.ttft_s * 1000 for turn in result.turns])

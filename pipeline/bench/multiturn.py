@@ -19,6 +19,26 @@ def sentence(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words)).capitalize() + "."
 
 
+def scrape_metric(url: str, name: str) -> float:
+    """One series of a server's /metrics: `name` alone, with its labels as they print
+    ('name{label="x"}'), or the first series of `name` when its labels are left out."""
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise RuntimeError(f"no {name} in {url}/metrics")
+
+
+def fleet_prefix_hit_tokens(urls: list[str]) -> tuple[float, float]:
+    """(prefix-cache hit tokens, prompt tokens) summed over the daemons at `urls`, from their own
+    metrics: each one's hit rate times its prompt tokens (exact while nothing is preempted)."""
+    hits = total = 0.0
+    for url in urls:
+        prompt_tokens = scrape_metric(url, "pipeline:prompt_tokens_total")
+        hits += scrape_metric(url, "pipeline:prefix_cache_hit_rate") * prompt_tokens
+        total += prompt_tokens
+    return hits, total
+
+
 @dataclass(slots=True)
 class TurnResult:
     ttft_s: float

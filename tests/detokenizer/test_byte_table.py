@@ -2,12 +2,11 @@
 decoded whole gives the same events as the per-request path."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_output_processor import Entries, Tokens
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from pipeline.models.tiny_model import train_tokenizer
@@ -83,21 +82,6 @@ def test_the_table_streams_the_same_deltas_as_the_library(tokenizer: Tokenizer, 
 
     expected = deltas_of(IncrementalDetokenizer(tokenizer, prompt, params), chunks)
     assert deltas_of(IncrementalDetokenizer(tokenizer, prompt, params, table), chunks) == expected
-
-
-@dataclass
-class Entries:
-    req_ids: np.ndarray
-    output_index: np.ndarray
-    finished: list[tuple[int, FinishReason]] = field(default_factory=list)
-    admitted: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass
-class Tokens:
-    token_ids: np.ndarray
-    logprobs: np.ndarray | None = None
-    logprob_token_ids: np.ndarray | None = None
 
 
 def run_steps(outputs: OutputProcessor, steps: list[tuple[Entries, Tokens]], batched: bool) -> list[OutputEvent]:

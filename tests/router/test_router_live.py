@@ -19,7 +19,7 @@ from live_daemon import REAL_BACKEND, daemon_model  # noqa: F401 - a fixture
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not REAL_BACKEND, reason="starts `pipeline start --port` daemons itself")]
 
-from pipeline.bench.multiturn import run_workload
+from pipeline.bench.multiturn import fleet_prefix_hit_tokens, run_workload, scrape_metric
 
 NUM_REPLICAS = 3
 
@@ -96,25 +96,7 @@ def test_bad_input_gets_the_daemons_errors(fleet) -> None:
         sdk(router.url).completions.create(model="default", prompt="x", max_tokens=0)
 
 
-def daemon_metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no {name} in {url}/metrics")
-
-
-def fleet_prefix_hit_tokens(urls: list[str]) -> tuple[float, float]:
-    """(prefix-cache hit tokens, prompt tokens) over the replicas, from their own metrics: each
-    one's hit rate times its prompt tokens (every prompt admitted once: no preemption here)."""
-    hits = total = 0.0
-    for url in urls:
-        prompt_tokens = daemon_metric(url, "pipeline:prompt_tokens_total")
-        hits += daemon_metric(url, "pipeline:prefix_cache_hit_rate") * prompt_tokens
-        total += prompt_tokens
-    return hits, total
-
-
-def test_prefix_routing_doubles_the_fleets_hit_rate_within_the_load_bound(fleet, daemon_model: Path,
+def test_prefix_routing_raises_the_fleets_hit_rate_within_the_load_bound(fleet, daemon_model: Path,
                                                                          tmp_path: Path) -> None:
     replicas, _ = fleet
     urls = [r.url for r in replicas]
@@ -126,7 +108,7 @@ def test_prefix_routing_doubles_the_fleets_hit_rate_within_the_load_bound(fleet,
             asyncio.run(run_workload(router.url, seed=seed))
             hits, total = fleet_prefix_hit_tokens(urls)
             hit_rates[policy] = (hits - hits_before) / (total - total_before)
-            requests_per_replica[policy] = [router_metric(router, f'pipeline:router_backend_requests_total{{backend="{url}"}}')
+            requests_per_replica[policy] = [scrape_metric(router.url, f'pipeline:router_backend_requests_total{{backend="{url}"}}')
                                             for url in urls]
         finally:
             router.stop()
@@ -180,20 +162,12 @@ def complete_all(url: str, requests: list[dict]) -> list[str]:
     return asyncio.run(run())
 
 
-def router_metric(router: RouterProcess, name: str) -> float:
-    """A series of the router's /metrics: `name` alone, or with its labels as they print."""
-    for line in httpx.get(f"{router.url}/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no {name} in the router's metrics")
-
-
 def test_a_replica_killed_under_16_streams_costs_no_stream_a_token(fleet) -> None:
     replicas, router = fleet
     requests = [{"model": "default", "prompt": f"Stream number {i} says", "max_tokens": 32, "ignore_eos": True,
                  **({"temperature": 0} if i % 2 == 0 else {"temperature": 1.0, "seed": 100 + i})} for i in range(16)]
     reference = complete_all(replicas[1].url, requests)
-    failovers_before = router_metric(router, "pipeline:router_failovers_total")
+    failovers_before = scrape_metric(router.url, "pipeline:router_failovers_total")
     victim = replicas[0]
 
     async def run() -> list[tuple[str, str | None, list[str]]]:
@@ -210,7 +184,7 @@ def test_a_replica_killed_under_16_streams_costs_no_stream_a_token(fleet) -> Non
     for (text, finish, errors), want in zip(results, reference):
         assert errors == []
         assert (text, finish) == (want, "length")
-    assert router_metric(router, "pipeline:router_failovers_total") > failovers_before  # some were on the victim
+    assert scrape_metric(router.url, "pipeline:router_failovers_total") > failovers_before  # some were on the victim
     health = httpx.get(f"{router.url}/health").json()
     assert health["backends"][victim.url]["healthy"] is False
     replicas[0] = restart_replica(victim)
