@@ -6,7 +6,7 @@ import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from pipeline.client.batches import StreamBatches, _Member
+from pipeline.client.batches import StreamBatches, BatchRequest
 from pipeline.client.connection import AsyncConnection
 from pipeline.client.mux import Channel, SharedConnection
 from pipeline.client.replies import (
@@ -108,7 +108,7 @@ class AsyncClient:
         self.socket_path = Path(socket) if socket is not None else default_socket_path()
         self.multiplex = multiplex
         self._streams: weakref.WeakSet[AsyncStream] = weakref.WeakSet()
-        self._running: RunningRequests[AsyncConnection | Channel | _Member] = RunningRequests()
+        self._running: RunningRequests[AsyncConnection | Channel | BatchRequest] = RunningRequests()
         self._shared: SharedConnection | None = None
         self._opening = asyncio.Lock()
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 DeltaBatch = list[tuple[int, StreamDelta]]
 
 
-class _Member:
+class BatchRequest:
     """One request of a `StreamBatches`, as the shared connection's router sees a channel."""
 
     __slots__ = ("_batches", "index", "replies", "request_id", "finished", "released", "outcome",
@@ -74,8 +74,8 @@ class StreamBatches:
     def __init__(self, client: AsyncClient, generates: list[Generate]) -> None:
         self._client = client
         self._generates = generates
-        self._members = [_Member(self, index) for index in range(len(generates))]
-        self._filed: list[tuple[_Member, ServerMessage]] = []  # replies not yet taken, oldest first
+        self._members = [BatchRequest(self, index) for index in range(len(generates))]
+        self._filed: list[tuple[BatchRequest, ServerMessage]] = []  # replies not yet taken, oldest first
         self._changed = asyncio.Event()
         self._lost: ConnectionLost | None = None
         self._shared: SharedConnection | None = None
@@ -178,7 +178,7 @@ class StreamBatches:
                 self._end(member, member.replies.result())
         return batch
 
-    def _end(self, member: _Member, outcome: Completion | PipelineError) -> None:
+    def _end(self, member: BatchRequest, outcome: Completion | PipelineError) -> None:
         member.outcome = outcome
         self._num_running -= 1
         self._client._running.discard(member.replies.request_id)
