@@ -6,7 +6,7 @@ import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from pipeline.client.batches import StreamBatches, BatchRequest
+from pipeline.client.batches import BatchRequest, StreamBatches
 from pipeline.client.connection import AsyncConnection
 from pipeline.client.mux import Channel, SharedConnection
 from pipeline.client.replies import (
