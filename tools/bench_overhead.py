@@ -6,7 +6,8 @@ whatever the host does shows as the device waiting. Two daemons run side by side
 scheduling and one with --no-async-scheduling; in each round, for each batch size (1, 64, 256),
 that many streamed requests (32-token prompts, long outputs) are sent at once to each daemon in
 turn by asyncio clients in this process, one connection per request (`--multiplex`: this
-checkout's requests of a batch share one connection; the baseline's keep one each). In the steady window (every
+checkout's requests of a batch share one connection, read as one batch of deltas per socket
+read with `AsyncClient.stream_batches`; the baseline's keep one connection each). In the steady window (every
 row decoding, warm-up and tail cut off) it measures, per daemon and batch, the median over rounds:
 
   step_ms         mean wall time per step; exposed_pct = 100 * (step_ms - T) / T: device idle
@@ -147,8 +148,8 @@ def cpu_seconds(pid: int) -> float:
 
 async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int,
                        multiplex: bool) -> tuple[np.ndarray, np.ndarray, list[CpuSample]]:
-    """Streams one request per prompt at once (all on one connection when `multiplex`); returns
-    every token's receive time and id, and the CPU samples taken meanwhile."""
+    """Streams one request per prompt at once (all on one connection, read in batches, when
+    `multiplex`); returns every token's receive time and id, and the CPU samples taken meanwhile."""
     pids = dict(daemon.pids, client=os.getpid())
     # Flat arrays, not a list of tuples: objects the collector must walk make its pauses grow.
     received_ns, received_ids = array("q"), array("q")
@@ -166,9 +167,20 @@ async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int,
             samples.append(CpuSample(time.monotonic_ns(), {name: cpu_seconds(pid) for name, pid in pids.items()}))
             await asyncio.sleep(CPU_SAMPLE_S)
 
+    async def all_in_batches() -> None:
+        async with client.stream_batches(prompts, params) as batches:
+            async for batch in batches:
+                now_ns = time.monotonic_ns()
+                for _, delta in batch:
+                    received_ns.extend([now_ns] * len(delta.token_ids))
+                    received_ids.extend(delta.token_ids)
+
     sampler = asyncio.ensure_future(sample_cpu())
     try:
-        await asyncio.gather(*(one(prompt) for prompt in prompts))
+        if multiplex:
+            await all_in_batches()
+        else:
+            await asyncio.gather(*(one(prompt) for prompt in prompts))
     finally:
         sampler.cancel()
         await client.close()

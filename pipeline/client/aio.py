@@ -1,10 +1,12 @@
 """The asyncio client: `AsyncClient`, and `AsyncStream` for a streamed request."""
 from __future__ import annotations
 
+import asyncio
 import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from pipeline.client.batches import BatchRequest, StreamBatches
 from pipeline.client.connection import AsyncConnection
 from pipeline.client.mux import Channel, SharedConnection
 from pipeline.client.replies import (
@@ -106,20 +108,22 @@ class AsyncClient:
         self.socket_path = Path(socket) if socket is not None else default_socket_path()
         self.multiplex = multiplex
         self._streams: weakref.WeakSet[AsyncStream] = weakref.WeakSet()
-        self._running: RunningRequests[AsyncConnection | Channel] = RunningRequests()
+        self._running: RunningRequests[AsyncConnection | Channel | BatchRequest] = RunningRequests()
         self._shared: SharedConnection | None = None
+        self._opening = asyncio.Lock()
 
     async def _open(self) -> AsyncConnection | Channel:
         """A request's connection: its own, or its channel of the shared one."""
         if not self.multiplex:
             return await AsyncConnection.open(self.socket_path)
-        if self._shared is None or self._shared.closed:
-            shared = await SharedConnection.open(self.socket_path)
+        return (await self._shared_connection()).channel()
+
+    async def _shared_connection(self) -> SharedConnection:
+        """The connection that multiplexed requests share, opened on first use (and after a loss)."""
+        async with self._opening:  # many tasks starting at once open one socket, not one each
             if self._shared is None or self._shared.closed:
-                self._shared = shared
-            else:  # another task opened one meanwhile
-                shared.close()
-        return self._shared.channel()
+                self._shared = await SharedConnection.open(self.socket_path)
+            return self._shared
 
     async def generate(self, prompt: Prompt, params: Params = None) -> Completion:
         generate = make_generate(prompt, params, stream=False)
@@ -140,6 +144,12 @@ class AsyncClient:
     def stream(self, prompt: Prompt, params: Params = None) -> AsyncStream:
         """Validates now; sends on first use (see AsyncStream)."""
         return AsyncStream(self, make_generate(prompt, params, stream=True))
+
+    def stream_batches(self, prompts: list[Prompt], params: Params = None) -> StreamBatches:
+        """Streams one request per prompt (validated now, sent on first use) on the shared
+        connection, read as one batch of `(index, StreamDelta)` per socket read: one wake-up per
+        read for all of them, where `stream` costs one per stream (see batches.py)."""
+        return StreamBatches(self, [make_generate(prompt, params, stream=True) for prompt in prompts])
 
     async def abort(self, request_id: str) -> bool:
         """As `Client.abort`: True once the daemon has aborted one of this client's running

@@ -140,6 +140,14 @@ class SharedConnection:
         self._writer.write(encode_frame(message))  # one whole frame per write: never interleaved
         await self._writer.drain()
 
+    def send_all(self, generates: list[Generate], channels: list[Any]) -> None:
+        """Sends many Generates in one write, `channels[i]` awaiting the answer to `generates[i]`
+        (anything with a channel's request_id, released, finished, put and lose will do)."""
+        if self.closed:
+            raise ConnectionLost("the connection to the daemon is closed")
+        self._accepting.extend(channels)
+        self._writer.write(b"".join(encode_frame(generate) for generate in generates))
+
     def release(self, channel: Channel) -> None:
         """`channel` is closed: abort its request if it runs; what comes for it later is dropped."""
         request_id = channel.request_id

@@ -244,7 +244,9 @@ class DaemonServer:
 
     def _on_token_texts(self, batch: TokenTexts) -> None:
         """Plain events: tokens and their text each, nothing that ends a request."""
-        text = batch.text.tobytes()
+        raw = batch.text.tobytes()
+        # Mostly ASCII: then one decode for the batch and byte offsets index the str as well.
+        text: str | bytes = raw.decode("ascii") if raw.isascii() else raw
         token_ids = batch.token_ids.tolist()
         token_ends = range(1, len(token_ids) + 1) if batch.token_ends is None else batch.token_ends.tolist()
         requests = self._requests
@@ -260,10 +262,12 @@ class DaemonServer:
             request.token_ids.extend(tokens)
             delivered.append(request.timeline)
             counts.append(len(tokens))
+            if type(piece) is bytes:
+                piece = piece.decode("utf-8")
             if request.stream:
-                request.connection.send(Delta(request.request_id, piece.decode("utf-8"), tokens))
+                request.connection.send(Delta(request.request_id, piece, tokens))
             else:
-                request.texts.append(piece.decode("utf-8"))
+                request.texts.append(piece)
         self.num_generated_tokens += sum(counts)
         self.metrics.tokens_each(delivered, counts, time.monotonic())
 

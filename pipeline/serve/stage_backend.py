@@ -48,7 +48,7 @@ from stages.status import StatusBoard
 
 log = logging.getLogger("pipeline.serve.stage_backend")
 
-LIVENESS_CHECK_S = 0.1  # read_events looks at the stage processes at least this often
+LIVENESS_CHECK_S = 0.1  # read_events looks at the stage processes this often while it reads
 MAX_RECORDS_PER_READ = 64  # event batches one read_events call returns at most
 READY_POLL_S = 0.01
 KILL_GRACE_S = 1.0
@@ -81,6 +81,7 @@ class StageBackend:
         self._procs: list[tuple[str, mp.process.BaseProcess]] = []
         self._live: set[int] = set()  # submitted and not yet finished: abort targets
         self._pending_aborts: deque[int] = deque()  # aborts that found the abort ring full
+        self._next_liveness_check_s = 0.0  # read_outputs looks at the stage processes from then on
         self._next_tokenizer = 0
         self._forkserver_watch: threading.Thread | None = None  # replacing a dead forkserver
         self._rate = _TokenRate()
@@ -254,9 +255,13 @@ class StageBackend:
             with self._lock:
                 self._send_pending_aborts()
         while True:
-            failed = self._failed_stage()
-            if failed is not None:
-                raise failed
+            # Asking each process whether it has exited costs a system call or more per stage:
+            # once per LIVENESS_CHECK_S, not once per step.
+            if time.monotonic() >= self._next_liveness_check_s:
+                failed = self._failed_stage()
+                if failed is not None:
+                    raise failed
+                self._next_liveness_check_s = time.monotonic() + LIVENESS_CHECK_S
             try:
                 record = self._events.read(timeout=min(LIVENESS_CHECK_S, max(0.0, deadline - time.monotonic())))
             except PeerDied:

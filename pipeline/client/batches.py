@@ -1,0 +1,188 @@
+"""Many streamed requests read as one batch of deltas per socket read: `StreamBatches`.
+
+`AsyncStream` hands each stream's deltas to its own task, which costs an asyncio wake-up per
+stream per step; with hundreds of streams that wake-up is most of a client's CPU. Here the
+requests share the client's multiplexed connection (mux.py) and its reading task files every
+reply in one list, so the consumer wakes once per read and takes what came for all of them:
+
+    async with client.stream_batches(prompts, params) as batches:
+        async for batch in batches:          # [(index, StreamDelta), ...] in arrival order
+            ...
+        batches.results()                    # per prompt: its Completion, or the error it ended with
+
+`index` is the prompt's position in `prompts`. A request that ends with an error (aborted, say)
+ends alone: the others go on and `results()` holds its error. A lost connection ends all of them
+(the loop raises ConnectionLost). Leaving the loop or the `async with` early aborts every request
+still running. Nothing waits on a slow consumer: unread replies wait in the list, and the
+daemon's limit on unread bytes bounds the socket, as for `AsyncClient(multiplex=True)`.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from pipeline.client.mux import SharedConnection
+from pipeline.client.replies import Completion, RequestReplies, StreamDelta
+from pipeline.errors import ConnectionLost, ErrorCode, PipelineError
+from pipeline.protocol import Abort, Aborted, Done, Error, Generate, ServerMessage
+
+if TYPE_CHECKING:
+    from pipeline.client.aio import AsyncClient
+
+DeltaBatch = list[tuple[int, StreamDelta]]
+
+
+class BatchRequest:
+    """One request of a `StreamBatches`, as the shared connection's router sees a channel."""
+
+    __slots__ = ("_batches", "index", "replies", "request_id", "finished", "released", "outcome",
+                 "__weakref__")  # the client's table of running requests holds it weakly
+
+    def __init__(self, batches: StreamBatches, index: int) -> None:
+        self._batches = batches
+        self.index = index
+        self.replies = RequestReplies()
+        self.request_id: str | None = None  # the shared connection sets it from Accepted
+        self.finished = False  # its Done or Error has come
+        self.released = False
+        self.outcome: Completion | PipelineError | None = None
+
+    def put(self, message: ServerMessage) -> None:
+        kind = type(message)
+        if kind is Aborted or (kind is Error and message.code == ErrorCode.NOT_FOUND.value
+                               and message.request_id is not None):
+            return  # the verdict on an Abort: the request's own end (Error(aborted) or Done) says it
+        if kind is Done or kind is Error:
+            self.finished = True
+        self._batches._filed.append((self, message))
+        self._batches._changed.set()
+
+    def lose(self, error: ConnectionLost) -> None:
+        self._batches._lost = error
+        self._batches._changed.set()
+
+    async def abort(self, request_id: str) -> bool:
+        """For `AsyncClient.abort`: True once the Abort is sent (see `StreamBatches.abort`)."""
+        return request_id == self.request_id and await self._batches.abort(self.index)
+
+
+class StreamBatches:
+    """Streams one request per prompt on the client's shared connection; `async for` yields a
+    list of `(index, StreamDelta)` per read of the socket. See the module's note."""
+
+    def __init__(self, client: AsyncClient, generates: list[Generate]) -> None:
+        self._client = client
+        self._generates = generates
+        self._members = [BatchRequest(self, index) for index in range(len(generates))]
+        self._filed: list[tuple[BatchRequest, ServerMessage]] = []  # replies not yet taken, oldest first
+        self._changed = asyncio.Event()
+        self._lost: ConnectionLost | None = None
+        self._shared: SharedConnection | None = None
+        self._num_running = 0
+        self._started = False
+        self._carried: DeltaBatch = []  # deltas that came while others still awaited their answer
+
+    @property
+    def request_ids(self) -> list[str | None]:
+        """Each prompt's request id once the daemon has accepted it (None before, or if it refused)."""
+        return [member.replies.request_id for member in self._members]
+
+    async def start(self) -> None:
+        """Sends every request in one write and waits until the daemon has answered each (a
+        refused request ends at once, its error in `results()`)."""
+        if self._started:
+            return
+        self._started = True
+        self._shared = await self._client._shared_connection()
+        self._shared.send_all(self._generates, self._members)
+        self._num_running = len(self._members)
+        pending = list(self._members)
+        while pending:
+            await self._wait()
+            self._carried += self._take()
+            pending = [member for member in pending if member.replies.request_id is None and member.outcome is None]
+        for member in self._members:
+            if member.outcome is None:
+                self._client._running.add(member.replies.request_id, member)
+
+    def __aiter__(self) -> AsyncIterator[DeltaBatch]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[DeltaBatch]:
+        try:
+            await self.start()
+            carried, self._carried = self._carried + self._take(), []
+            if carried:
+                yield carried
+            while self._num_running:
+                await self._wait()
+                batch = self._take()
+                if batch:
+                    yield batch
+        finally:
+            self.close()
+
+    def results(self) -> list[Completion | PipelineError | None]:
+        """Per prompt: its Completion, the error it ended with, or None while it runs."""
+        return [member.outcome for member in self._members]
+
+    async def abort(self, index: int) -> bool:
+        """Asks the daemon to abort prompt `index`'s request; False if it is not running. Its end
+        comes through the loop: `results()[index]` becomes RequestAborted (or its Completion, if
+        it finished first)."""
+        member = self._members[index]
+        if self._shared is None or member.outcome is not None or member.request_id is None or member.released:
+            return False
+        await self._shared.send(Abort(member.request_id), member)
+        return True
+
+    def close(self) -> None:
+        """Lets go of every request, aborting those still running. Synchronous."""
+        for member in self._members:
+            if not member.released:
+                member.released = True
+                self._client._running.discard(member.replies.request_id)
+                if self._shared is not None:
+                    self._shared.release(member)
+
+    async def __aenter__(self) -> StreamBatches:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def _wait(self) -> None:
+        while not self._filed:
+            if self._lost is not None:
+                raise self._lost
+            self._changed.clear()
+            await self._changed.wait()
+
+    def _take(self) -> DeltaBatch:
+        """The deltas of every reply filed so far; a request's end is recorded in its outcome."""
+        filed, self._filed = self._filed, []
+        batch: DeltaBatch = []
+        for member, message in filed:
+            if member.outcome is not None:
+                continue
+            try:
+                delta = member.replies.on_message(message)
+            except PipelineError as exc:
+                self._end(member, exc)
+                continue
+            if delta is not None:
+                batch.append((member.index, delta))
+            elif member.replies.done:
+                self._end(member, member.replies.result())
+        return batch
+
+    def _end(self, member: BatchRequest, outcome: Completion | PipelineError) -> None:
+        member.outcome = outcome
+        self._num_running -= 1
+        self._client._running.discard(member.replies.request_id)
+        if not member.released:
+            member.released = True
+            if self._shared is not None:
+                self._shared.release(member)
