@@ -149,7 +149,8 @@ class AsyncClient:
         """Streams one request per prompt (validated now, sent on first use) on the shared
         connection, read as one batch of `(index, StreamDelta)` per socket read: one wake-up per
         read for all of them, where `stream` costs one per stream (see batches.py)."""
-        return StreamBatches(self, [make_generate(prompt, params, stream=True) for prompt in prompts])
+        return StreamBatches(self._shared_connection, self._running,
+                             [make_generate(prompt, params, stream=True) for prompt in prompts])
 
     async def abort(self, request_id: str) -> bool:
         """As `Client.abort`: True once the daemon has aborted one of this client's running

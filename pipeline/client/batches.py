@@ -19,16 +19,14 @@ daemon's limit on unread bytes bounds the socket, as for `AsyncClient(multiplex=
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pipeline.client.mux import SharedConnection
 from pipeline.client.replies import Completion, RequestReplies, StreamDelta
+from pipeline.client.sync import RunningRequests
 from pipeline.errors import ConnectionLost, ErrorCode, PipelineError
 from pipeline.protocol import Abort, Aborted, Done, Error, Generate, ServerMessage
 
-if TYPE_CHECKING:
-    from pipeline.client.aio import AsyncClient
 
 DeltaBatch = list[tuple[int, StreamDelta]]
 
@@ -71,8 +69,12 @@ class StreamBatches:
     """Streams one request per prompt on the client's shared connection; `async for` yields a
     list of `(index, StreamDelta)` per read of the socket. See the module's note."""
 
-    def __init__(self, client: AsyncClient, generates: list[Generate]) -> None:
-        self._client = client
+    def __init__(self, shared_connection: Callable[[], Awaitable[SharedConnection]], running: RunningRequests,
+                 generates: list[Generate]) -> None:
+        """`shared_connection` opens (or gives) the client's multiplexed connection; each accepted
+        request is registered in the client's `running` requests, so `AsyncClient.abort` finds it."""
+        self._shared_connection = shared_connection
+        self._running = running
         self._generates = generates
         self._members = [BatchRequest(self, index) for index in range(len(generates))]
         self._filed: list[tuple[BatchRequest, ServerMessage]] = []  # replies not yet taken, oldest first
@@ -94,7 +96,7 @@ class StreamBatches:
         if self._started:
             return
         self._started = True
-        self._shared = await self._client._shared_connection()
+        self._shared = await self._shared_connection()
         self._shared.send_all(self._generates, self._members)
         self._num_running = len(self._members)
         pending = list(self._members)
@@ -104,7 +106,7 @@ class StreamBatches:
             pending = [member for member in pending if member.replies.request_id is None and member.outcome is None]
         for member in self._members:
             if member.outcome is None:
-                self._client._running.add(member.replies.request_id, member)
+                self._running.add(member.replies.request_id, member)
 
     def __aiter__(self) -> AsyncIterator[DeltaBatch]:
         return self._iterate()
@@ -142,7 +144,7 @@ class StreamBatches:
         for member in self._members:
             if not member.released:
                 member.released = True
-                self._client._running.discard(member.replies.request_id)
+                self._running.discard(member.replies.request_id)
                 if self._shared is not None:
                     self._shared.release(member)
 
@@ -181,7 +183,7 @@ class StreamBatches:
     def _end(self, member: BatchRequest, outcome: Completion | PipelineError) -> None:
         member.outcome = outcome
         self._num_running -= 1
-        self._client._running.discard(member.replies.request_id)
+        self._running.discard(member.replies.request_id)
         if not member.released:
             member.released = True
             if self._shared is not None:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages.gpu_runner.backend import StepLayout
+from stages.gpu_runner.step_layout import StepLayout
 from stages.gpu_runner.models.norm import rms_norm
 from stages.gpu_runner.models.rotary import RotaryEmbedding, apply_rotary
 

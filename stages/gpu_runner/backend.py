@@ -12,33 +12,18 @@ reads only the persistent static buffers, so that on CUDA the call can be captur
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from stages.contracts.config import ATTENTION_BACKENDS
+from stages.gpu_runner.step_layout import StepLayout
 
 if TYPE_CHECKING:
     from stages.gpu_runner.input_batch import InputBatch
     from stages.gpu_runner.models.rotary import RotaryEmbedding
     from stages.gpu_runner.static_decode import StaticDecodeInputs
-
-
-@dataclass(slots=True)
-class StepLayout:
-    """The host-known shape of a step: its rows in batch order and their token counts."""
-
-    rows: np.ndarray  # int64 [n]: batch rows
-    computed: np.ndarray  # int64 [n]: tokens of each row already in the KV cache
-    scheduled: np.ndarray  # int64 [n]: tokens computed now
-    query_start: np.ndarray  # int64 [n + 1]: where each row's tokens start among the step's, then the total
-
-    @property
-    def context(self) -> np.ndarray:
-        """int64 [n]: each row's tokens once this step's are written."""
-        return self.computed + self.scheduled
 
 
 class AttentionBackend(Protocol):

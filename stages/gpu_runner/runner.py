@@ -35,9 +35,8 @@ from stages.gpu_runner.model_config import (
 from stages.gpu_runner.output import StepOutput
 from stages.gpu_runner.sampler import Sampler, SamplerOutput, SamplingMetadata
 from stages.gpu_runner.static_decode import StaticDecodeInputs, is_decode_only
-from stages.gpu_runner.step_inputs import (
-    check_budget, check_plan, prepare_step, step_layout, upload_table_writes,
-)
+from stages.gpu_runner.step_inputs import check_budget, check_plan, prepare_step, upload_table_writes
+from stages.gpu_runner.step_layout import step_layout
 
 
 class ModelRunner:

@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from stages.gpu_runner.backend import AttentionBackend, StepLayout
+from stages.gpu_runner.backend import AttentionBackend
 from stages.gpu_runner.input_batch import InputBatch, TableWrites
 from stages.contracts.plan import StepPlan
+from stages.gpu_runner.step_layout import step_layout, token_slots
 
 
 @dataclass(slots=True)
@@ -62,18 +63,6 @@ def check_budget(plan: StepPlan, max_num_batched_tokens: int) -> None:
     if plan.num_tokens > max_num_batched_tokens:
         raise ValueError(f"step {plan.step} schedules {plan.num_tokens} tokens, "
                          f"more than max_num_batched_tokens {max_num_batched_tokens}")
-
-
-def step_layout(plan: StepPlan) -> StepLayout:
-    scheduled = plan.num_scheduled_tokens.astype(np.int64)
-    return StepLayout(rows=plan.rows.astype(np.int64), computed=plan.num_computed_tokens.astype(np.int64),
-                      scheduled=scheduled, query_start=np.concatenate(([0], np.cumsum(scheduled))))
-
-
-def token_slots(batch: InputBatch, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """int64 KV slots of (row, position) pairs, from the host mirror of the block table."""
-    bs = batch.block_size
-    return batch.block_table_host[rows, positions // bs].astype(np.int64) * bs + positions % bs
 
 
 def prepare_step(plan: StepPlan, batch: InputBatch, max_num_batched_tokens: int,

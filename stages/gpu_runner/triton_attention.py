@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from stages.gpu_runner.backend import StepLayout
+from stages.gpu_runner.step_layout import StepLayout
 from stages.gpu_runner.models.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
