@@ -8,9 +8,12 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from pipeline.engine.loop import Engine
+from pipeline.engine.ranks import WorkerRanks
 from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
+from stages.gpu_runner.model_config import load_model_config, resolve_device
+from stages.gpu_runner.parallel import check_tensor_parallel
 from stages.gpu_runner.build import build_runner, model_limits, serving_max_model_len
 from stages.scheduler.build import build_scheduler
 from stages.scheduler.step_loop import RunnerLike
@@ -46,14 +49,28 @@ class LLM:
     """Builds a ModelRunner for `model` with the engine options of `EngineConfig` (device, dtype,
     async_scheduling, block_size, max_num_seqs, ...), or drives an already-built runner-like
     object given with `runner=` (then `eos_token_ids`, `num_kv_blocks`, `max_model_len`,
-    `vocab_size` are read from it and `tokenizer_path` is optional)."""
+    `vocab_size` are read from it and `tokenizer_path` is optional). With `tensor_parallel_size`
+    N > 1 the model is split over N ranks: this process is rank 0, the others are spawned
+    processes that `close()` (or the end of the interpreter) stops."""
 
     def __init__(self, model: str | Path | None = None, *, runner: RunnerLike | None = None, **options: object) -> None:
-        self.config = EngineConfig(model="" if model is None else str(model), **options)
+        self.config = EngineConfig(model="" if model is None else str(model), **options).with_rendezvous_port()
+        self._ranks: WorkerRanks | None = None
         if runner is None:
             if model is None:
                 raise ValueError("LLM needs a model directory (model=...) or a runner")
-            runner = build_runner(self.config)
+            tp = None
+            if self.config.tensor_parallel_size > 1:
+                check_tensor_parallel(load_model_config(self.config.model), self.config.tensor_parallel_size,
+                                      resolve_device(self.config.device))
+                self._ranks = WorkerRanks(self.config)
+                tp = self._ranks.tp
+            try:
+                runner = build_runner(self.config, tp)
+            except BaseException:
+                if self._ranks is not None:
+                    self._ranks.close(lambda: None)
+                raise
             limits = model_limits(runner, self.config)
         else:
             if self.config.kv_connector is not None:
@@ -71,6 +88,17 @@ class LLM:
         self.engine = Engine(runner, self.scheduler, async_scheduling=self.config.async_scheduling,
                              tokenizer=self.tokenizer, connector_worker=getattr(runner, "kv_connector", None))
         self._next_req_id = 0
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do at tensor_parallel_size 1)."""
+        if self._ranks is not None:
+            self._ranks.close(self.runner.plan_broadcast.stop)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

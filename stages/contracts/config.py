@@ -7,6 +7,7 @@ backend and every stage read the same fields (stages get it as JSON and rebuild 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+import socket
 from pathlib import Path
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -54,6 +55,13 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA, torch on CPU)
     enforce_eager: bool = False  # never capture CUDA graphs; decode runs eagerly on CUDA too
     start_timeout_s: float = 300.0  # how long the stages may take to load the model and get ready
+    # Tensor parallelism: runner ranks of one torch.distributed group (gloo on CPU, NCCL on CUDA),
+    # spread over `nnodes` machines; this one is `node_rank` (0: the head, which runs the daemon).
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"  # the rendezvous: rank 0's machine
+    master_port: int = 0  # 0: a free port picked at start (one machine only)
     # Benchmarks only (tools/bench_overhead.py), not a device: no model runs; each step takes this
     # many ms of wall time on a simulated device (stages/gpu_runner/simulated.py). None: the model.
     simulated_device_ms: float | None = None
@@ -65,7 +73,8 @@ class EngineConfig:
         _check_choice("device", self.device, DEVICES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_tokenizers", "mailbox_slots"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_tokenizers", "mailbox_slots",
+                     "tensor_parallel_size", "nnodes"):
             check_positive(name, getattr(self, name))
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "kv_offload_num_blocks"):
             if getattr(self, name) is not None:
@@ -88,6 +97,38 @@ class EngineConfig:
                 or not self.start_timeout_s > 0:
             raise ValueError(f"start_timeout_s must be positive, got {self.start_timeout_s!r}")
         self._check_simulated_device()
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes "
+                             f"{self.nnodes} (the same number of ranks on every machine)")
+        if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) \
+                or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes {self.nnodes}), got {self.node_rank!r}")
+        if isinstance(self.master_port, bool) or not isinstance(self.master_port, int) \
+                or not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port number (0: pick a free one), got {self.master_port!r}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError(f"nnodes {self.nnodes} needs a master_port every machine knows, got 0")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise ValueError(f"master_addr must be a host name or address, got {self.master_addr!r}")
+        if self.tensor_parallel_size > 1 and self.kv_connector is not None:
+            raise ValueError(f"kv_connector {self.kv_connector!r} is not supported with tensor_parallel_size "
+                             f"{self.tensor_parallel_size}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    def with_rendezvous_port(self) -> EngineConfig:
+        """This config, with a free local port for the ranks' rendezvous when master_port is 0."""
+        if self.master_port != 0 or self.tensor_parallel_size == 1:
+            return self
+        with socket.socket() as sock:
+            sock.bind((self.master_addr, 0))
+            port = sock.getsockname()[1]
+        return EngineConfig.from_dict({**self.to_dict(), "master_port": port})
 
     def _check_simulated_device(self) -> None:
         ms = self.simulated_device_ms

@@ -3,17 +3,21 @@ from __future__ import annotations
 
 from stages.contracts.config import EngineConfig, ModelLimits
 from stages.gpu_runner.offload import OffloadConnectorWorker
+from stages.gpu_runner.parallel import TensorParallel
 from stages.gpu_runner.runner import ModelRunner
 from stages.gpu_runner.simulated import SimulatedDeviceRunner
 
 
-def build_runner(config: EngineConfig) -> ModelRunner | SimulatedDeviceRunner:
+def build_runner(config: EngineConfig, tp: TensorParallel | None = None) -> ModelRunner | SimulatedDeviceRunner:
     """The model runner as `LLM`, the in-process backend and the runner stage build it (the
-    simulated device instead when a benchmark asks for one: `config.simulated_device_ms`)."""
+    simulated device instead when a benchmark asks for one: `config.simulated_device_ms`); under
+    tensor parallelism (`tp`) this rank's runner."""
     if config.simulated_device_ms is not None:
+        if tp is not None:
+            raise ValueError("the simulated device runs no model to split: tensor_parallel_size must be 1")
         return SimulatedDeviceRunner(config)
     worker = OffloadConnectorWorker(config.kv_offload_num_blocks) if config.kv_connector == "offload" else None
-    return ModelRunner(config, kv_connector=worker)
+    return ModelRunner(config, kv_connector=worker, tp=tp)
 
 
 def serving_max_model_len(runner_max_model_len: int, num_kv_blocks: int, block_size: int,

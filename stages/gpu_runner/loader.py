@@ -1,4 +1,5 @@
-"""Load a local HF checkpoint (config.json, safetensors, single or sharded) into the model."""
+"""Load a local HF checkpoint (config.json, safetensors, single or sharded) into the model, or one
+tensor-parallel rank's shard of it (each rank reads only the slices it holds)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ from safetensors import safe_open
 
 from stages.gpu_runner.model_config import ModelConfig, ModelLoadError, load_model_config
 from stages.gpu_runner.models.llama import LlamaFamilyModel
+from stages.gpu_runner.parallel import TensorParallel, shard_tensor
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,14 +51,15 @@ def tokenizer_path(model_dir: str | Path) -> Path:
 
 def load_model(
     model_dir: str | Path, *, device: torch.device, dtype: torch.dtype, max_positions: int,
-    config: ModelConfig | None = None,
+    config: ModelConfig | None = None, tp: TensorParallel | None = None,
 ) -> LlamaFamilyModel:
-    """Build the model on `device` in `dtype` and fill it from the checkpoint, checking every tensor."""
+    """Build the model (this rank's shard of it under `tp`) on `device` in `dtype` and fill it from
+    the checkpoint, checking every tensor's shape."""
     root = Path(model_dir)
     config = config or load_model_config(root)
     files = weight_files(root)
     with torch.device("meta"):
-        model = LlamaFamilyModel(config, max_positions, device)
+        model = LlamaFamilyModel(config, max_positions, device, tp)
     model = model.to_empty(device=device).to(dtype)
     expected = model.expected_hf_tensors()
     present = {name for name in files if not _ignored(name)}
@@ -74,9 +77,14 @@ def load_model(
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as f:
             for name in names:
-                shape = tuple(f.get_slice(name).get_shape())
+                tensor_slice = f.get_slice(name)
+                shape = tuple(tensor_slice.get_shape())
                 if shape != expected[name]:
                     raise ModelLoadError(f"{path.name}: tensor {name} has shape {list(shape)}, "
                                          f"config.json implies {list(expected[name])}")
-                model.load_hf_tensor(name, f.get_tensor(name))
+                if tp is None:
+                    model.load_hf_tensor(name, f.get_tensor(name))
+                else:
+                    model.load_hf_tensor(name, shard_tensor(name, tensor_slice.__getitem__, shape, config,
+                                                            tp.rank, tp.size))
     return model.eval()

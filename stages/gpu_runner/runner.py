@@ -10,6 +10,11 @@ index comes from the plan and host-side mirrors.
 A decode-only step that fits a bucket takes the static path (static_decode.py): persistent
 buffers, padded rows, and on CUDA with the triton backend a replayed graph (decode_graphs.py).
 Prefill and mixed steps, and every step when the static path is off, take the dynamic path.
+
+Under tensor parallelism (`tp`) every rank runs this same runner on its shard (parallel.py) and
+its own KV cache shard over the same block tables; rank 0 samples, and the sampled ids reach the
+other ranks by a broadcast on the device, so every rank's token table holds them. Ranks take the
+dynamic path only.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 from stages.contracts.config import EngineConfig
 from stages.contracts.connector import KVConnectorWorker
 from stages.contracts.plan import StepPlan
+from stages.messages import encode_plan
 from stages.gpu_runner.attention import TorchBackend
 from stages.gpu_runner.backend import AttentionBackend, resolve_attention_backend
 from stages.gpu_runner.decode_graphs import DecodeGraphs
@@ -33,6 +39,7 @@ from stages.gpu_runner.model_config import (
     ModelConfig, load_model_config, resolve_device, resolve_dtype, served_max_model_len,
 )
 from stages.gpu_runner.output import StepOutput
+from stages.gpu_runner.parallel import PlanBroadcast, TensorParallel, check_tensor_parallel
 from stages.gpu_runner.sampler import Sampler, SamplerOutput, SamplingMetadata
 from stages.gpu_runner.static_decode import StaticDecodeInputs, is_decode_only
 from stages.gpu_runner.step_inputs import check_budget, check_plan, prepare_step, upload_table_writes
@@ -48,10 +55,13 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, *, kv_connector: KVConnectorWorker | None = None,
-                 static_decode: bool | None = None) -> None:
+                 static_decode: bool | None = None, tp: TensorParallel | None = None) -> None:
         """static_decode: run decode-only steps over the static bucketed buffers (None: on CUDA only,
-        where they are what a graph replays; on the CPU padding rows only add work)."""
+        where they are what a graph replays; on the CPU padding rows only add work).
+        tp: this rank's place in the tensor-parallel group (None: the whole model on one device)."""
         self.device = torch.device(resolve_device(config.device))
+        if tp is not None and self.device.type == "cuda":
+            self.device = torch.device("cuda", tp.local_rank)
         if self.device.type == "cuda":
             # cuDNN SDPA builds a new execution plan for every new (batch, key length) shape, a
             # host stall of tens of ms inside a step every few tokens; the other SDPA kernels do not.
@@ -59,6 +69,13 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.config: ModelConfig = load_model_config(config.model)
+        self.tp = tp
+        if tp is not None:
+            check_tensor_parallel(self.config, tp.size, self.device.type)
+        # Rank 0 sends each plan to the ranks that read no plan ring before running it.
+        self.plan_broadcast = None
+        if tp is not None and tp.is_driver and tp.plan_group is not None:
+            self.plan_broadcast = PlanBroadcast(tp.plan_group)
         self.tokenizer_path: Path = tokenizer_path(config.model)
         self.dtype = resolve_dtype(config.dtype, self.config, self.device)
 
@@ -66,17 +83,20 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens
 
         self.model = load_model(config.model, device=self.device, dtype=self.dtype,
-                                max_positions=self.max_model_len, config=self.config)
+                                max_positions=self.max_model_len, config=self.config, tp=tp)
+        shard = self.model.shard
         self.attention_backend = make_attention_backend(config.attention_backend, self.device, self.block_size)
         self.model.backend = self.attention_backend
         num_kv_blocks = config.num_kv_blocks
         if num_kv_blocks is None:
-            num_kv_blocks = num_blocks_for_budget(self.config, self.block_size, self.dtype, self.device,
+            num_kv_blocks = num_blocks_for_budget(shard, self.block_size, self.dtype, self.device,
                                                   config.kv_cache_memory_bytes)
+            if tp is not None:  # the block tables are shared: every rank holds as many blocks
+                num_kv_blocks = tp.agree_min(num_kv_blocks)
         self.num_kv_blocks = num_kv_blocks
         # One block more than the pool: the scratch block where padding rows write their KV. The
         # model gets the whole tensors; everyone else sees the pool alone.
-        self._kv_storage = allocate_kv_caches(self.config, num_kv_blocks + 1, self.block_size, self.dtype,
+        self._kv_storage = allocate_kv_caches(shard, num_kv_blocks + 1, self.block_size, self.dtype,
                                               self.device)
         self.kv_caches = [cache[:, :num_kv_blocks] for cache in self._kv_storage]
         self.batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size, self.device)
@@ -94,7 +114,10 @@ class ModelRunner:
         self.copy_to_host = True
 
         if static_decode is None:
-            static_decode = self.device.type == "cuda"
+            static_decode = self.device.type == "cuda" and tp is None
+        if static_decode and tp is not None:
+            # Untested: collectives inside captured graphs. The ranks stay on the dynamic path.
+            raise ValueError("static_decode is not supported under tensor parallelism (tensor_parallel_size > 1)")
         self.static: StaticDecodeInputs | None = None
         self.decode_graphs: DecodeGraphs | None = None
         if static_decode:
@@ -125,6 +148,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
+        if self.plan_broadcast is not None:
+            self.plan_broadcast.send(encode_plan(plan))
         if self.static is not None and is_decode_only(plan):
             return self._execute_static_decode(plan)
         with self.phase("prepare_inputs"):
@@ -140,6 +165,8 @@ class ModelRunner:
                 with self.phase("sample"):
                     logits = self.model.compute_logits(hidden[inputs.logits_index])
                     sampled = self._sample(logits, inputs.sampled_rows, inputs.sampled_num_tokens)
+                    if self.tp is not None:
+                        sampled = self._share_sampled(sampled, len(inputs.sampled_rows))
                     self.batch.token_table.view(-1).index_copy_(0, inputs.sampled_token_index, sampled.token_ids)
         if connector_meta is not None:
             self.kv_connector.save(connector_meta)
@@ -193,9 +220,19 @@ class ModelRunner:
         static.token_table.view(-1).index_copy_(0, static.sampled_index[:num_rows], greedy)
         return logits, greedy
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray, num_tokens: np.ndarray) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor | None, rows: np.ndarray, num_tokens: np.ndarray) -> SamplerOutput | None:
+        if logits is None:  # a tensor-parallel rank other than 0
+            return None
         meta = SamplingMetadata.for_rows(self.batch, rows, num_tokens, self.config.eos_token_ids)
         return self.sampler(logits, meta)
+
+    def _share_sampled(self, sampled: SamplerOutput | None, num_rows: int) -> SamplerOutput:
+        """Rank 0's sampled ids, broadcast on the device to every rank (which has no logits to
+        sample from: `sampled` None). Logprobs stay on rank 0, the only rank that publishes."""
+        if sampled is None:
+            sampled = SamplerOutput(torch.empty(num_rows, dtype=torch.int32, device=self.device), None, None)
+        self.tp.broadcast_tokens(sampled.token_ids)
+        return sampled
 
     def _output(self, step: int, rows: np.ndarray, sampled: SamplerOutput) -> StepOutput:
         tensors = (sampled.token_ids, sampled.logprobs, sampled.logprob_token_ids)

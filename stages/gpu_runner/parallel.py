@@ -1,0 +1,236 @@
+"""Tensor parallelism: the ranks' process group, how the model is cut between them, and the collectives.
+
+Megatron's cut: q/k/v and gate/up are column-parallel (each rank holds its own heads and its own
+slice of the intermediate size), o and down are row-parallel and followed by one all-reduce
+each, the embedding and the LM head are vocab-parallel (each rank holds a contiguous range of
+token ids; the embedding is masked and all-reduced, the logits are gathered on rank 0, which
+alone samples). KV heads are split like the query heads; with fewer KV heads than ranks each
+KV head is held by the ranks whose query heads read it.
+
+The group rides on torch.distributed: gloo on CPU, NCCL on CUDA (one device per rank). Plans
+reach ranks that read no plan ring by a broadcast over a gloo group (`PlanBroadcast`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from stages.gpu_runner.model_config import ModelConfig
+
+JOIN_POLL_S = 0.05
+ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+ROW_PARALLEL_BIAS = ("self_attn.o_proj.bias", "mlp.down_proj.bias")
+VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+class RankJoinError(RuntimeError):
+    """A rank did not join the process group in time: the message names the rank and the address."""
+
+
+def check_tensor_parallel(config: ModelConfig, size: int, device_type: str) -> None:
+    """ValueError naming both numbers when `size` ranks cannot share this model on this machine."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size}")
+    if config.num_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {config.num_heads} "
+                         f"attention heads")
+    kv = config.num_kv_heads
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size {size} and the model's {kv} KV heads: one must divide the other")
+    if config.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's intermediate size "
+                         f"{config.intermediate_size}")
+    if device_type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {size} needs {size} CUDA devices; this machine has "
+                         f"{torch.cuda.device_count()}")
+
+
+def shard_config(config: ModelConfig, size: int) -> ModelConfig:
+    """The shapes one of `size` ranks holds (heads and intermediate size divided; the vocabulary
+    and hidden size are whole: the vocab-parallel layers keep their own sizes)."""
+    if size == 1:
+        return config
+    return dataclasses.replace(config, num_heads=config.num_heads // size,
+                               num_kv_heads=max(1, config.num_kv_heads // size),
+                               intermediate_size=config.intermediate_size // size)
+
+
+def vocab_shard_size(vocab_size: int, size: int) -> int:
+    """Token ids per rank of the vocab-parallel layers (the last rank's range is padded)."""
+    return math.ceil(vocab_size / size)
+
+
+@dataclass(slots=True)
+class TensorParallel:
+    """This rank's place in the group. `group` carries the model's collectives on the model's
+    device; `cpu_group` (gloo) carries host values such as plans and block counts."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None
+    cpu_group: dist.ProcessGroup | None
+    local_rank: int = 0  # the rank's place on its machine: its CUDA device
+    # Rank 0 and the ranks that read no plan ring: the plans' broadcast group (None: every rank reads a ring).
+    plan_group: dist.ProcessGroup | None = None
+    num_all_reduces: int = 0  # counted for the benchmark; read, never reset, by the caller
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 samples and publishes the step's tokens."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.num_all_reduces += 1
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """Each rank's [n, vocab shard] logits -> the whole [n, vocab] on rank 0, None elsewhere."""
+        local = local.contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.size)] if self.is_driver else None
+        dist.gather(local, parts, dst=0, group=self.group)
+        if parts is None:
+            return None
+        return torch.cat(parts, dim=-1)[:, :vocab_size]
+
+    def broadcast_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Rank 0's sampled ids onto every rank, on the device (others pass a tensor of the same shape)."""
+        dist.broadcast(token_ids, src=0, group=self.group)
+        return token_ids
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's `value` (the KV blocks each rank can hold)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+
+def shard_tensor(name: str, read: Callable[[object], torch.Tensor], shape: tuple[int, ...], config: ModelConfig, rank: int,
+                 size: int) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `name` of full `shape`; `read(index)` reads a slice of
+    it from the file (safetensors `get_slice`), so a rank never reads what it does not hold."""
+    if size == 1:
+        return read(slice(None))
+    suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+    if name in VOCAB_PARALLEL:
+        per_rank = vocab_shard_size(config.vocab_size, size)
+        start = rank * per_rank
+        part = read(slice(start, min(start + per_rank, config.vocab_size)))
+        if part.shape[0] < per_rank:  # the padded tail of the last rank: never the top logit, never looked up
+            part = torch.cat([part, part.new_zeros(per_rank - part.shape[0], *part.shape[1:])])
+        return part
+    if suffix in ROW_PARALLEL:
+        per_rank = shape[1] // size
+        return read((slice(None), slice(rank * per_rank, (rank + 1) * per_rank)))
+    if suffix in ROW_PARALLEL_BIAS:  # added once, after the all-reduce sums the ranks' parts
+        full = read(slice(None))
+        return full if rank == 0 else torch.zeros_like(full)
+    head_dim = config.head_dim
+    if suffix.startswith(("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")):
+        per_rank = shape[0] // size
+        return read(slice(rank * per_rank, (rank + 1) * per_rank))
+    if suffix.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
+        kv = config.num_kv_heads
+        if kv >= size:
+            per_rank = shape[0] // size
+            return read(slice(rank * per_rank, (rank + 1) * per_rank))
+        head = rank * kv // size  # the KV head this rank's query heads read
+        return read(slice(head * head_dim, (head + 1) * head_dim))
+    return read(slice(None))  # norms: replicated
+
+
+def local_device(device_type: str, local_rank: int) -> torch.device:
+    """The device rank `local_rank` of this machine runs on: `cuda:{local_rank}` or the CPU."""
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def join_group(rank: int, size: int, master_addr: str, master_port: int, device_type: str,
+               timeout_s: float, *, local_rank: int = 0, num_ring_readers: int = 1,
+               check: Callable[[], None] | None = None) -> TensorParallel:
+    """Join the `size`-rank group through torch.distributed's TCP rendezvous at master_addr:port.
+    Ranks 0 .. num_ring_readers - 1 read their plans from the plan ring; the others get them by a
+    broadcast from rank 0 (`plan_group`). RankJoinError naming the missing ranks and the address
+    if any has not joined within timeout_s; rank 0 calls `check` while it waits (it raises when a
+    rank is known to have died)."""
+    address = f"{master_addr}:{master_port}"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(master_addr, master_port, size, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        raise RankJoinError(f"tensor-parallel rank {rank} could not reach the rendezvous at {address}: {exc}") from exc
+    store.set(f"joined/{rank}", "1")
+    if rank == 0:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = [r for r in range(size) if not store.check([f"joined/{r}"])]
+            if not missing:
+                break
+            if check is not None:
+                check()
+            if time.monotonic() > deadline:
+                raise RankJoinError(f"tensor-parallel rank{'s' if len(missing) > 1 else ''} "
+                                    f"{', '.join(map(str, missing))} did not join the group at {address} "
+                                    f"within {timeout_s:g} s")
+            time.sleep(JOIN_POLL_S)  # start-up only
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    plan_ranks = [0, *range(num_ring_readers, size)]
+    plan_group = None
+    if len(plan_ranks) > 1:  # new_group is collective: every rank makes it, members or not
+        plan_group = dist.new_group(plan_ranks, backend="gloo")
+    member = rank in plan_ranks
+    return TensorParallel(rank, size, dist.group.WORLD, cpu_group, local_rank,
+                          plan_group if member else None)
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class PlanBroadcast:
+    """Each step's encoded plan from rank 0 to ranks that read no plan ring (another node's, or
+    the offline engine's workers), over a gloo group: a length, then the bytes. An empty plan
+    (length 0) tells the receivers to stop."""
+
+    def __init__(self, group: dist.ProcessGroup | None, src: int = 0) -> None:
+        self.group = group
+        self.src = src
+
+    def send(self, parts: list[bytes]) -> None:
+        payload = b"".join(parts)
+        dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=self.src, group=self.group)
+        if payload:
+            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=self.src, group=self.group)
+
+    def stop(self) -> None:
+        dist.broadcast(torch.zeros(1, dtype=torch.int64), src=self.src, group=self.group)
+
+    def receive(self) -> memoryview | None:
+        """The next plan's bytes, or None when rank 0 said stop."""
+        length = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(length, src=self.src, group=self.group)
+        num_bytes = int(length.item())
+        if num_bytes == 0:
+            return None
+        payload = torch.empty(num_bytes, dtype=torch.uint8)
+        dist.broadcast(payload, src=self.src, group=self.group)
+        return memoryview(payload.numpy())
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter this rank holds."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
