@@ -125,9 +125,24 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "auto picks triton on CUDA, torch on CPU")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="never capture CUDA graphs: decode steps run eagerly on CUDA too")
+    add_rank_options(parser)  # `start` is the head: its --node-rank stays 0
+    parser.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                        help="split the model over this many runner ranks (one per GPU; gloo ranks on CPU), "
+                             "spread evenly over --nnodes machines")
     parser.add_argument("--in-process", action="store_true",
                         help="run the engine in the daemon's own process (one thread, no stage processes): for "
                              "debugging and small deployments; host work then no longer overlaps across processes")
+
+
+def add_rank_options(parser: argparse.ArgumentParser) -> None:
+    """Where the tensor-parallel ranks meet: shared by `start` (the head, node rank 0) and `worker`."""
+    parser.add_argument("--nnodes", type=positive_int, default=1, help="machines the ranks run on")
+    parser.add_argument("--node-rank", type=_non_negative_int, default=0,
+                        help="this machine's place among them (0: the head, which runs the daemon)")
+    parser.add_argument("--master-addr", default="127.0.0.1",
+                        help="the head's address, where every rank meets (torch.distributed TCP rendezvous)")
+    parser.add_argument("--master-port", type=_non_negative_int, default=0,
+                        help="the rendezvous port (0: a free one; several machines need a fixed one)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -140,13 +155,31 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model = args.model
         if not Path(model, "config.json").is_file():
             raise PipelineError(f"--model {model!r} is not a checkpoint directory (no config.json in it)")
-    return EngineConfig(
-        model=model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, num_tokenizers=args.num_tokenizers,
-        async_scheduling=not args.no_async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
-        kv_connector=args.kv_connector, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager)
+    try:
+        return EngineConfig(
+            model=model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, num_tokenizers=args.num_tokenizers,
+            async_scheduling=not args.no_async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
+            kv_connector=args.kv_connector, attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+            nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+            master_port=args.master_port)
+    except ValueError as exc:
+        raise PipelineError(f"invalid engine option: {exc}") from None
+
+
+def _worker(args: argparse.Namespace) -> int:
+    """Run this machine's tensor-parallel ranks for the head's daemon until they end."""
+    from pipeline.serve.worker import run_node
+
+    if args.node_rank == 0:
+        raise PipelineError("--node-rank 0 is the head: run `pipeline start` there, `pipeline worker` elsewhere")
+    if not Path(args.model, "config.json").is_file():
+        raise PipelineError(f"--model {args.model!r} is not a checkpoint directory (no config.json in it)")
+    if args.master_port == 0:
+        raise PipelineError("--master-port must be the port given to the head's `pipeline start --master-port`")
+    return run_node(args.model, args.nnodes, args.node_rank, args.master_addr, args.master_port)
 
 
 def _start(args: argparse.Namespace) -> int:
@@ -331,6 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run under `nsys launch` (Nsight Systems must be on PATH) so that tools/profile.py can "
                             "record an .nsys-rep of the running daemon: nsys cannot attach to one started without it")
     start.set_defaults(handler=_start)
+    worker = commands.add_parser("worker", help="run this machine's tensor-parallel ranks of a daemon started "
+                                 "with --nnodes on the head machine")
+    worker.add_argument("--model", required=True, help="this machine's copy of the head's checkpoint directory")
+    add_rank_options(worker)
+    worker.set_defaults(handler=_worker)
     with_socket(commands.add_parser("stop", help="stop the daemon and wait until it is gone")).set_defaults(handler=_stop)
     with_socket(commands.add_parser("status", help="stage health, requests, KV blocks, tokens/s")).set_defaults(
         handler=_status)

@@ -74,7 +74,7 @@ class StageContext:
         self.index: int = spec["index"]
         self.instance: str = spec["instance"]
         self.config = EngineConfig.from_dict(spec["config"])
-        self._links = links(self.config.num_tokenizers)
+        self._links = links(self.config.num_tokenizers, self.config.ranks_per_node)
         self._ring_names: dict[str, str] = spec["links"]
         self._daemon_pid: int = spec["parent_pid"]
         # The parent to watch; none if the daemon went before this process could watch it (the

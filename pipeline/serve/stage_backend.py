@@ -74,7 +74,7 @@ class StageBackend:
         """Creates the rings and the mailbox, spawns the stages, returns once all are ready."""
         if not config.tokenizer_path.is_file():
             raise ValueError(f"model {config.model!r} has no {config.tokenizer_path.name}")
-        self.config = config
+        self.config = config.with_rendezvous_port()  # a fresh port per instance: a restart never meets the last
         self.instance = instance
         self._lock = threading.Lock()
         self._closed = False
@@ -105,7 +105,7 @@ class StageBackend:
         ring_names: dict[str, str] = {}
         writers: dict[str, RingWriter] = {}
         readers: dict[str, RingReader] = {}
-        for link in links(config.num_tokenizers):
+        for link in links(config.num_tokenizers, config.ranks_per_node):
             segment = RingSegment.create(instance, link.name, link.capacity_bytes, len(link.readers))
             ring_names[link.name] = segment.name
             if link.writer == DAEMON:
@@ -137,7 +137,7 @@ class StageBackend:
 
     def stage_table(self) -> list[Stage]:
         """The stage processes to start, in order: the link table's (a test double swaps a module)."""
-        return stages(self.config.num_tokenizers)
+        return stages(self.config.num_tokenizers, self.config.ranks_per_node)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s

@@ -2,12 +2,18 @@
 
 The daemon creates the links and spawns the stages from these tables; each stage asks its
 context for its own ends by link name (`ctx.reader("plan")`), so no index or ring name is
-written anywhere else. A name with `{i}` stands for one link (or stage) per tokenizer worker i.
+written anywhere else. A name with `{i}` stands for one link (or stage) per tokenizer worker i;
+one with `{r}` for one stage per tensor-parallel rank r >= 1 of this machine (rank 0 is `runner`:
+it alone writes `done` and the mailbox; every rank reads `plan`).
 
     daemon -generate{i}-> tokenizer{i} -tokenized{i}-> scheduler -plan-> runner -done-> scheduler
     daemon -abort-> scheduler      scheduler -manifest-> detokenizer -events-> daemon
     detokenizer -stop_strings-> scheduler
     runner -mailbox (each step's sampled tokens)-> scheduler, detokenizer
+    scheduler -plan-> runner{r} (tensor-parallel ranks 1..N-1 on this machine)
+
+Stages of one `group` restart together: a tensor-parallel rank cannot rejoin a group whose other
+ranks run on, so the death of one runner rank restarts every rank (`restart_group`).
 """
 from __future__ import annotations
 
@@ -15,12 +21,15 @@ from dataclasses import dataclass
 
 DAEMON = "daemon"
 PER_TOKENIZER = "{i}"
+PER_RANK = "{r}"
+RUNNER = "runner"
 
 
 @dataclass(frozen=True, slots=True)
 class Stage:
     name: str
     module: str  # the module whose `main(spec_json)` is the stage's process body
+    group: str = ""  # stages that restart together share it ("": the stage alone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +45,8 @@ class Link:
 
 
 STAGES = (
-    Stage("runner", "stages.gpu_runner.stage"),
+    Stage(RUNNER, "stages.gpu_runner.stage", RUNNER),
+    Stage(RUNNER + PER_RANK, "stages.gpu_runner.stage", RUNNER),
     Stage("scheduler", "stages.scheduler.stage"),
     Stage("detokenizer", "stages.detokenizer.stage"),
     Stage("tokenizer{i}", "stages.tokenizer.stage"),
@@ -51,7 +61,7 @@ LINKS = (
     Link("generate{i}", DAEMON, ("tokenizer{i}",), REQUEST_BYTES),
     Link("tokenized{i}", "tokenizer{i}", ("scheduler",), REQUEST_BYTES),
     Link("abort", DAEMON, ("scheduler",), CONTROL_BYTES),
-    Link("plan", "scheduler", ("runner",), STEP_BYTES),
+    Link("plan", "scheduler", (RUNNER, RUNNER + PER_RANK), STEP_BYTES),
     Link("done", "runner", ("scheduler",), CONTROL_BYTES),
     Link("manifest", "scheduler", ("detokenizer",), STEP_BYTES),
     Link("stop_strings", "detokenizer", ("scheduler",), CONTROL_BYTES),
@@ -62,23 +72,42 @@ MAILBOX_WRITER = "runner"
 MAILBOX_READERS = ("scheduler", "detokenizer")  # a reader's index is its place here
 
 
-def _expand(name: str, num_tokenizers: int) -> list[str]:
+def _expand(name: str, num_tokenizers: int, num_ranks: int) -> list[str]:
+    if PER_RANK in name:
+        return [name.replace(PER_RANK, str(r)) for r in range(1, num_ranks)]
     if PER_TOKENIZER not in name:
         return [name]
     return [name.replace(PER_TOKENIZER, str(i)) for i in range(num_tokenizers)]
 
 
-def stages(num_tokenizers: int) -> list[Stage]:
-    """Every stage process in spawn order (a stage's index is its place here)."""
-    return [Stage(name, stage.module) for stage in STAGES for name in _expand(stage.name, num_tokenizers)]
+def stages(num_tokenizers: int, num_ranks: int = 1) -> list[Stage]:
+    """Every stage process in spawn order (a stage's index is its place here); `num_ranks`:
+    the tensor-parallel runner ranks on this machine."""
+    return [Stage(name, stage.module, stage.group) for stage in STAGES
+            for name in _expand(stage.name, num_tokenizers, num_ranks)]
 
 
-def links(num_tokenizers: int) -> list[Link]:
-    """Every link with its `{i}` spelled out: per tokenizer worker i, writer and readers follow."""
+def restart_group(name: str, num_tokenizers: int, num_ranks: int = 1) -> list[str]:
+    """The stages that restart with stage `name`: those of its group, or itself alone."""
+    table = stages(num_tokenizers, num_ranks)
+    group = next((stage.group for stage in table if stage.name == name), "")
+    return [stage.name for stage in table if stage.name == name or (group and stage.group == group)]
+
+
+def runner_rank(name: str) -> int:
+    """The tensor-parallel rank (on this machine) of runner stage `name`: 0 for `runner`."""
+    suffix = name.removeprefix(RUNNER)
+    return int(suffix) if suffix else 0
+
+
+def links(num_tokenizers: int, num_ranks: int = 1) -> list[Link]:
+    """Every link with its `{i}` spelled out: per tokenizer worker i, writer and readers follow;
+    readers `{r}` become one per runner rank 1..num_ranks-1."""
     expanded = []
     for link in LINKS:
         if PER_TOKENIZER not in link.name:
-            expanded.append(Link(link.name, link.writer, link.readers, link.capacity_bytes, link.name))
+            readers = tuple(r for reader in link.readers for r in _expand(reader, num_tokenizers, num_ranks))
+            expanded.append(Link(link.name, link.writer, readers, link.capacity_bytes, link.name))
             continue
         for i in range(num_tokenizers):
             def spell(name: str) -> str:

@@ -156,12 +156,13 @@ def local_device(device_type: str, local_rank: int) -> torch.device:
 
 def join_group(rank: int, size: int, master_addr: str, master_port: int, device_type: str,
                timeout_s: float, *, local_rank: int = 0, num_ring_readers: int = 1,
-               check: Callable[[], None] | None = None) -> TensorParallel:
+               check: Callable[[], None] | None = None, published: dict[str, str] | None = None) -> TensorParallel:
     """Join the `size`-rank group through torch.distributed's TCP rendezvous at master_addr:port.
     Ranks 0 .. num_ring_readers - 1 read their plans from the plan ring; the others get them by a
     broadcast from rank 0 (`plan_group`). RankJoinError naming the missing ranks and the address
     if any has not joined within timeout_s; rank 0 calls `check` while it waits (it raises when a
-    rank is known to have died)."""
+    rank is known to have died). Rank 0 puts `published` in the rendezvous store for whoever
+    joins to read (`read_published`): the head's engine config, for the other machines."""
     address = f"{master_addr}:{master_port}"
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
@@ -169,6 +170,9 @@ def join_group(rank: int, size: int, master_addr: str, master_port: int, device_
                               wait_for_workers=False)
     except (RuntimeError, OSError) as exc:
         raise RankJoinError(f"tensor-parallel rank {rank} could not reach the rendezvous at {address}: {exc}") from exc
+    if rank == 0:
+        for key, value in (published or {}).items():
+            store.set(key, value)
     store.set(f"joined/{rank}", "1")
     if rank == 0:
         deadline = time.monotonic() + timeout_s
@@ -193,6 +197,18 @@ def join_group(rank: int, size: int, master_addr: str, master_port: int, device_
     member = rank in plan_ranks
     return TensorParallel(rank, size, dist.group.WORLD, cpu_group, local_rank,
                           plan_group if member else None)
+
+
+def read_published(master_addr: str, master_port: int, key: str, timeout_s: float) -> str:
+    """What rank 0 published under `key` in the rendezvous store at master_addr:port, waiting for it
+    up to timeout_s (RankJoinError naming the address when nothing answers)."""
+    address = f"{master_addr}:{master_port}"
+    try:
+        store = dist.TCPStore(master_addr, master_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        return store.get(key).decode()
+    except (RuntimeError, OSError) as exc:  # torch's DistStoreError is a RuntimeError
+        raise RankJoinError(f"no rendezvous answered at {address} within {timeout_s:g} s: {exc}") from exc
 
 
 def leave_group() -> None:

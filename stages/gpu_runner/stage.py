@@ -3,14 +3,23 @@
 It publishes the model limits (KV blocks, max_model_len, vocabulary, EOS ids) on the status
 board as soon as the model is loaded; the other stages build themselves from them. It also
 makes the mailbox, whose kind (host or device slots) follows its device.
+
+Under tensor parallelism every rank of this machine is a runner stage reading the same plan ring
+(`runner` is rank 0, `runner1`... the others); they join one process group first. Rank 0 alone
+publishes limits, makes the mailbox and writes `done`; the others only run each plan on their
+shard (runner.py has them receive the sampled ids from rank 0 on the device).
 """
 from __future__ import annotations
 
 from shm.mailbox import MailboxWriter, create_mailbox
 from stages import messages as msg
 from stages.contracts.params import MAX_LOGPROBS
-from stages.contracts.topology import MAILBOX_READERS
+from stages.contracts.topology import MAILBOX_READERS, runner_rank
+from stages.gpu_runner import worker
 from stages.gpu_runner.build import build_runner, model_limits
+from stages.gpu_runner.model_config import load_model_config, resolve_device
+from stages.gpu_runner.parallel import TensorParallel, check_tensor_parallel
+from stages.gpu_runner.runner import ModelRunner
 from stages.process import StageContext, run_stage
 
 MAILBOX_WAIT_S = 60.0  # consumers release a slot within a step or two; longer means they are stuck
@@ -22,7 +31,10 @@ def main(spec_json: str) -> None:
 
 def serve(ctx: StageContext) -> None:
     config = ctx.config
-    runner = build_runner(config)
+    runner = build_runner(config, join_ranks(ctx))
+    if runner.tp is not None and not runner.tp.is_driver:
+        follow_plans(ctx, runner)
+        return
     create_mailbox(ctx.instance, num_slots=config.mailbox_slots, max_rows=config.max_num_seqs,
                    logprob_width=1 + MAX_LOGPROBS, num_consumers=len(MAILBOX_READERS),
                    cuda=runner.device.type == "cuda")
@@ -49,3 +61,24 @@ def serve(ctx: StageContext) -> None:
                 slot = mailbox.write(plan.step, output.token_ids, output.logprobs, output.logprob_token_ids,
                                      timeout_s=MAILBOX_WAIT_S, check=ctx.tick, ready_at_ns=output.ready_at_ns)
                 ctx.write(done, msg.Kind.DONE, msg.encode_done(plan.step, slot, int(output.token_ids.shape[0])))
+
+
+def join_ranks(ctx: StageContext) -> TensorParallel | None:
+    """This stage's place in the tensor-parallel group (None without one); a size the model or
+    the machine cannot take is refused before any rank waits for another."""
+    config = ctx.config
+    if config.tensor_parallel_size == 1:
+        return None
+    check_tensor_parallel(load_model_config(config.model), config.tensor_parallel_size, resolve_device(config.device))
+    return worker.join(config, runner_rank(ctx.name), config.ranks_per_node, check=ctx.tick)
+
+
+def follow_plans(ctx: StageContext, runner: ModelRunner) -> None:
+    """A rank other than 0: run every plan of the ring on this rank's shard."""
+    plans = ctx.reader("plan")
+    ctx.ready()
+    while True:
+        ctx.tick()
+        record = ctx.read_input(plans)
+        if record is not None:
+            runner.execute(msg.decode_plan(record.payload))

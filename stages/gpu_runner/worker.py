@@ -14,14 +14,19 @@ from stages.gpu_runner.parallel import PlanBroadcast, TensorParallel, join_group
 from stages.gpu_runner.runner import ModelRunner
 from stages.messages import decode_plan
 
+CONFIG_KEY = "engine_config"  # the head's EngineConfig as JSON, in the rendezvous store
+
 
 def join(config: EngineConfig, rank: int, num_ring_readers: int,
          check: Callable[[], None] | None = None) -> TensorParallel:
     """Join the group of `config` as `rank` (its CUDA device: its place on this machine); rank 0
-    calls `check` while it waits for the others (it raises if one of them is known dead)."""
+    calls `check` while it waits for the others (it raises if one of them is known dead), and
+    publishes the config for other machines' workers (`CONFIG_KEY`)."""
+    published = {CONFIG_KEY: json.dumps(config.to_dict())} if rank == 0 else None
     return join_group(rank, config.tensor_parallel_size, config.master_addr, config.master_port,
                       resolve_device(config.device), config.start_timeout_s,
-                      local_rank=rank % config.ranks_per_node, num_ring_readers=num_ring_readers, check=check)
+                      local_rank=rank % config.ranks_per_node, num_ring_readers=num_ring_readers, check=check,
+                      published=published)
 
 
 def build_rank(config: EngineConfig, tp: TensorParallel) -> ModelRunner:

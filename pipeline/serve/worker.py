@@ -1,0 +1,78 @@
+"""`pipeline worker`: the tensor-parallel ranks of a machine other than the head.
+
+The worker reads the head's engine config from the rendezvous store that the head's rank 0
+serves (torch.distributed's TCPStore at --master-addr:--master-port), spawns this machine's
+ranks, which join the group and run the plans rank 0 broadcasts, and waits for them. When the
+group ends (the daemon stopped or restarts its stages after a failure) it waits for the next
+one at the same address: a worker serves every restart of the head until it is interrupted.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import time
+
+from pipeline.errors import PipelineError
+from stages.contracts.config import EngineConfig
+from stages.gpu_runner import worker
+from stages.gpu_runner.parallel import RankJoinError, read_published
+
+log = logging.getLogger("pipeline.serve.worker")
+
+HEAD_WAIT_S = 30.0  # one wait for the head's rendezvous; the worker then tries again
+RETRY_S = 1.0
+
+
+def node_config(head: EngineConfig, model: str, nnodes: int, node_rank: int) -> EngineConfig:
+    """The head's config as this machine runs it: its own copy of the model, its own node rank."""
+    if head.nnodes != nnodes:
+        raise PipelineError(f"--nnodes {nnodes} differs from the head's nnodes {head.nnodes}")
+    if node_rank >= nnodes:
+        raise PipelineError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
+    return EngineConfig.from_dict({**head.to_dict(), "model": model, "node_rank": node_rank})
+
+
+def run_ranks(config: EngineConfig) -> list[int]:
+    """Spawn this machine's ranks of `config` and wait until all have ended; their exit codes."""
+    context = multiprocessing.get_context("spawn")
+    spec = json.dumps(config.to_dict())
+    first = config.node_rank * config.ranks_per_node
+    processes = [context.Process(target=worker.main, args=(spec, rank, config.ranks_per_node),
+                                 name=f"pipeline-rank{rank}")
+                 for rank in range(first, first + config.ranks_per_node)]
+    for process in processes:
+        process.start()
+    try:
+        for process in processes:
+            process.join()
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [process.exitcode for process in processes]
+
+
+def run_node(model: str, nnodes: int, node_rank: int, master_addr: str, master_port: int,
+             max_groups: int | None = None) -> int:
+    """Serve the head's groups one after another (`max_groups` of them; None: until interrupted)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    served = 0
+    while max_groups is None or served < max_groups:
+        try:
+            head = EngineConfig.from_dict(json.loads(read_published(master_addr, master_port, worker.CONFIG_KEY,
+                                                                    HEAD_WAIT_S)))
+        except RankJoinError as exc:
+            log.info("waiting for the head: %s", exc)
+            time.sleep(RETRY_S)
+            continue
+        config = node_config(head, model, nnodes, node_rank)
+        log.info("node %d: running ranks %d..%d of %d for the head at %s:%d", node_rank,
+                 node_rank * config.ranks_per_node, (node_rank + 1) * config.ranks_per_node - 1,
+                 config.tensor_parallel_size, master_addr, master_port)
+        codes = run_ranks(config)
+        served += 1
+        log.info("the group ended (rank exit codes %s); waiting for the head's next one", codes)
+        time.sleep(RETRY_S)  # the head's old rendezvous goes with its rank 0
+    return 0
