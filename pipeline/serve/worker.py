@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import signal
 import time
 
 from pipeline.errors import PipelineError
@@ -58,6 +59,7 @@ def run_node(model: str, nnodes: int, node_rank: int, master_addr: str, master_p
              max_groups: int | None = None) -> int:
     """Serve the head's groups one after another (`max_groups` of them; None: until interrupted)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_signal)  # a stopped worker takes its ranks with it
     served = 0
     while max_groups is None or served < max_groups:
         try:
@@ -76,3 +78,7 @@ def run_node(model: str, nnodes: int, node_rank: int, master_addr: str, master_p
         log.info("the group ended (rank exit codes %s); waiting for the head's next one", codes)
         time.sleep(RETRY_S)  # the head's old rendezvous goes with its rank 0
     return 0
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

@@ -1,0 +1,67 @@
+"""Two "machines" on loopback: the head's daemon holds rank 0, `pipeline worker` rank 1, which gets
+each plan by a broadcast in the process group; the outputs equal one rank's."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from device_choice import engine_device
+from live_daemon import REAL_BACKEND, short_dir, start_daemon
+from test_tensor_parallel_daemon import _assert_equal, _streams
+
+from pipeline import LLM, SamplingParams
+from pipeline.models.tiny_model import make_tiny_model
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(not REAL_BACKEND, reason="tensor parallelism needs the real stage processes")]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_rank_on_another_node_serves_what_one_rank_generates(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "qwen3", "qwen3", seed=6)
+    engine_device()
+    prompts = [f"{i}: two nodes on one loopback" for i in range(4)]
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=9, ignore_eos=True)] * 2
+    expected = LLM(model, device=engine_device(), max_model_len=128, num_kv_blocks=64, block_size=4).generate(
+        prompts, params)
+    port = str(_free_port())
+    rendezvous = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
+    worker = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--model", str(model),
+                               "--node-rank", "1", *rendezvous], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    directory = short_dir()
+    try:
+        daemon = start_daemon(model, directory, ["--tensor-parallel-size", "2", *rendezvous, "--max-model-len", "128",
+                                                 "--num-kv-blocks", "64", "--block-size", "4"])
+        try:
+            assert "runner1" not in asyncio.run(_health(daemon.socket_path))  # rank 1 is the worker's
+            _assert_equal(asyncio.run(_streams(daemon.socket_path, prompts, params)), expected)
+        finally:
+            daemon.stop()
+        assert daemon.shm_entries() == []
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        output = worker.communicate(timeout=30)[0].decode()
+        shutil.rmtree(directory.parent, ignore_errors=True)
+    assert "node 1: running ranks 1..1 of 2 for the head at 127.0.0.1:" in output
+
+
+async def _health(socket_path: Path) -> dict[str, int]:
+    from pipeline.client import AsyncClient
+
+    client = AsyncClient(socket_path)
+    try:
+        return (await client.health()).stage_pids
+    finally:
+        await client.close()
