@@ -1,0 +1,73 @@
+"""Tensor-parallel host logic: refusals naming both numbers, the join deadline naming the rank and
+the address, how checkpoint tensors are cut, and the rule that runner ranks restart together."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from pipeline.models.tiny_model import make_tiny_model
+from stages.contracts.topology import links, restart_group, runner_rank, stages
+from stages.gpu_runner.model_config import load_model_config
+from stages.gpu_runner.parallel import RankJoinError, check_tensor_parallel, join_group, shard_tensor
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory):
+    # 6 heads, 3 KV heads: 2 ranks divide the heads, not the KV heads (nor do the KV heads divide 2).
+    model = make_tiny_model(tmp_path_factory.mktemp("tp-shapes"), "llama", num_heads=6, num_kv_heads=3, head_dim=8,
+                            hidden_size=48, intermediate_size=96)
+    return load_model_config(model)
+
+
+def test_sizes_the_model_cannot_take_are_refused_naming_both_numbers(config) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide the model's 6 attention heads"):
+        check_tensor_parallel(config, 4, "cpu")
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 and the model's 3 KV heads: one must divide"):
+        check_tensor_parallel(config, 2, "cpu")
+    check_tensor_parallel(config, 3, "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 3, reason="this machine has the devices")
+def test_more_ranks_than_cuda_devices_are_refused(config) -> None:
+    count = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"tensor_parallel_size 3 needs 3 CUDA devices; this machine has {count}"):
+        check_tensor_parallel(config, 3, "cuda")
+
+
+def test_a_rank_that_does_not_join_in_time_is_named_with_the_address() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(RankJoinError, match=f"rank 1 did not join the group at 127.0.0.1:{port} within 0.5 s"):
+        join_group(0, 2, "127.0.0.1", port, "cpu", timeout_s=0.5)
+
+
+def test_column_parallel_row_parallel_and_replicated_kv_cuts(config) -> None:
+    full = {name: torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+            for name, (rows, cols) in {"q": (48, 48), "k": (24, 48), "o": (48, 48)}.items()}
+
+    def cut(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        return shard_tensor(name, tensor.__getitem__, tuple(tensor.shape), config, rank, size)
+
+    q = [cut("model.layers.0.self_attn.q_proj.weight", full["q"], r, 3) for r in range(3)]
+    assert torch.equal(torch.cat(q), full["q"])  # 2 heads of 8 rows each per rank
+    o = [cut("model.layers.0.self_attn.o_proj.weight", full["o"], r, 3) for r in range(3)]
+    assert torch.equal(torch.cat(o, dim=1), full["o"])
+    # 6 ranks, 3 KV heads: ranks 2r and 2r+1 read KV head r.
+    k = [cut("model.layers.0.self_attn.k_proj.weight", full["k"], r, 6) for r in range(6)]
+    for rank in range(6):
+        head = rank // 2
+        assert torch.equal(k[rank], full["k"][head * 8:(head + 1) * 8])
+
+
+def test_runner_ranks_share_the_plan_and_restart_together() -> None:
+    names = [stage.name for stage in stages(1, num_ranks=3)]
+    assert names == ["runner", "runner1", "runner2", "scheduler", "detokenizer", "tokenizer0"]
+    assert [stage.name for stage in stages(1)] == ["runner", "scheduler", "detokenizer", "tokenizer0"]
+    plan = next(link for link in links(1, num_ranks=3) if link.name == "plan")
+    assert plan.readers == ("runner", "runner1", "runner2")
+    assert restart_group("runner2", 1, num_ranks=3) == ["runner", "runner1", "runner2"]
+    assert restart_group("scheduler", 1, num_ranks=3) == ["scheduler"]
+    assert [runner_rank(name) for name in ("runner", "runner1", "runner2")] == [0, 1, 2]
