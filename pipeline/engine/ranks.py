@@ -6,6 +6,8 @@ import json
 import multiprocessing
 from multiprocessing.process import BaseProcess
 
+import torch
+
 from stages.contracts.config import EngineConfig
 from stages.gpu_runner import worker
 from stages.gpu_runner.parallel import RankJoinError, TensorParallel, leave_group
@@ -26,10 +28,14 @@ class WorkerRanks:
             for rank in range(1, config.tensor_parallel_size)]
         for process in self.processes:
             process.start()
+        # Joining gives this process its share of the cores (parallel.use_local_device): the
+        # caller's own setting comes back on close.
+        self._num_threads = torch.get_num_threads()
         try:
             self.tp: TensorParallel = worker.join(config, 0, 1, check=self._check_alive)
         except BaseException:
             self._kill()
+            torch.set_num_threads(self._num_threads)
             raise
         self.closed = False
 
@@ -51,6 +57,7 @@ class WorkerRanks:
                 process.join(STOP_WAIT_S)
             self._kill()
             leave_group()
+            torch.set_num_threads(self._num_threads)
 
     def _kill(self) -> None:
         for process in self.processes:

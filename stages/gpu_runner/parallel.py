@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -146,17 +147,20 @@ def shard_tensor(name: str, read: Callable[[object], torch.Tensor], shape: tuple
     return read(slice(None))  # norms: replicated
 
 
-def local_device(device_type: str, local_rank: int) -> torch.device:
-    """The device rank `local_rank` of this machine runs on: `cuda:{local_rank}` or the CPU."""
+def use_local_device(device_type: str, local_rank: int, ranks_per_node: int) -> None:
+    """Make rank `local_rank` of this machine use its own device: `cuda:{local_rank}` (NCCL takes
+    the current device), or on the CPU its share of the cores (ranks using every core each would
+    fight over them)."""
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node))
 
 
 def join_group(rank: int, size: int, master_addr: str, master_port: int, device_type: str,
                timeout_s: float, *, local_rank: int = 0, num_ring_readers: int = 1,
-               check: Callable[[], None] | None = None, published: dict[str, str] | None = None) -> TensorParallel:
+               check: Callable[[], None] | None = None, published: dict[str, str] | None = None,
+               ranks_per_node: int | None = None) -> TensorParallel:
     """Join the `size`-rank group through torch.distributed's TCP rendezvous at master_addr:port.
     Ranks 0 .. num_ring_readers - 1 read their plans from the plan ring; the others get them by a
     broadcast from rank 0 (`plan_group`). RankJoinError naming the missing ranks and the address
@@ -165,6 +169,7 @@ def join_group(rank: int, size: int, master_addr: str, master_port: int, device_
     joins to read (`read_published`): the head's engine config, for the other machines."""
     address = f"{master_addr}:{master_port}"
     timeout = datetime.timedelta(seconds=timeout_s)
+    use_local_device(device_type, local_rank, size if ranks_per_node is None else ranks_per_node)
     try:
         store = dist.TCPStore(master_addr, master_port, size, is_master=rank == 0, timeout=timeout,
                               wait_for_workers=False)

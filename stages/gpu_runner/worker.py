@@ -26,7 +26,7 @@ def join(config: EngineConfig, rank: int, num_ring_readers: int,
     return join_group(rank, config.tensor_parallel_size, config.master_addr, config.master_port,
                       resolve_device(config.device), config.start_timeout_s,
                       local_rank=rank % config.ranks_per_node, num_ring_readers=num_ring_readers, check=check,
-                      published=published)
+                      published=published, ranks_per_node=config.ranks_per_node)
 
 
 def build_rank(config: EngineConfig, tp: TensorParallel) -> ModelRunner:

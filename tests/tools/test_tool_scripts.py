@@ -130,3 +130,20 @@ def test_gpu_check_dry_run_walks_every_phase_and_writes_the_summary(tmp_path: Pa
 def test_gpu_check_refuses_an_unknown_argument(tmp_path: Path) -> None:
     run = subprocess.run(["bash", str(TOOLS / "gpu_check.sh"), "--fast"], capture_output=True, text=True, timeout=30)
     assert run.returncode == 2 and "unknown argument '--fast'" in run.stderr
+
+
+@pytest.mark.timeout(150)
+def test_bench_tp_quick_reports_one_and_two_ranks_side_by_side() -> None:
+    report = quick_json_report("bench_tp.py", timeout_s=140)
+    layers = report["model"]["num_layers"]
+    one, two = report["ranks"]["1"], report["ranks"]["2"]
+    for batch in ("batch1", "batch32"):
+        assert one[batch]["step_ms"] > 0 and two[batch]["step_ms"] > 0
+        assert one[batch]["all_reduce_per_step"] == 0
+        # Two per layer (o and down) and one for the vocab-parallel embedding; one gather, one broadcast.
+        assert two[batch]["all_reduce_per_step"] == 2 * layers + 1
+        assert two[batch]["gather_logits_per_step"] == two[batch]["broadcast_tokens_per_step"] == 1
+        assert two[batch]["plan_send_per_step"] == 1
+    assert 0.45 < report["ratios"]["weight_bytes_rank0_tp2_over_tp1"] < 0.55
+    assert set(report["plan_ring_us"]) == {"1_readers", "2_readers"}
+    assert all(v["gather_logits_us"] > 0 and v["distributed_argmax_us"] > 0 for v in report["sampling"].values())
