@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import sys
@@ -107,7 +108,11 @@ def _decode_steps(llm: LLM, batch: int, max_tokens: int, timers: dict[str, Timer
     return summary
 
 
-def bench_ranks(model: Path, size: int, max_tokens: int) -> dict[str, object]:
+def bench_ranks(model: Path, size: int, max_tokens: int, num_threads: int | None = None) -> dict[str, object]:
+    """`size` ranks; `num_threads`: torch threads of the one rank (None: torch's default, every core)."""
+    default_threads = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
     timers = {"all_reduce": Timer(TensorParallel, "all_reduce"), "gather_logits": Timer(TensorParallel, "gather_logits"),
               "broadcast_tokens": Timer(TensorParallel, "broadcast_tokens"), "plan_send": Timer(PlanBroadcast, "send")}
     try:
@@ -124,6 +129,7 @@ def bench_ranks(model: Path, size: int, max_tokens: int) -> dict[str, object]:
     finally:
         for timer in timers.values():
             timer.close()
+        torch.set_num_threads(default_threads)
     return result
 
 
@@ -228,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = 6 if args.quick else 24
     with tempfile.TemporaryDirectory(prefix="bench-tp-") as tmp:
         model = make_tiny_model(Path(tmp) / "model", "llama", seed=0, **shape)
-        ranks = {str(size): bench_ranks(model, size, max_tokens) for size in (1, 2)}
+        # "1/2 cores": one rank on the share of the cores each of two ranks gets, which tells how much
+        # of two ranks' speed-up is the second core's and how much the split's.
+        ranks = {"1/2 cores": bench_ranks(model, 1, max_tokens, max(1, (os.cpu_count() or 1) // 2)),
+                 **{str(size): bench_ranks(model, size, max_tokens) for size in (1, 2)}}
     report = {
         "model": shape, "device": "cpu", "backend": "gloo", "ranks": ranks,
         "ratios": {f"batch{b}_step_tp2_over_tp1": ranks["2"][f"batch{b}"]["step_ms"] / ranks["1"][f"batch{b}"]["step_ms"]
@@ -241,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     print(f"model: {shape}")
-    print(f"{'':<34}{'TP=1':>12}{'TP=2':>12}")
+    columns = list(ranks)
+    print(f"{'':<34}" + "".join(f"{'TP=' + name:>14}" for name in columns))
     for batch in BATCHES:
         key = f"batch{batch}"
         for field, label in (("step_ms", "step ms"), ("all_reduce_per_step", "all-reduces/step"),
@@ -249,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                              ("gather_logits_ms_per_step", "logits gather ms/step"),
                              ("broadcast_tokens_ms_per_step", "token broadcast ms/step"),
                              ("plan_send_ms_per_step", "plan broadcast ms/step")):
-            print(f"{f'batch {batch}: {label}':<34}{ranks['1'][key][field]:>12.3f}{ranks['2'][key][field]:>12.3f}")
-    print(f"{'weight bytes, rank 0':<34}{ranks['1']['weight_bytes_rank0']:>12}{ranks['2']['weight_bytes_rank0']:>12}")
+            print(f"{f'batch {batch}: {label}':<34}" + "".join(f"{ranks[c][key][field]:>14.3f}" for c in columns))
+    print(f"{'weight bytes, rank 0':<34}" + "".join(f"{ranks[c]['weight_bytes_rank0']:>14}" for c in columns))
+    print(f"{'torch threads, rank 0':<34}" + "".join(f"{ranks[c]['torch_threads_rank0']:>14}" for c in columns))
     print(f"plan ring, write to read (µs, worst reader's median): {report['plan_ring_us']}")
     for key, times in report["sampling"].items():
         print(f"sampling {key}: gather logits {times['gather_logits_us']:.0f} µs, "

@@ -35,8 +35,9 @@ class RankJoinError(RuntimeError):
     """A rank did not join the process group in time: the message names the rank and the address."""
 
 
-def check_tensor_parallel(config: ModelConfig, size: int, device_type: str) -> None:
-    """ValueError naming both numbers when `size` ranks cannot share this model on this machine."""
+def check_tensor_parallel(config: ModelConfig, size: int, device_type: str, local_ranks: int | None = None) -> None:
+    """ValueError naming both numbers when `size` ranks (`local_ranks` of them on this machine:
+    all unless given) cannot share this model."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {size}")
     if config.num_heads % size:
@@ -48,9 +49,10 @@ def check_tensor_parallel(config: ModelConfig, size: int, device_type: str) -> N
     if config.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's intermediate size "
                          f"{config.intermediate_size}")
-    if device_type == "cuda" and size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size {size} needs {size} CUDA devices; this machine has "
-                         f"{torch.cuda.device_count()}")
+    local_ranks = size if local_ranks is None else local_ranks
+    if device_type == "cuda" and local_ranks > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {size} puts {local_ranks} ranks on this machine, one per CUDA "
+                         f"device; it has {torch.cuda.device_count()}")
 
 
 def shard_config(config: ModelConfig, size: int) -> ModelConfig:

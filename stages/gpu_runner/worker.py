@@ -17,6 +17,12 @@ from stages.messages import decode_plan
 CONFIG_KEY = "engine_config"  # the head's EngineConfig as JSON, in the rendezvous store
 
 
+def join_timeout_s(config: EngineConfig) -> float:
+    """How long rank 0 waits for the others: half the start time, so that a missing rank is named
+    before the daemon's own deadline for the stages to be ready passes."""
+    return config.start_timeout_s / 2
+
+
 def join(config: EngineConfig, rank: int, num_ring_readers: int,
          check: Callable[[], None] | None = None) -> TensorParallel:
     """Join the group of `config` as `rank` (its CUDA device: its place on this machine); rank 0
@@ -24,7 +30,7 @@ def join(config: EngineConfig, rank: int, num_ring_readers: int,
     publishes the config for other machines' workers (`CONFIG_KEY`)."""
     published = {CONFIG_KEY: json.dumps(config.to_dict())} if rank == 0 else None
     return join_group(rank, config.tensor_parallel_size, config.master_addr, config.master_port,
-                      resolve_device(config.device), config.start_timeout_s,
+                      resolve_device(config.device), join_timeout_s(config),
                       local_rank=rank % config.ranks_per_node, num_ring_readers=num_ring_readers, check=check,
                       published=published, ranks_per_node=config.ranks_per_node)
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -144,3 +145,22 @@ def test_ranks_that_do_not_spread_evenly_over_the_nodes_are_refused_by_the_cli(m
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "tensor_parallel_size 3 must be a multiple of nnodes 2" in result.stderr
+
+
+def test_a_rank_that_never_joins_fails_start_naming_the_rank_and_the_address(model: Path) -> None:
+    from pipeline.errors import StageFailed
+    from pipeline.serve.stage_backend import StageBackend
+    from shm.naming import list_entries, new_instance_id
+    from stages.contracts.config import EngineConfig
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # Rank 1 belongs to a second machine whose worker never comes.
+    config = EngineConfig(model=str(model), device="cpu", tensor_parallel_size=2, nnodes=2, master_port=port,
+                          start_timeout_s=6.0, num_kv_blocks=16, max_model_len=64)
+    instance = new_instance_id()
+    with pytest.raises(StageFailed, match=f"tensor-parallel rank 1 did not join the group at 127.0.0.1:{port} "
+                                          f"within 3 s"):
+        StageBackend(config, instance)
+    assert [e for e in list_entries() if instance in e] == []

@@ -32,7 +32,8 @@ def test_sizes_the_model_cannot_take_are_refused_naming_both_numbers(config) -> 
 @pytest.mark.skipif(torch.cuda.device_count() >= 3, reason="this machine has the devices")
 def test_more_ranks_than_cuda_devices_are_refused(config) -> None:
     count = torch.cuda.device_count()
-    with pytest.raises(ValueError, match=f"tensor_parallel_size 3 needs 3 CUDA devices; this machine has {count}"):
+    with pytest.raises(ValueError, match=f"tensor_parallel_size 3 puts 3 ranks on this machine, one per CUDA "
+                                         f"device; it has {count}"):
         check_tensor_parallel(config, 3, "cuda")
 
 
