@@ -99,6 +99,8 @@ class InProcessBackend:
         self._closing.set()
         self._inbox.put(None)
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.llm.close()  # the other tensor-parallel ranks, if any
 
     # ---- the engine thread
 

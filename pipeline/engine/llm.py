@@ -12,9 +12,9 @@ from pipeline.engine.ranks import WorkerRanks
 from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
+from stages.gpu_runner.build import build_runner, model_limits, serving_max_model_len
 from stages.gpu_runner.model_config import load_model_config, resolve_device
 from stages.gpu_runner.parallel import check_tensor_parallel
-from stages.gpu_runner.build import build_runner, model_limits, serving_max_model_len
 from stages.scheduler.build import build_scheduler
 from stages.scheduler.step_loop import RunnerLike
 from stages.tokenizer.prompt_check import check_prompt

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 import torch
@@ -45,7 +46,7 @@ class WorkerRanks:
                 raise RankJoinError(f"tensor-parallel rank {rank} exited with code {process.exitcode} before "
                                     f"joining the group")
 
-    def close(self, stop_plans: object) -> None:
+    def close(self, stop_plans: Callable[[], None]) -> None:
         """Tell the ranks to stop (`stop_plans()`: rank 0's plan broadcast), wait for them, leave the group."""
         if self.closed:
             return

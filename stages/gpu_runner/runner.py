@@ -28,7 +28,6 @@ import torch
 from stages.contracts.config import EngineConfig
 from stages.contracts.connector import KVConnectorWorker
 from stages.contracts.plan import StepPlan
-from stages.messages import encode_plan
 from stages.gpu_runner.attention import TorchBackend
 from stages.gpu_runner.backend import AttentionBackend, resolve_attention_backend
 from stages.gpu_runner.decode_graphs import DecodeGraphs
@@ -44,6 +43,7 @@ from stages.gpu_runner.sampler import Sampler, SamplerOutput, SamplingMetadata
 from stages.gpu_runner.static_decode import StaticDecodeInputs, is_decode_only
 from stages.gpu_runner.step_inputs import check_budget, check_plan, prepare_step, upload_table_writes
 from stages.gpu_runner.step_layout import step_layout
+from stages.messages import encode_plan
 
 
 class ModelRunner:

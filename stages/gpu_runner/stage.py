@@ -31,8 +31,9 @@ def main(spec_json: str) -> None:
 
 def serve(ctx: StageContext) -> None:
     config = ctx.config
-    runner = build_runner(config, join_ranks(ctx))
-    if runner.tp is not None and not runner.tp.is_driver:
+    tp = join_ranks(ctx)
+    runner = build_runner(config, tp)
+    if tp is not None and not tp.is_driver:
         follow_plans(ctx, runner)
         return
     create_mailbox(ctx.instance, num_slots=config.mailbox_slots, max_rows=config.max_num_seqs,
@@ -77,6 +78,7 @@ def join_ranks(ctx: StageContext) -> TensorParallel | None:
 def follow_plans(ctx: StageContext, runner: ModelRunner) -> None:
     """A rank other than 0: run every plan of the ring on this rank's shard."""
     plans = ctx.reader("plan")
+    runner.copy_to_host = False  # rank 0 alone hands the tokens on
     ctx.ready()
     while True:
         ctx.tick()
