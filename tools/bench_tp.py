@@ -48,6 +48,9 @@ PROMPT_LEN = 16
 SAMPLING_VOCAB = (32000, 128256)  # the logits rank 0 gathers, at real vocabularies
 PLAN_BYTES = 1024  # a decode plan of 32 rows is about this size
 RING_CAPACITY = 1 << 20
+# The ring readers and the sampling ranks are forked, before this process has run any torch op
+# (main() measures them first): a spawned child would import torch again, seconds each.
+HELPER_START = "fork"
 
 
 class Timer:
@@ -149,7 +152,7 @@ def _ring_reader(name: str, index: int, count: int, attached: mp.Semaphore, resu
 
 def bench_plan_ring(num_readers: int, count: int) -> float:
     """Median µs from a plan-sized record's write to its read, the worst reader's median."""
-    context = mp.get_context("spawn")
+    context = mp.get_context(HELPER_START)
     instance = new_instance_id()
     segment = RingSegment.create(instance, "plan", RING_CAPACITY, num_readers)
     results = context.Queue()
@@ -211,7 +214,7 @@ def bench_sampling(reps: int) -> dict[str, dict[str, float]]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    context = mp.get_context("spawn")
+    context = mp.get_context(HELPER_START)
     results = context.Queue()
     ranks = [context.Process(target=_sampling_rank, args=(rank, port, reps, results)) for rank in range(2)]
     for process in ranks:
@@ -232,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else FULL
     max_tokens = 6 if args.quick else 24
+    plan_ring_us = {f"{n}_readers": bench_plan_ring(n, 50 if args.quick else 500) for n in (1, 2)}
+    sampling = bench_sampling(3 if args.quick else 30)
     with tempfile.TemporaryDirectory(prefix="bench-tp-") as tmp:
         model = make_tiny_model(Path(tmp) / "model", "llama", seed=0, **shape)
         # "1/2 cores": one rank on the share of the cores each of two ranks gets, which tells how much
@@ -243,8 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": {f"batch{b}_step_tp2_over_tp1": ranks["2"][f"batch{b}"]["step_ms"] / ranks["1"][f"batch{b}"]["step_ms"]
                    for b in BATCHES}
                   | {"weight_bytes_rank0_tp2_over_tp1": ranks["2"]["weight_bytes_rank0"] / ranks["1"]["weight_bytes_rank0"]},
-        "plan_ring_us": {f"{n}_readers": bench_plan_ring(n, 50 if args.quick else 500) for n in (1, 2)},
-        "sampling": bench_sampling(3 if args.quick else 30),
+        "plan_ring_us": plan_ring_us, "sampling": sampling,
     }
     if args.json:
         print(json.dumps(report))
