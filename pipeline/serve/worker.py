@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import signal
 import time
+from typing import NoReturn
 
 from pipeline.errors import PipelineError
 from stages.contracts.config import EngineConfig
@@ -21,7 +22,9 @@ from stages.gpu_runner.parallel import RankJoinError, read_published
 
 log = logging.getLogger("pipeline.serve.worker")
 
-HEAD_WAIT_S = 30.0  # one wait for the head's rendezvous; the worker then tries again
+# One wait for the head's rendezvous, then another: short, since a signal is seen only between
+# two (the wait is torch's, in C++).
+HEAD_WAIT_S = 2.0
 RETRY_S = 1.0
 
 
@@ -55,29 +58,29 @@ def run_ranks(config: EngineConfig) -> list[int]:
     return [process.exitcode for process in processes]
 
 
-def run_node(model: str, nnodes: int, node_rank: int, master_addr: str, master_port: int,
-             max_groups: int | None = None) -> int:
-    """Serve the head's groups one after another (`max_groups` of them; None: until interrupted)."""
+def run_node(model: str, nnodes: int, node_rank: int, master_addr: str, master_port: int) -> NoReturn:
+    """Serve the head's groups one after another, until interrupted (SIGINT or SIGTERM)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _exit_on_signal)  # a stopped worker takes its ranks with it
-    served = 0
-    while max_groups is None or served < max_groups:
+    waiting = False
+    while True:
         try:
             head = EngineConfig.from_dict(json.loads(read_published(master_addr, master_port, worker.CONFIG_KEY,
                                                                     HEAD_WAIT_S)))
-        except RankJoinError as exc:
-            log.info("waiting for the head: %s", exc)
+        except RankJoinError:
+            if not waiting:
+                log.info("waiting for the head at %s:%d", master_addr, master_port)
+                waiting = True
             time.sleep(RETRY_S)
             continue
+        waiting = False
         config = node_config(head, model, nnodes, node_rank)
         log.info("node %d: running ranks %d..%d of %d for the head at %s:%d", node_rank,
                  node_rank * config.ranks_per_node, (node_rank + 1) * config.ranks_per_node - 1,
                  config.tensor_parallel_size, master_addr, master_port)
         codes = run_ranks(config)
-        served += 1
         log.info("the group ended (rank exit codes %s); waiting for the head's next one", codes)
         time.sleep(RETRY_S)  # the head's old rendezvous goes with its rank 0
-    return 0
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:

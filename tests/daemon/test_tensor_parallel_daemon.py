@@ -70,15 +70,16 @@ def async_daemon(model: Path) -> Iterator[LiveDaemon]:
 
 
 async def _streams(socket_path: Path, prompts: list[str], params: list[SamplingParams],
-                   kill_stage: str | None = None) -> list[Completion]:
-    """Every prompt streamed at once; with `kill_stage`, that stage is SIGKILLed once all run."""
+                   kill_stage: str | None = None, kill_pid: int | None = None) -> list[Completion]:
+    """Every prompt streamed at once; with `kill_stage` (or `kill_pid`) that stage (or process) is
+    SIGKILLed once all run."""
     client = AsyncClient(socket_path)
     try:
         streams = [client.stream(prompt, p) for prompt, p in zip(prompts, params)]
         iterators = [stream.__aiter__() for stream in streams]
-        if kill_stage is not None:
+        if kill_stage is not None or kill_pid is not None:
             await asyncio.wait_for(asyncio.gather(*(it.__anext__() for it in iterators)), 30)
-            os.kill((await client.health()).stage_pids[kill_stage], signal.SIGKILL)
+            os.kill(kill_pid or (await client.health()).stage_pids[kill_stage], signal.SIGKILL)
 
         async def drain(iterator: object) -> None:
             async for _ in iterator:

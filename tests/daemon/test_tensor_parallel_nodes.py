@@ -1,5 +1,6 @@
 """Two "machines" on loopback: the head's daemon holds rank 0, `pipeline worker` rank 1, which gets
-each plan by a broadcast in the process group; the outputs equal one rank's."""
+each plan by a broadcast in the process group; the outputs equal one rank's, also when the remote
+rank is killed under load (the head restarts its stages, the worker starts a fresh rank)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,11 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from device_choice import engine_device
-from live_daemon import REAL_BACKEND, short_dir, start_daemon
+from live_daemon import REAL_BACKEND, short_dir, start_daemon, wait_for_health
 from test_tensor_parallel_daemon import _assert_equal, _streams
 
 from pipeline import LLM, SamplingParams
@@ -47,6 +49,15 @@ def test_a_rank_on_another_node_serves_what_one_rank_generates(tmp_path: Path) -
         try:
             assert "runner1" not in asyncio.run(_health(daemon.socket_path))  # rank 1 is the worker's
             _assert_equal(asyncio.run(_streams(daemon.socket_path, prompts, params)), expected)
+            before = wait_for_health(daemon.socket_path, lambda h: h.status == "ok", 10)
+            rank = _rank_process(worker.pid)
+            _assert_equal(asyncio.run(_streams(daemon.socket_path, prompts, params, kill_pid=rank)), expected)
+            after = wait_for_health(daemon.socket_path, lambda h: h.status == "ok" and
+                                    h.num_restarts == before.num_restarts + 1, 30)
+            # Rank 0 saw its peer go in a collective (gloo says how: closed, or timed out).
+            assert str(after.last_failure).startswith("stage 'runner' exited with code 1: runner: RuntimeError: ")
+            assert "gloo" in str(after.last_failure)
+            assert _rank_process(worker.pid) != rank
         finally:
             daemon.stop()
         assert daemon.shm_entries() == []
@@ -55,6 +66,21 @@ def test_a_rank_on_another_node_serves_what_one_rank_generates(tmp_path: Path) -
         output = worker.communicate(timeout=30)[0].decode()
         shutil.rmtree(directory.parent, ignore_errors=True)
     assert "node 1: running ranks 1..1 of 2 for the head at 127.0.0.1:" in output
+
+
+def _rank_process(worker_pid: int, timeout_s: float = 30.0) -> int:
+    """The pid of the worker's one rank process (its child that runs a spawned interpreter)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for child in Path(f"/proc/{worker_pid}/task/{worker_pid}/children").read_text().split():
+            try:
+                command = Path(f"/proc/{child}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"spawn_main" in command:
+                return int(child)
+        time.sleep(0.05)
+    raise AssertionError(f"the worker {worker_pid} runs no rank after {timeout_s} s")
 
 
 async def _health(socket_path: Path) -> dict[str, int]:
