@@ -82,7 +82,6 @@ class TensorParallel:
     local_rank: int = 0  # the rank's place on its machine: its CUDA device
     # Rank 0 and the ranks that read no plan ring: the plans' broadcast group (None: every rank reads a ring).
     plan_group: dist.ProcessGroup | None = None
-    num_all_reduces: int = 0  # counted for the benchmark; read, never reset, by the caller
 
     @property
     def is_driver(self) -> bool:
@@ -90,7 +89,6 @@ class TensorParallel:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self.num_all_reduces += 1
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -115,8 +113,8 @@ class TensorParallel:
         return int(t.item())
 
 
-def shard_tensor(name: str, read: Callable[[object], torch.Tensor], shape: tuple[int, ...], config: ModelConfig, rank: int,
-                 size: int) -> torch.Tensor:
+def shard_tensor(name: str, read: Callable[[object], torch.Tensor], shape: tuple[int, ...], config: ModelConfig,
+                 rank: int, size: int) -> torch.Tensor:
     """This rank's part of checkpoint tensor `name` of full `shape`; `read(index)` reads a slice of
     it from the file (safetensors `get_slice`), so a rank never reads what it does not hold."""
     if size == 1:
@@ -126,7 +124,7 @@ def shard_tensor(name: str, read: Callable[[object], torch.Tensor], shape: tuple
         per_rank = vocab_shard_size(config.vocab_size, size)
         start = rank * per_rank
         part = read(slice(start, min(start + per_rank, config.vocab_size)))
-        if part.shape[0] < per_rank:  # the padded tail of the last rank: never the top logit, never looked up
+        if part.shape[0] < per_rank:  # the last rank's padded tail: never looked up, cut from the gathered logits
             part = torch.cat([part, part.new_zeros(per_rank - part.shape[0], *part.shape[1:])])
         return part
     if suffix in ROW_PARALLEL:
