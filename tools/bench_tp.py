@@ -50,7 +50,7 @@ PLAN_BYTES = 1024  # a decode plan of 32 rows is about this size
 RING_CAPACITY = 1 << 20
 # The ring readers and the sampling ranks are forked, before this process has run any torch op
 # (main() measures them first): a spawned child would import torch again, seconds each.
-HELPER_START = "fork"
+CHILD_START = "fork"
 
 
 class Timer:
@@ -152,7 +152,7 @@ def _ring_reader(name: str, index: int, count: int, attached: mp.Semaphore, resu
 
 def bench_plan_ring(num_readers: int, count: int) -> float:
     """Median µs from a plan-sized record's write to its read, the worst reader's median."""
-    context = mp.get_context(HELPER_START)
+    context = mp.get_context(CHILD_START)
     instance = new_instance_id()
     segment = RingSegment.create(instance, "plan", RING_CAPACITY, num_readers)
     results = context.Queue()
@@ -214,7 +214,7 @@ def bench_sampling(reps: int) -> dict[str, dict[str, float]]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    context = mp.get_context(HELPER_START)
+    context = mp.get_context(CHILD_START)
     results = context.Queue()
     ranks = [context.Process(target=_sampling_rank, args=(rank, port, reps, results)) for rank in range(2)]
     for process in ranks:
