@@ -304,3 +304,31 @@ def test_two_thousand_fuzzed_streams_give_messages_or_protocol_errors() -> None:
 @given(data=st.binary(max_size=300), chunk=st.integers(1, 50))
 def test_arbitrary_bytes_give_messages_or_protocol_errors(data: bytes, chunk: int) -> None:
     fuzz_one(data, [chunk] * (len(data) // chunk + 1))
+
+
+def decoded_by(data: bytes, chunk_sizes: list[int], whole_reads: bool) -> tuple[list, str | None]:
+    """Messages and the error (if any) of `data` fed in chunks, taken one by one or a read at a time."""
+    decoder: FrameDecoder = FrameDecoder(ClientMessage, MAX_FUZZ_FRAME_BYTES)
+    messages: list = []
+    position = 0
+    try:
+        for size in chunk_sizes:
+            decoder.feed(data[position : position + size])
+            position += size
+            if whole_reads:
+                while batch := decoder.messages():
+                    messages.extend(batch)
+            else:
+                while (message := decoder.next_message()) is not None:
+                    messages.append(message)
+    except ProtocolError as exc:
+        return messages, str(exc)
+    return messages, None
+
+
+def test_a_reads_messages_at_once_equal_them_one_by_one_errors_included() -> None:
+    rng = random.Random(20251125)
+    for _ in range(1000):
+        data = random_case(rng) + b"".join(encode_frame(m) for m in CLIENT_MESSAGES[:2])
+        chunk_sizes = [rng.choice((1, 7, 64, 4096)) for _ in range(len(data) + 1)]
+        assert decoded_by(data, chunk_sizes, True) == decoded_by(data, chunk_sizes, False)
