@@ -190,8 +190,8 @@ class OpenAIApi:
                             out.append(reply)
                         elif reply.error is not None:
                             out.append(_error_frame(from_pipeline_error(reply.error)))
-                        elif (reply.text or reply.logprobs or reply.finish_reason or not stream.is_open(reply.choice.index)
-                              or (with_ids and reply.token_ids)):
+                        elif (reply.text or reply.logprobs or reply.finish_reason
+                              or not stream.is_open(reply.choice.index) or (with_ids and reply.token_ids)):
                             out.append(stream.chunk(reply.choice.index, reply.text, logprobs=reply.logprobs,
                                                     finish_reason=reply.finish_reason,
                                                     token_ids=reply.token_ids or [] if with_ids else None))
