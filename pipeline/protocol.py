@@ -216,27 +216,14 @@ _encoder = msgspec.msgpack.Encoder()
 
 def encode_frame(message: Struct, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
     """The framed bytes of one message; ProtocolError if it exceeds the frame limit."""
-    buffer = bytearray()
-    append_frame(message, buffer, max_frame_bytes)
-    return bytes(buffer)
-
-
-def append_frame(message: Struct, buffer: bytearray, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
-    """Appends the framed bytes of one message to `buffer`, as `encode_frame` gives them, without
-    a bytes object of its own; ProtocolError (and `buffer` as it was) if it exceeds the frame limit."""
-    start = len(buffer)
-    buffer += _NO_LENGTH
-    _encoder.encode_into(message, buffer, -1)
-    length = len(buffer) - start - FRAME_HEADER.size
-    if length > max_frame_bytes:
-        del buffer[start:]
+    payload = _encoder.encode(message)
+    if len(payload) > max_frame_bytes:
         raise ProtocolError(
-            f"{type(message).__name__} message is {length} bytes, over the {max_frame_bytes}-byte frame limit"
+            f"{type(message).__name__} message is {len(payload)} bytes, over the {max_frame_bytes}-byte frame limit"
         )
-    FRAME_HEADER.pack_into(buffer, start, length)
+    return FRAME_HEADER.pack(len(payload)) + payload
 
 
-_NO_LENGTH = bytes(FRAME_HEADER.size)  # the header's place, filled once the payload's length is known
 M = TypeVar("M")
 
 

@@ -8,7 +8,7 @@ import asyncio
 import logging
 
 from pipeline.errors import ProtocolError
-from pipeline.protocol import ClientMessage, FrameDecoder, ServerMessage, append_frame, error_for
+from pipeline.protocol import ClientMessage, FrameDecoder, ServerMessage, encode_frame, error_for
 from pipeline.serve.server import DaemonServer, Request
 
 log = logging.getLogger("pipeline.serve")
@@ -22,7 +22,7 @@ class SocketConnection(asyncio.Protocol):
         self._decoder: FrameDecoder[ClientMessage] = FrameDecoder(ClientMessage)
         self.transport: asyncio.Transport | None = None
         self.requests: dict[str, Request] = {}  # this connection's running requests by public id
-        self._frames = bytearray()  # encoded replies not yet written: `_flush` writes them
+        self._frames: list[bytes] = []  # encoded replies not yet written: `_flush` writes them
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -44,20 +44,21 @@ class SocketConnection(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
+        try:
+            frame = encode_frame(message)
+        except ProtocolError as exc:  # a reply over the frame limit: report it instead
+            frame = encode_frame(error_for(exc, getattr(message, "request_id", None)))
         if not self._frames:
             asyncio.get_running_loop().call_soon(self._flush)
-        try:
-            append_frame(message, self._frames)
-        except ProtocolError as exc:  # a reply over the frame limit: report it instead
-            append_frame(error_for(exc, getattr(message, "request_id", None)), self._frames)
+        self._frames.append(frame)
 
     def _flush(self) -> None:
         """Writes the replies gathered since the last flush, in one write."""
-        frames, self._frames = self._frames, bytearray()  # the transport may keep `frames`: never reused
+        frames, self._frames = self._frames, []
         transport = self.transport
         if not frames or transport is None or transport.is_closing():
             return
-        transport.write(frames)
+        transport.write(frames[0] if len(frames) == 1 else b"".join(frames))
         if transport.get_write_buffer_size() > self._server.max_unread_bytes:
             log.warning("dropping a client that left %d bytes unread", transport.get_write_buffer_size())
             transport.abort()

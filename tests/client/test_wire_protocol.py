@@ -38,7 +38,6 @@ from pipeline.protocol import (
     TokenLogprobs,
     Usage,
     WireSamplingParams,
-    append_frame,
     encode_frame,
     error_for,
     new_request_id,
@@ -190,17 +189,6 @@ def test_oversized_frames_are_refused_before_buffering() -> None:
         encode_frame(Generate("x" * 200), max_frame_bytes=100)
     with pytest.raises(ValueError, match="max_frame_bytes"):
         FrameDecoder(ClientMessage, max_frame_bytes=2**32)
-
-
-def test_frames_appended_to_one_buffer_decode_in_order_and_an_oversized_one_leaves_it_as_it_was() -> None:
-    buffer = bytearray()
-    messages = [Delta("r1", "é", [1, 2]), Done("r1", "stop", [5], Usage(1, 2)), Delta("r2", "", [])]
-    for message in messages:
-        append_frame(message, buffer)
-    assert bytes(buffer) == b"".join(encode_frame(m) for m in messages)
-    with pytest.raises(ProtocolError, match="over the 100-byte frame limit"):
-        append_frame(Delta("r3", "x" * 200, []), buffer, max_frame_bytes=100)
-    assert decode_all(bytes(buffer), ServerMessage) == messages
 
 
 def test_empty_frame_is_an_error() -> None:
