@@ -174,10 +174,15 @@ class OpenAIApi:
 
     def _streaming(self, call: HttpCall, stream: CompletionStream | ChatStream, *, echo: bool,
                    with_ids: bool = False) -> StreamResponse:
-        if isinstance(stream, ChatStream):  # each choice opens with the assistant's role
-            call.queue_frame(b"".join(stream.chunk(choice.index, "") for choice in call.choices))
-        if echo:
-            call.queue_frame(b"".join(stream.chunk(choice.index, self._prompt_text(choice)) for choice in call.choices))
+        try:
+            if isinstance(stream, ChatStream):  # each choice opens with the assistant's role
+                call.queue_frame(b"".join(stream.chunk(choice.index, "") for choice in call.choices))
+            if echo:
+                call.queue_frame(b"".join(stream.chunk(choice.index, self._prompt_text(choice))
+                                          for choice in call.choices))
+        except BaseException:
+            call.close()  # no response will run to close it
+            raise
         if not with_ids and all(choice.request.params.logprobs is None for choice in call.choices):
             call.text_frame = stream.text_frame  # plain text deltas: their frames are made at once
 
