@@ -284,6 +284,35 @@ class FrameDecoder(Generic[M]):
         self._start = body_end
         return message
 
+    def messages(self) -> list[M]:
+        """The complete messages buffered, in order, as `next_message` would give them one by one
+        (a read of a multiplexed connection holds a step's deltas for many requests). A bad frame
+        after good ones raises at the next call, once those are returned: call until it returns []."""
+        if self._failure is not None:
+            self._check_not_failed()
+        buffer, start, header_size = self._buffer, self._start, FRAME_HEADER.size
+        decode, unpack, max_frame_bytes = self._decoder.decode, FRAME_HEADER.unpack_from, self._max_frame_bytes
+        messages = []
+        with memoryview(buffer) as view:
+            while len(buffer) - start >= header_size:
+                (length,) = unpack(buffer, start)
+                body_start = start + header_size
+                body_end = body_start + length
+                if length == 0 or length > max_frame_bytes or len(buffer) < body_end:
+                    break  # a bad header fails below, as `next_message` does; else the frame is not whole yet
+                try:
+                    with view[body_start:body_end] as body:
+                        messages.append(decode(body))
+                except Exception as exc:  # noqa: BLE001 - as in next_message
+                    if messages:
+                        break  # they go first; the next call fails on this frame
+                    self._fail(f"invalid message in a {length}-byte frame: {exc}")
+                start = body_end
+        self._start = start
+        if not messages:
+            self._frame_length()  # raises for a bad header
+        return messages
+
     def _frame_length(self) -> int | None:
         if self.buffered_bytes < FRAME_HEADER.size:
             return None

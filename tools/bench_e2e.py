@@ -52,7 +52,9 @@ def engine_options(max_model_len: int, num_kv_blocks: int) -> list[str]:
             "--block-size", "16"]
 
 
-def start_daemon(model: Path, directory: Path, backend: str, options: list[str]) -> subprocess.Popen:
+def start_daemon(model: Path, directory: Path, backend: str, options: list[str],
+                 checkout: Path | None = None) -> subprocess.Popen:
+    """The daemon of `checkout` (default: this one), answering on directory/pipeline.sock."""
     socket_path = directory / "pipeline.sock"
     if backend == "real":
         command = [sys.executable, "-m", "pipeline.cli", "start"]
@@ -60,7 +62,8 @@ def start_daemon(model: Path, directory: Path, backend: str, options: list[str])
         command = [sys.executable, str(ROOT / "tests" / "daemon" / "serve_engine_thread.py")]
     command += ["--model", str(model), "--socket", str(socket_path), *options]
     log = open(directory / "daemon.log", "wb")  # noqa: SIM115 - lives as long as the daemon
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               cwd=checkout)  # `python -m` imports the package of its working directory
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:

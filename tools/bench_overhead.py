@@ -7,7 +7,8 @@ scheduling and one with --no-async-scheduling; in each round, for each batch siz
 that many streamed requests (32-token prompts, long outputs) are sent at once to each daemon in
 turn by asyncio clients in this process, one connection per request (`--multiplex`: this
 checkout's requests of a batch share one connection, read as one batch of deltas per socket
-read with `AsyncClient.stream_batches`; the baseline's keep one connection each). In the steady window (every
+read with `AsyncClient.stream_batches`; the baseline's keep one connection each, unless
+`--baseline-multiplex`). In the steady window (every
 row decoding, warm-up and tail cut off) it measures, per daemon and batch, the median over rounds:
 
   step_ms         mean wall time per step; exposed_pct = 100 * (step_ms - T) / T: device idle
@@ -226,7 +227,7 @@ def run(args: argparse.Namespace) -> dict:
             for _ in range(args.rounds):
                 for batch in args.batches:
                     for daemon in daemons:
-                        multiplex = args.multiplex and not daemon.label.startswith("baseline ")
+                        multiplex = args.multiplex and (args.baseline_multiplex or not daemon.label.startswith("baseline "))
                         runs[daemon.label][batch].append(measure(daemon, batch, num_steps, args.device_ms, rng,
                                                                  multiplex))
         finally:
@@ -295,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", help="another checkout whose daemons are measured in the same rounds")
     parser.add_argument("--multiplex", action="store_true",
                         help="this checkout's clients share one connection per batch (the baseline's keep one each)")
+    parser.add_argument("--baseline-multiplex", action="store_true",
+                        help="with --multiplex: the baseline's clients share a connection too (a baseline that has it)")
     parser.add_argument("--serve", metavar="SOCKET", help="only serve on the simulated device, until Ctrl-C")
     parser.add_argument("--model", help="with --serve: checkpoint directory (default: the embedded tiny model)")
     parser.add_argument("--max-model-len", type=int, default=1024, help=argparse.SUPPRESS)

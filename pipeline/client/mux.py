@@ -175,8 +175,9 @@ class SharedConnection:
                 if not data:
                     raise ConnectionLost("the daemon closed the connection")
                 self._decoder.feed(data)
-                while (message := self._decoder.next_message()) is not None:
-                    self._file(message)
+                while messages := self._decoder.messages():
+                    for message in messages:
+                        self._file(message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every request on the connection hears of it
@@ -185,6 +186,11 @@ class SharedConnection:
                 self._writer.close()
 
     def _file(self, message: ServerMessage) -> None:
+        if type(message) is Delta:  # nearly every message
+            channel = self._channels.get(message.request_id)
+            if channel is not None:
+                channel.put(message)
+            return
         request_id = getattr(message, "request_id", None)
         if type(message) is Accepted or (type(message) is Error and request_id is None):
             if not self._accepting:

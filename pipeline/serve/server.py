@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
+import numpy as np
+
 from pipeline.errors import Overloaded, PipelineError, PromptTooLong, RequestAborted, StageFailed
 from pipeline.protocol import (
     Abort,
@@ -245,15 +247,18 @@ class DaemonServer:
     def _on_token_texts(self, batch: TokenTexts) -> None:
         """Plain events: tokens and their text each, nothing that ends a request."""
         raw = batch.text.tobytes()
-        # Mostly ASCII: then one decode for the batch and byte offsets index the str as well.
-        text: str | bytes = raw.decode("ascii") if raw.isascii() else raw
+        text = raw.decode("utf-8")  # one decode for the batch: no piece splits a character
+        text_ends = batch.text_ends
+        if len(text) != len(raw):  # not ASCII: byte offsets to character offsets
+            continuation_bytes = np.concatenate(([0], np.cumsum((batch.text & 0xC0) == 0x80)))
+            text_ends = text_ends - continuation_bytes[text_ends]
         token_ids = batch.token_ids.tolist()
         token_ends = range(1, len(token_ids) + 1) if batch.token_ends is None else batch.token_ends.tolist()
         requests = self._requests
         delivered: list[RequestTimeline] = []
         counts: list[int] = []
         start = first = 0
-        for req_id, end, last in zip(batch.req_ids.tolist(), batch.text_ends.tolist(), token_ends):
+        for req_id, end, last in zip(batch.req_ids.tolist(), text_ends.tolist(), token_ends):
             request = requests.get(req_id)
             piece, tokens, start, first = text[start:end], token_ids[first:last], end, last
             if request is None:
@@ -262,8 +267,6 @@ class DaemonServer:
             request.token_ids.extend(tokens)
             delivered.append(request.timeline)
             counts.append(len(tokens))
-            if type(piece) is bytes:
-                piece = piece.decode("utf-8")
             if request.stream:
                 request.connection.send(Delta(request.request_id, piece, tokens))
             else:

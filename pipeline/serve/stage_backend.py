@@ -250,7 +250,6 @@ class StageBackend:
         the others: what the daemon routes without an object per token."""
         deadline = time.monotonic() + timeout_s
         self._rate.update(self._board.counters().tokens_generated)
-        self._watch_forkserver()
         if self._pending_aborts:
             with self._lock:
                 self._send_pending_aborts()
@@ -258,6 +257,7 @@ class StageBackend:
             # Asking each process whether it has exited costs a system call or more per stage:
             # once per LIVENESS_CHECK_S, not once per step.
             if time.monotonic() >= self._next_liveness_check_s:
+                self._watch_forkserver()
                 failed = self._failed_stage()
                 if failed is not None:
                     raise failed

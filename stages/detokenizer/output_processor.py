@@ -7,9 +7,10 @@ A stop string is matched here: the request ends at once for the client, and the 
 the scheduler (`StepEvents.stopped`), whose later tokens for it are dropped.
 
 With a byte-level tokenizer (byte_table.py) a step is decoded whole: the rows of requests that
-hold no partial character, have no stop strings, logprobs, prompt or finish to report, and got an
-ASCII token, are answered by gathering their bytes from the table at once (`StepEvents.plain`);
-only the other rows take the per-request path.
+have no stop strings, logprobs, prompt or finish to report are plain (`StepEvents.plain`). Those
+that hold no partial character and got an ASCII token are answered by gathering their bytes from
+the table at once; the other plain rows (a character split across tokens) are decoded one by one
+but still travel in the batch. Only the rows with more to report become events.
 """
 from __future__ import annotations
 
@@ -50,6 +51,32 @@ class _Stream:
     params: SamplingParams
     scheduled_ns: int | None = None  # its admission time, sent with its next event, then None
     fast: bool = False  # decoded from the byte table, with no stop strings or logprobs to report
+
+
+class _DecodedRows:
+    """Plain rows decoded one by one: they join the step's gathered rows in its `TokenTexts`."""
+
+    __slots__ = ("req_ids", "token_ids", "texts")
+
+    def __init__(self) -> None:
+        self.req_ids: list[int] = []
+        self.token_ids: list[int] = []
+        self.texts: list[bytes] = []
+
+    def add(self, req_id: int, token_id: int, text: str) -> None:
+        self.req_ids.append(req_id)
+        self.token_ids.append(token_id)
+        self.texts.append(text.encode("utf-8"))
+
+    def joined(self, gathered: TokenTexts) -> TokenTexts:
+        if not self.req_ids:
+            return gathered
+        lengths = np.fromiter(map(len, self.texts), np.int64, len(self.texts))
+        ends = np.cumsum(lengths) + (int(gathered.text_ends[-1]) if len(gathered) else 0)
+        return TokenTexts(np.concatenate((gathered.req_ids, np.array(self.req_ids, np.int64))),
+                          np.concatenate((gathered.token_ids, np.array(self.token_ids, np.int32))),
+                          np.concatenate((gathered.text, np.frombuffer(b"".join(self.texts), np.uint8))),
+                          np.concatenate((gathered.text_ends, ends)))
 
 
 class OutputProcessor:
@@ -102,18 +129,20 @@ class OutputProcessor:
         step_token_ids = np.asarray(tokens.token_ids)[np.asarray(entries.output_index, np.int64)].astype(np.int32)
         streams = [self._streams.get(req_id) for req_id in req_ids.tolist()]
         rest = range(len(streams))
+        plain = decoded = None
         if self.table is not None and len(streams):
-            plain = self._plain_rows(req_ids, step_token_ids, streams, entries.finished)
+            plain, gathered = self._plain_rows(req_ids, step_token_ids, streams, entries.finished)
             if plain.any():
-                ids = step_token_ids[plain]
-                lengths = self.table.lengths_of(ids, skip_special_tokens=False)
-                out.plain = TokenTexts(req_ids[plain], ids, self.table.gather(ids, lengths), np.cumsum(lengths))
-                rest = np.flatnonzero(~plain).tolist()
+                rest = np.flatnonzero(~gathered).tolist()
+                decoded = _DecodedRows()
         for row in rest:
             stream = streams[row]
             if stream is None:
                 continue  # ended here by a stop string; the scheduler has not heard yet
             req_id, index, token_id = int(req_ids[row]), int(entries.output_index[row]), int(step_token_ids[row])
+            if decoded is not None and plain[row]:
+                decoded.add(req_id, token_id, stream.detokenizer.add([token_id]).text)
+                continue
             event = self._event(req_id, stream)
             event.token_ids = np.array([token_id], np.int32)
             if stream.params.logprobs is not None and tokens.logprobs is not None:
@@ -144,20 +173,29 @@ class OutputProcessor:
             event.finish_reason = reason.value
             if reason == FinishReason.STOP and len(event.token_ids):
                 event.stop_reason = stop_token_reason(stream.params, int(event.token_ids[-1]))
+        if plain is not None and plain.any():
+            ids = step_token_ids[gathered]
+            lengths = self.table.lengths_of(ids, skip_special_tokens=False)
+            out.plain = decoded.joined(TokenTexts(req_ids[gathered], ids, self.table.gather(ids, lengths),
+                                                  np.cumsum(lengths)))
         return out
 
     def _plain_rows(self, req_ids: np.ndarray, token_ids: np.ndarray, streams: list[_Stream | None],
-                    finished: list[tuple[int, FinishReason]]) -> np.ndarray:
-        """Which rows' events are plain: a fast stream with nothing held back or owed (prompt,
-        admission time), an ASCII token, and no finish this step."""
+                    finished: list[tuple[int, FinishReason]]) -> tuple[np.ndarray, np.ndarray]:
+        """Which rows' events are plain (a fast stream with nothing owed, such as its prompt or
+        admission time, and no finish this step), and which of those are gathered from the table
+        at once (nothing held back, and an ASCII token)."""
         plain = np.fromiter((s is not None and s.fast and s.prompt_token_ids is None and s.scheduled_ns is None
-                             and not s.detokenizer.pending_bytes for s in streams), np.bool_, len(streams))
-        plain &= self.table.plain[self.table.ids(token_ids)]
+                             for s in streams), np.bool_, len(streams))
         if finished:
             plain &= ~np.isin(req_ids, [req_id for req_id, _ in finished])
         if plain.any() and len(np.unique(req_ids)) != len(req_ids):
             plain[:] = False  # several tokens of one request: the per-request path keeps their order
-        return plain
+        gathered = plain & self.table.plain[self.table.ids(token_ids)]
+        if gathered.any():
+            gathered &= np.fromiter((s is None or not s.detokenizer.pending_bytes for s in streams), np.bool_,
+                                    len(streams))
+        return plain, gathered
 
     def finish(self, req_id: int, reason: FinishReason) -> OutputEvent | None:
         """The last event of a request that ended outside a step (an abort); None if it had

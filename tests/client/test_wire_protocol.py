@@ -224,23 +224,30 @@ def test_request_ids_are_random_hex() -> None:
 MAX_FUZZ_FRAME_BYTES = 4096
 
 
-def fuzz_one(data: bytes, chunk_sizes: list[int]) -> list:
-    """Feeds `data` in chunks; returns the messages, stopping at the first ProtocolError."""
+def fuzz_one(data: bytes, chunk_sizes: list[int], whole_reads: bool = False) -> tuple[list, str | None]:
+    """Feeds `data` in chunks, taking messages one by one (or a read at a time with `whole_reads`);
+    returns the messages and the first ProtocolError's text (None if none came)."""
     decoder: FrameDecoder = FrameDecoder(ClientMessage, MAX_FUZZ_FRAME_BYTES)
     messages: list = []
     position = 0
+    error = None
     try:
         for size in chunk_sizes:
             decoder.feed(data[position : position + size])
             position += size
             # Never more than one frame plus one feed is held.
             assert decoder.buffered_bytes <= MAX_FUZZ_FRAME_BYTES + 4 + size
-            while (message := decoder.next_message()) is not None:
-                assert isinstance(message, (Generate, Abort, Health, Stats))
-                messages.append(message)
+            if whole_reads:
+                while batch := decoder.messages():
+                    messages.extend(batch)
+            else:
+                while (message := decoder.next_message()) is not None:
+                    messages.append(message)
     except ProtocolError as exc:
         assert str(exc)
-    return messages
+        error = str(exc)
+    assert all(isinstance(message, (Generate, Abort, Health, Stats)) for message in messages)
+    return messages, error
 
 
 def random_case(rng: random.Random) -> bytes:
@@ -284,7 +291,7 @@ def test_two_thousand_fuzzed_streams_give_messages_or_protocol_errors() -> None:
     for _ in range(2000):
         data = random_case(rng)
         chunk_sizes = [rng.randint(1, 64) for _ in range(len(data) // 1 + 1)]
-        decoded += len(fuzz_one(data, chunk_sizes))
+        decoded += len(fuzz_one(data, chunk_sizes)[0])
     assert decoded > 100  # the cases include valid (and prefixes of valid) streams
 
 
@@ -292,3 +299,11 @@ def test_two_thousand_fuzzed_streams_give_messages_or_protocol_errors() -> None:
 @given(data=st.binary(max_size=300), chunk=st.integers(1, 50))
 def test_arbitrary_bytes_give_messages_or_protocol_errors(data: bytes, chunk: int) -> None:
     fuzz_one(data, [chunk] * (len(data) // chunk + 1))
+
+
+def test_a_reads_messages_at_once_equal_them_one_by_one_errors_included() -> None:
+    rng = random.Random(20251125)
+    for _ in range(1000):
+        data = random_case(rng) + b"".join(encode_frame(m) for m in CLIENT_MESSAGES[:2])
+        chunk_sizes = [rng.choice((1, 7, 64, 4096)) for _ in range(len(data) + 1)]
+        assert fuzz_one(data, chunk_sizes, whole_reads=True) == fuzz_one(data, chunk_sizes)

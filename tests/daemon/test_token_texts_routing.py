@@ -60,3 +60,16 @@ def test_a_merged_batch_gives_each_request_one_delta_with_all_its_tokens() -> No
     unary_done = unary.sent[-1]
     assert isinstance(unary_done, Done) and (unary_done.text, unary_done.token_ids) == ("bc", [9, 3])
     assert server.num_generated_tokens == 5
+
+
+def test_pieces_of_every_width_and_empty_ones_split_where_their_bytes_do() -> None:
+    server = DaemonServer(FakeBackend(EngineConfig(model="unused"), "1_a"), max_num_seqs=8)
+    connections = [RecordingConnection() for _ in range(5)]
+    for connection in connections:
+        server.handle(connection, Generate(prompt=[5, 6], stream=True))
+    server.on_events([OutputEvent(r, "", np.zeros(0, np.int32), prompt_token_ids=np.array([5, 6], np.int32))
+                      for r in range(5)])
+    pieces = ["", "🙂a", "x", "", "é中"]  # a partial character shows nothing; 4-, 1-, 2- and 3-byte ones
+    server.on_events([texts(list(range(5)), [10, 11, 12, 13, 14], pieces)])
+    for r, connection in enumerate(connections):
+        assert [(d.text, d.token_ids) for d in connection.sent if isinstance(d, Delta)] == [(pieces[r], [10 + r])]

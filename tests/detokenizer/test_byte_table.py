@@ -145,6 +145,18 @@ def test_plain_rows_come_as_arrays_and_the_rest_as_events(bpe: Tokenizer) -> Non
     assert first.plain is None and len(first.events) == 3  # first events carry the prompt
     second = outputs.on_step_batch(Entries(np.array([1, 2, 3]), np.arange(3)),
                                    Tokens(np.array([a, e_acute, a], np.int32)))
-    assert second.plain is not None and second.plain.req_ids.tolist() == [1]
-    assert second.plain.text.tobytes() == b"a" and second.plain.token_ids.tolist() == [a]
-    assert [(e.req_id, e.text) for e in second.events] == [(2, "é"), (3, "a")]  # not ASCII; stop strings
+    # Request 1's ASCII token is gathered from the table, request 2's "é" decoded alone; both are
+    # plain. Request 3 has stop strings: an event.
+    assert second.plain is not None and second.plain.req_ids.tolist() == [1, 2]
+    assert second.plain.text.tobytes() == "aé".encode() and second.plain.token_ids.tolist() == [a, e_acute]
+    assert second.plain.text_ends.tolist() == [1, 3]
+    assert [(e.req_id, e.text) for e in second.events] == [(3, "a")]
+    # A character split across two tokens: its first byte shows nothing, and its second the character.
+    first_byte, second_byte = bpe.token_to_id("Ã"), bpe.token_to_id("©")
+    third = outputs.on_step_batch(Entries(np.array([1, 2]), np.arange(2)),
+                                  Tokens(np.array([first_byte, a], np.int32)))
+    assert third.plain.req_ids.tolist() == [2, 1] and third.plain.text.tobytes() == b"a"
+    assert third.plain.text_ends.tolist() == [1, 1] and third.plain.token_ids.tolist() == [a, first_byte]
+    fourth = outputs.on_step_batch(Entries(np.array([1]), np.arange(1)), Tokens(np.array([second_byte], np.int32)))
+    assert fourth.plain.req_ids.tolist() == [1] and fourth.plain.text.tobytes() == "é".encode()
+    assert not fourth.events

@@ -174,22 +174,29 @@ class OpenAIApi:
 
     def _streaming(self, call: HttpCall, stream: CompletionStream | ChatStream, *, echo: bool,
                    with_ids: bool = False) -> StreamResponse:
+        try:
+            if isinstance(stream, ChatStream):  # each choice opens with the assistant's role
+                call.queue_frame(b"".join(stream.chunk(choice.index, "") for choice in call.choices))
+            if echo:
+                call.queue_frame(b"".join(stream.chunk(choice.index, self._prompt_text(choice))
+                                          for choice in call.choices))
+        except BaseException:
+            call.close()  # no response will run to close it
+            raise
+        if not with_ids and all(choice.request.params.logprobs is None for choice in call.choices):
+            call.text_frame = stream.text_frame  # plain text deltas: their frames are made at once
+
         async def frames() -> AsyncIterator[bytes]:
             try:
-                opened: set[int] = set()
-                if isinstance(stream, ChatStream):  # each choice opens with the assistant's role
-                    yield b"".join(stream.chunk(choice.index, "") for choice in call.choices)
-                    opened.update(choice.index for choice in call.choices)
-                if echo:
-                    yield b"".join(stream.chunk(choice.index, self._prompt_text(choice)) for choice in call.choices)
                 while replies := await call.next_replies():
                     out = []
                     for reply in replies:
-                        if reply.error is not None:
+                        if isinstance(reply, bytes):
+                            out.append(reply)
+                        elif reply.error is not None:
                             out.append(_error_frame(from_pipeline_error(reply.error)))
-                        elif (reply.text or reply.logprobs or reply.finish_reason or reply.choice.index not in opened
-                              or (with_ids and reply.token_ids)):
-                            opened.add(reply.choice.index)
+                        elif (reply.text or reply.logprobs or reply.finish_reason
+                              or not stream.is_open(reply.choice.index) or (with_ids and reply.token_ids)):
                             out.append(stream.chunk(reply.choice.index, reply.text, logprobs=reply.logprobs,
                                                     finish_reason=reply.finish_reason,
                                                     token_ids=reply.token_ids or [] if with_ids else None))
@@ -200,7 +207,8 @@ class OpenAIApi:
             finally:
                 call.close()
 
-        return StreamResponse(frames(), call.close, SSE_CONTENT_TYPE, [(b"cache-control", b"no-cache")])
+        return StreamResponse(frames(), call.close, SSE_CONTENT_TYPE, [(b"cache-control", b"no-cache")],
+                              on_started=call.attach_writer)
 
     async def _finished(self, request: HttpRequest, call: HttpCall, body: Any, *, echo: bool) -> Response:
         watcher = asyncio.ensure_future(until_disconnect(request.receive, call.close))

@@ -2,7 +2,9 @@
 a stream of frames; routes by path and method.
 
 uvicorn parses HTTP; this layer only routes and moves bytes, so a streamed chunk costs one
-`send` and nothing else (a framework's middleware wraps every `send` of every chunk).
+`send` and nothing else (a framework's middleware wraps every `send` of every chunk). On
+uvicorn's httptools server a stream may also write body bytes straight to the connection
+(`direct_body_writer`), with no coroutine per write.
 """
 from __future__ import annotations
 
@@ -85,18 +87,42 @@ class StreamResponse:
     on_disconnect: Callable[[], None]
     content_type: str = "text/event-stream"
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    # Called once the head is sent, with `direct_body_writer(send)`: body bytes may go that way
+    # too, as long as they never overtake the frames still to come from `frames`.
+    on_started: Callable[[Callable[[bytes], bool] | None], None] | None = None
 
     async def __call__(self, send: Send, receive: Receive) -> None:
         watcher = asyncio.ensure_future(until_disconnect(receive, self.on_disconnect))
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", self.content_type.encode()), *self.headers]})
+            if self.on_started is not None:
+                self.on_started(direct_body_writer(send))
             async for frames in self.frames:
                 await send({"type": "http.response.body", "body": frames, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
         finally:
             watcher.cancel()
             await self.frames.aclose()
+
+
+def direct_body_writer(send: Send) -> Callable[[bytes], bool] | None:
+    """For a chunked response on uvicorn's httptools server: a function that writes body bytes
+    to the connection as `send` would, framed as one chunk, without a coroutine. It writes nothing
+    and returns False when the client is gone, the response has ended, or the connection's buffer
+    is full (`send` would wait): the caller then goes through `send`. None on any other server."""
+    cycle = getattr(send, "__self__", None)
+    if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl" or cycle.chunked_encoding is not True:
+        return None
+    transport, flow = cycle.transport, cycle.flow
+
+    def write(body: bytes) -> bool:
+        if cycle.disconnected or cycle.response_complete or flow.write_paused:
+            return False
+        transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+    return write
 
 
 Handler = Callable[[HttpRequest], Awaitable[Response | StreamResponse]]

@@ -6,6 +6,12 @@ never waiting); the response's task takes them in order with `next_replies`. Clo
 (the response is done, or the client went away) aborts whatever still runs, as closing a socket
 connection does.
 
+A streamed response may make the frames of plain text deltas at once (`text_frame`): they queue
+as bytes, and once per turn of the event loop they are written straight to the connection
+(`attach_writer`) in one write, without waking the response's task. Anything else in the queue
+(a finish, an error, logprobs), a full connection buffer or no writer, and the task writes the
+queue in order instead.
+
 Choices of one prompt share it: only the first is started at once, the others once it has its
 first token, by when the prompt's full KV blocks are committed to the prefix cache, so the
 others compute only the prompt's last block instead of all of it.
@@ -13,6 +19,7 @@ others compute only the prompt's last block instead of all of it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeline.errors import PipelineError, error_from_wire
@@ -67,9 +74,15 @@ class HttpCall:
         self._keep_logprobs = keep_logprobs
         self._by_request_id: dict[str, Choice] = {}
         self._waiting: dict[int, list[Choice]] = {}  # lead choice index -> choices of its prompt not started
-        self._replies: list[Reply] = []
+        self._replies: list[Reply | bytes] = []  # bytes: a frame made at once, written as it is
+        self._num_unmade = 0  # Reply objects in _replies: frames the response's task has to make
+        self._taken = False  # the task holds replies it has not written yet
+        self._flush_due = False
+        self._write: Callable[[bytes], bool] | None = None
         self._changed = asyncio.Event()
         self._closed = False
+        # Set by a streamed response: the frame of a choice's plain text delta (b"" for none).
+        self.text_frame: Callable[[int, str], bytes] | None = None
 
     # ---- starting
 
@@ -112,14 +125,19 @@ class HttpCall:
         if isinstance(message, Delta):
             choice.text.append(message.text)
             choice.num_tokens += len(message.token_ids)
-            if choice.logprobs is not None and message.logprobs:
-                choice.logprobs.extend(message.logprobs)
-            self._replies.append(Reply(choice, message.text, message.logprobs, token_ids=message.token_ids))
             if message.token_ids and choice.index in self._waiting:
                 asyncio.get_running_loop().call_soon(self._start_followers, choice)
+            if self.text_frame is not None and not message.logprobs:
+                frame = self.text_frame(choice.index, message.text)
+                if frame:
+                    self.queue_frame(frame)
+                return
+            if choice.logprobs is not None and message.logprobs:
+                choice.logprobs.extend(message.logprobs)
+            self._queue(Reply(choice, message.text, message.logprobs, token_ids=message.token_ids))
         elif isinstance(message, Done):
             choice.done = message
-            self._replies.append(Reply(choice, "", finish_reason=message.finish_reason))
+            self._queue(Reply(choice, "", finish_reason=message.finish_reason))
             self._start_followers(choice)
         elif isinstance(message, Error):
             self._finish(choice, error=error_from_wire(message.code, message.message, message.field))
@@ -127,16 +145,46 @@ class HttpCall:
 
     def _finish(self, choice: Choice, *, error: PipelineError) -> None:
         choice.error = error
-        self._replies.append(Reply(choice, "", error=error))
+        self._queue(Reply(choice, "", error=error))
         for follower in self._waiting.pop(choice.index, ()):  # they never started: they fail alike
             follower.error = error
-            self._replies.append(Reply(follower, "", error=error))
+            self._queue(Reply(follower, "", error=error))
+        self._changed.set()
+
+    def _queue(self, reply: Reply) -> None:
+        self._replies.append(reply)
+        self._num_unmade += 1
+
+    # ---- frames written straight to the connection
+
+    def queue_frame(self, frame: bytes) -> None:
+        """Queues a ready frame; it is written at the end of this turn of the event loop."""
+        self._replies.append(frame)
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def attach_writer(self, write: Callable[[bytes], bool] | None) -> None:
+        """`write(body)` puts bytes on the response's connection at once, or returns False
+        (when the connection is gone or its buffer is full): then the task writes them."""
+        self._write = write
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        if not self._replies:
+            return
+        write = self._write
+        if (write is not None and not self._num_unmade and not self._taken and not self._closed
+                and write(b"".join(self._replies))):  # type: ignore[arg-type]  # only bytes queued
+            self._replies.clear()
+            return
         self._changed.set()
 
     def close(self) -> None:
         """The response is over: whatever still runs is aborted."""
         if not self._closed:
             self._closed = True
+            self._write = None
             self._waiting.clear()
             self.server.drop_connection(self)
             self._changed.set()
@@ -150,13 +198,18 @@ class HttpCall:
     def finished(self) -> bool:
         return all(choice.finished for choice in self.choices)
 
-    async def next_replies(self) -> list[Reply]:
+    async def next_replies(self) -> list[Reply | bytes]:
         """The replies that came since the last call, waiting for one unless every choice has
-        finished or the call was closed (then [] means there is nothing more)."""
+        finished or the call was closed (then [] means there is nothing more). Bytes are frames
+        made already. Until the next call, nothing is written straight to the connection: the
+        caller is writing these."""
+        self._taken = False
         while not self._replies and not self.finished and not self._closed:
             self._changed.clear()
             await self._changed.wait()
         replies, self._replies = self._replies, []
+        self._num_unmade = 0
+        self._taken = bool(replies)
         return replies
 
     async def wait_finished(self) -> None:

@@ -5,7 +5,8 @@ Each chunk is one frame, `data: {json}\\n\\n`, holding one choice; the stream en
 its last carries `finish_reason`. With `stream_options.include_usage` every chunk has
 `"usage": null` and the last one before [DONE] has empty `choices` and the request's usage.
 A stream object keeps only what the next chunk needs (where each choice's text has reached),
-so building a frame costs one small encode.
+so building a frame costs one small encode; a chunk of text alone (`text_frame`, the bulk of a
+stream) is a per-choice byte template around the JSON-escaped text.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ DONE = b"data: [DONE]\n\n"
 SSE_CONTENT_TYPE = "text/event-stream"
 _DATA = b"data: "
 _END = b"\n\n"
+# Stands for the text in a template frame; no response id or model name holds it.
+_TEXT_MARK = "\x00text-of-the-chunk\x00"
 
 
 class _Stream:
@@ -43,6 +46,11 @@ class _Stream:
         self._token_text = token_text
         self._usage = None if include_usage else UNSET
         self._chars_streamed: dict[int, int] = {}  # choice index -> characters of text sent so far
+        self._text_templates: dict[int, tuple[bytes, bytes]] = {}  # choice index -> frame before, after its text
+
+    def is_open(self, index: int) -> bool:
+        """Whether choice `index` has had a frame."""
+        return index in self._chars_streamed
 
     def chunk(
         self,
@@ -62,6 +70,24 @@ class _Stream:
         if token_ids is not None:
             choice.token_ids = token_ids
         return self._frame([choice], self._usage)
+
+    def text_frame(self, index: int, text: str) -> bytes:
+        """`chunk(index, text)` when only text is sent (no logprobs, finish or token ids), made
+        from a template; b"" when that would show nothing (no text, and the choice is open)."""
+        offset = self._chars_streamed.get(index)
+        if offset is None:
+            return self.chunk(index, text)
+        if not text:
+            return b""
+        template = self._text_templates.get(index)
+        if template is None:
+            frame = self._frame([self._choice(index, _TEXT_MARK, None, None, offset)], self._usage)
+            template = self._text_templates[index] = tuple(frame.split(encoder.encode(_TEXT_MARK)))
+            if len(template) != 2:  # cannot happen unless the mark shows elsewhere: encode in full then
+                self._text_templates.pop(index)
+                return self.chunk(index, text)
+        self._chars_streamed[index] = offset + len(text)
+        return template[0] + encoder.encode(text) + template[1]
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         """The last frame before DONE when the request set `stream_options.include_usage`."""
