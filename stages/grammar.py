@@ -21,10 +21,17 @@ from stages.contracts.params import GrammarSpec, InvalidParams, SamplingParams
 MAX_CACHED_GRAMMARS = 256  # compiled specs kept by the runner, least recently used dropped first
 
 
+# JSON is generated compact (", " and ": " between items, no other whitespace): free whitespace
+# lets a sampled output wander in blanks until max_tokens.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
 def grammar_text(spec: GrammarSpec) -> str:
     """The llguidance grammar of `spec`; InvalidParams naming its field when it cannot be read."""
-    kind = "grammar" if spec.kind == "lark" else spec.kind  # "grammar" reads Lark, or converts GBNF
     try:
+        if spec.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=JSON_OPTIONS)
+        kind = "grammar" if spec.kind == "lark" else spec.kind  # "grammar" reads Lark, or converts GBNF
         return llguidance.grammar_from(kind, spec.text)
     except ValueError as exc:
         raise InvalidParams(spec.field, f"is not a valid {spec.kind}: {exc}") from None

@@ -11,6 +11,7 @@ from pipeline.engine.loop import Engine
 from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
+from stages.grammar import check_guided
 from stages.gpu_runner.build import build_runner, model_limits, serving_max_model_len
 from stages.scheduler.build import build_scheduler
 from stages.scheduler.step_loop import RunnerLike
@@ -86,6 +87,7 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         for request_params in params:
             request_params.validate()  # it may have been changed since it was made
+            check_guided(request_params)
         token_lists = [self.tokenize(index, prompt) for index, prompt in enumerate(prompts)]
         outputs: dict[int, RequestOutput] = {}
         for token_ids, request_params in zip(token_lists, params):
