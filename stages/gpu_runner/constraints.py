@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shm.clock import sleep_until_ns
 from stages.contracts.plan import StepPlan
 from stages.gpu_runner.step_inputs import to_device
 
@@ -36,6 +37,7 @@ class _PendingTokens:
     host: torch.Tensor  # int32 [g]
     ready: torch.cuda.Event | None  # None on the CPU, where the copy is done when made
     matchers: list  # llguidance.LLMatcher per token
+    ready_at_ns: int = 0  # on the simulated device: when the tokens exist (CLOCK_MONOTONIC)
 
 
 class RowConstraints:
@@ -87,9 +89,8 @@ class RowConstraints:
         if not self.constrains(rows):
             return logits
         row_list = rows.tolist()
-        grammar_index = [i for i, row in enumerate(row_list) if row in self._matchers]
+        grammar_index, bitmask = self.step_bitmask(rows)
         if grammar_index:
-            bitmask = self.bitmask([self._matchers[row_list[i]] for i in grammar_index])
             index = to_device(np.array(grammar_index, np.int64), logits.device)
             allowed = self._unpack(to_device(bitmask, logits.device), logits.shape[1])
             masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
@@ -102,6 +103,14 @@ class RowConstraints:
             logits.index_put_((to_device(row_index, logits.device), to_device(token_index, logits.device)),
                               to_device(values, logits.device).to(logits.dtype), accumulate=True)
         return logits
+
+    def step_bitmask(self, rows: np.ndarray) -> tuple[list[int], np.ndarray | None]:
+        """The positions in `rows` of the grammar rows, and their bitmask (`bitmask`); waits for
+        the tokens still on their way to the host."""
+        grammar_index = [i for i, row in enumerate(rows.tolist()) if row in self._matchers]
+        if not grammar_index:
+            return grammar_index, None
+        return grammar_index, self.bitmask([self._matchers[int(rows[i])] for i in grammar_index])
 
     def bitmask(self, matchers: list) -> np.ndarray:
         """int32 [len(matchers), ceil(vocab / 32)]: bit t of row i set when matchers[i] allows token
@@ -117,8 +126,9 @@ class RowConstraints:
         fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
         return bitmask
 
-    def sampled(self, rows: np.ndarray, token_ids: torch.Tensor) -> None:
-        """Start bringing this step's tokens of the grammar rows to the host (no wait)."""
+    def sampled(self, rows: np.ndarray, token_ids: torch.Tensor, ready_at_ns: int = 0) -> None:
+        """Start bringing this step's tokens of the grammar rows to the host (no wait). On the
+        simulated device the tokens are host memory that exists from `ready_at_ns` on."""
         if not self._matchers or not self.constrains(rows):
             return
         row_list = rows.tolist()
@@ -128,7 +138,7 @@ class RowConstraints:
         matchers = [self._matchers[row_list[i]] for i in grammar_index]
         tokens = token_ids.index_select(0, to_device(np.array(grammar_index, np.int64), token_ids.device))
         if token_ids.device.type == "cpu":
-            self._pending.append(_PendingTokens(tokens, None, matchers))
+            self._pending.append(_PendingTokens(tokens, None, matchers, ready_at_ns))
             return
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
@@ -141,6 +151,8 @@ class RowConstraints:
         for pending in self._pending:
             if pending.ready is not None:
                 pending.ready.synchronize()
+            if pending.ready_at_ns:
+                sleep_until_ns(pending.ready_at_ns)
             for matcher, token in zip(pending.matchers, pending.host.tolist()):
                 if not matcher.is_stopped():
                     matcher.consume_token(token)
