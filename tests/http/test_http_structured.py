@@ -134,3 +134,15 @@ def test_a_chat_body_with_tool_calls_has_openais_shape() -> None:
     assert call["function"] == {"name": "get_weather", "arguments": '{"a": 1}'}
     plain = msgspec.json.decode(chat_completion_body("id", "m", 1, [FinishedChoice("hi", "stop")], count_usage(3, 4), str))
     assert plain["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+
+
+def test_a_template_that_shows_tools_gets_them() -> None:
+    from pipeline.serve.openai.chat import ChatTemplate
+    from pipeline.serve.openai.tools import template_tools
+
+    template = ChatTemplate("{% for tool in tools or [] %}[{{ tool.function.name }}: {{ tool.function.parameters | tojson }}]"
+                            "{% endfor %}{{ messages[0].content }}")
+    body = chat_body(tools=[TOOL, OTHER_TOOL])
+    assert template.render(body.messages, tools=template_tools(body)) == (
+        f'[get_weather: {json.dumps(SCHEMA)}][no_args: {{"type": "object"}}]hi')
+    assert template.render(body.messages) == "hi"
