@@ -107,10 +107,8 @@ class RowConstraints:
     def step_bitmask(self, rows: np.ndarray) -> tuple[list[int], np.ndarray | None]:
         """The positions in `rows` of the grammar rows, and their bitmask (`bitmask`); waits for
         the tokens still on their way to the host."""
-        grammar_index = [i for i, row in enumerate(rows.tolist()) if row in self._matchers]
-        if not grammar_index:
-            return grammar_index, None
-        return grammar_index, self.bitmask([self._matchers[int(rows[i])] for i in grammar_index])
+        grammar_index, matchers = self._grammar_rows(rows)
+        return grammar_index, self.bitmask(matchers) if matchers else None
 
     def bitmask(self, matchers: list) -> np.ndarray:
         """int32 [len(matchers), ceil(vocab / 32)]: bit t of row i set when matchers[i] allows token
@@ -131,11 +129,9 @@ class RowConstraints:
         simulated device the tokens are host memory that exists from `ready_at_ns` on."""
         if not self._matchers or not self.constrains(rows):
             return
-        row_list = rows.tolist()
-        grammar_index = [i for i, row in enumerate(row_list) if row in self._matchers]
+        grammar_index, matchers = self._grammar_rows(rows)
         if not grammar_index:
             return
-        matchers = [self._matchers[row_list[i]] for i in grammar_index]
         tokens = token_ids.index_select(0, to_device(np.array(grammar_index, np.int64), token_ids.device))
         if token_ids.device.type == "cpu":
             self._pending.append(_PendingTokens(tokens, None, matchers, ready_at_ns))
@@ -145,6 +141,11 @@ class RowConstraints:
         ready = torch.cuda.Event()
         ready.record()
         self._pending.append(_PendingTokens(host, ready, matchers))
+
+    def _grammar_rows(self, rows: np.ndarray) -> tuple[list[int], list]:
+        """The positions in `rows` of the rows with a grammar, and their matchers."""
+        grammar_index = [i for i, row in enumerate(rows.tolist()) if row in self._matchers]
+        return grammar_index, [self._matchers[int(rows[i])] for i in grammar_index]
 
     def _take_pending(self) -> None:
         """Advance the matchers by every step's tokens still on their way, oldest first."""
