@@ -81,8 +81,9 @@ def test_guided_fields_stream_and_a_cut_grammar_ends_with_length(sdk: openai.Ope
     choice = sdk.completions.create(model="default", prompt="pick", max_tokens=8, temperature=0,
                                     extra_body={"guided_choice": CHOICES}).choices[0]
     assert choice.text in CHOICES and choice.finish_reason == "stop"
-    cut = sdk.chat.completions.create(model="default", messages=MESSAGES, max_tokens=3,
-                                      response_format={"type": "json_object"}).choices[0]
+    cut = sdk.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}).choices[0]
     assert cut.finish_reason == "length" and cut.message.content.startswith("{")
 
 
