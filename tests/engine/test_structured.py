@@ -2,6 +2,7 @@
 is masked greedy over the engine's own logits; async, sync, chunked and preempted runs agree."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import llguidance
@@ -18,6 +19,7 @@ from stages.grammar import GrammarCompiler
 
 pytestmark = pytest.mark.timeout(120)
 NUM_SAMPLES = 50
+NUM_SYNC_SAMPLES = 10  # of them, also run with sync scheduling
 
 
 def llm(model: Path, **options: object) -> LLM:
@@ -35,6 +37,17 @@ def case_params(model: Path, kind: str, **values: object) -> dict:
     return {**fields, **values}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The tiny model's CPU ops are too small to share: on a busy machine torch's intra-op threads
+    spin against each other and a batch of 50 rows runs twenty times slower (the simulated device
+    runs on one thread for the same reason)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_llama: Path) -> dict[str, LLM]:
     return {"async": llm(tiny_llama, async_scheduling=True), "sync": llm(tiny_llama, async_scheduling=False)}
@@ -47,12 +60,14 @@ def test_seeded_samples_of_every_kind_validate_and_async_equals_sync(tiny_llama:
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=1000 + i,
                              **case_params(tiny_llama, kind)) for i in range(NUM_SAMPLES)]
     prompts = [f"request {i}: the answer is" for i in range(NUM_SAMPLES)]
-    outputs = {mode: engine.generate(prompts, params) for mode, engine in engines.items()}
-    for out in outputs["async"]:
+    outputs = engines["async"].generate(prompts, params)
+    for out in outputs:
         assert out.finish_reason == "stop", (out.finish_reason, out.text)
         check(out.text)
-    assert [o.token_ids for o in outputs["async"]] == [o.token_ids for o in outputs["sync"]]
-    assert len({o.text for o in outputs["async"]}) > 1 or kind == "choice"  # it really sampled
+    assert len({o.text for o in outputs}) > 1  # it really sampled
+    # Seeded samples do not depend on their batch: sync on a part of them gives the same tokens.
+    sync = engines["sync"].generate(prompts[:NUM_SYNC_SAMPLES], params[:NUM_SYNC_SAMPLES])
+    assert [o.token_ids for o in sync] == [o.token_ids for o in outputs[:NUM_SYNC_SAMPLES]]
 
 
 class RecordingSampler:
