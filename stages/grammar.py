@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import llguidance
-
 from stages.contracts.params import GrammarSpec, InvalidParams, SamplingParams
 
 MAX_CACHED_GRAMMARS = 256  # compiled specs kept by the runner, least recently used dropped first
@@ -28,6 +26,8 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 
 def grammar_text(spec: GrammarSpec) -> str:
     """The llguidance grammar of `spec`; InvalidParams naming its field when it cannot be read."""
+    import llguidance  # here: a process that never meets a grammar does not load the library
+
     try:
         if spec.kind == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=JSON_OPTIONS)
@@ -42,6 +42,8 @@ def check_guided(params: SamplingParams) -> None:
     spec = params.guided
     if spec is None:
         return
+    import llguidance
+
     error = llguidance.LLMatcher.validate_grammar(grammar_text(spec))
     if error:
         raise InvalidParams(spec.field, f"is not a valid {spec.kind}: {error.strip()}")
@@ -54,15 +56,18 @@ class GrammarCompiler:
     (the model's logits), ids past the tokenizer's never allowed."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        import llguidance
+
+        self._llguidance = llguidance
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
-        self._compiled: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()
 
-    def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
-        """A fresh matcher at the start of `spec`'s grammar."""
+    def matcher(self, spec: GrammarSpec):
+        """A fresh llguidance.LLMatcher at the start of `spec`'s grammar."""
         compiled = self._compiled.get(spec)
         if compiled is None:
-            compiled = llguidance.LLMatcher(self.tokenizer, grammar_text(spec), log_level=0)
+            compiled = self._llguidance.LLMatcher(self.tokenizer, grammar_text(spec), log_level=0)
             if compiled.is_error():
                 raise InvalidParams(spec.field, f"is not a valid {spec.kind}: {compiled.get_error()}")
             self._compiled[spec] = compiled
