@@ -4,8 +4,9 @@ A record is one `Layout` message (struct header + raw arrays), or, when it carri
 sub-messages (a request and its sampling params; a plan, its admitted requests and theirs),
 *frames* back to back: `[u64 length | message | pad to 8]`. Output events travel as one
 columnar batch per record (stages/events.py). Nothing is pickled: sampling params are a fixed header derived from
-SamplingParams' fields (a number each, plus a "has" flag for an optional one), string lists as
-utf-8 bytes with int32 lengths, and int lists int64 (stop_token_ids are validated as
+SamplingParams' fields (a number each, plus a "has" flag for an optional one), a string as utf-8
+bytes (a schema or grammar: variable length, like the stop strings), string lists as
+utf-8 bytes with int32 lengths, an int -> float map as two arrays, and int lists int64 (stop_token_ids are validated as
 non-negative, not as int32). Params are validated once, where a request enters; decoding
 rebuilds them without checking again.
 """
@@ -106,6 +107,12 @@ def _params_layout() -> Layout:
         elif kind == "list[int]":
             header.append((f"num_{name}", "I"))
             arrays.append((name, "int64", f"num_{name}"))
+        elif kind == "str":
+            header.append((f"num_{name}_bytes", "I"))
+            arrays.append((f"{name}_bytes", "uint8", f"num_{name}_bytes"))
+        elif kind == "dict[int, float]":
+            header.append((f"num_{name}", "I"))
+            arrays += [(f"{name}_keys", "int64", f"num_{name}"), (f"{name}_values", "float64", f"num_{name}")]
         else:
             raise TypeError(f"SamplingParams.{name} has type {kind}, which has no binary layout")
     return Layout("params", header, arrays)
@@ -127,6 +134,11 @@ def encode_params(params: SamplingParams) -> bytes:
             encoded = [text.encode("utf-8") for text in value]
             arrays[f"{name}_lengths"] = np.array([len(b) for b in encoded], np.int32)
             arrays[f"{name}_bytes"] = np.frombuffer(b"".join(encoded), np.uint8)
+        elif kind == "str":
+            arrays[f"{name}_bytes"] = _utf8(value)
+        elif kind == "dict[int, float]":
+            arrays[f"{name}_keys"] = np.fromiter(value.keys(), np.int64, len(value))
+            arrays[f"{name}_values"] = np.fromiter(value.values(), np.float64, len(value))
         else:
             arrays[name] = np.array(value, np.int64)
     return PARAMS.encode(values, arrays)
@@ -146,6 +158,10 @@ def decode_params(payload: memoryview | bytes) -> SamplingParams:
                 texts.append(data[offset:offset + length].decode("utf-8"))
                 offset += length
             values[name] = texts
+        elif kind == "str":
+            values[name] = _text(m[f"{name}_bytes"])
+        elif kind == "dict[int, float]":
+            values[name] = dict(zip(m[f"{name}_keys"].tolist(), m[f"{name}_values"].tolist()))
         else:
             values[name] = m[name].tolist()
     return SamplingParams.trusted(**values)

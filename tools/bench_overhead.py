@@ -19,10 +19,18 @@ row decoding, warm-up and tail cut off) it measures, per daemon and batch, the m
 
 `--baseline DIR` also measures the daemons of another checkout of this repository (made with
 `git worktree add DIR REV`) in the same rounds: a fix's effect, side by side with the old code.
+`--structured 0,0.5,1` measures, for each FRACTION, batches whose first round(FRACTION x batch)
+requests are constrained by a JSON schema (STRUCTURED_SCHEMA: a long array of small objects, so
+no row finishes its grammar within the run); the runner does the real grammar work per step on
+the simulated device (stages/gpu_runner/simulated.py), and the table adds the grammar library's
+per-token mask time (tools/bench_grammar.py). A constrained row's tokens do not name their step:
+its k-th token came k steps after its first, which is placed at the latest step consistent with
+every token of the row arriving after its step was ready.
 `--serve SOCKET` only starts the daemon on the simulated device and serves until Ctrl-C, to
 profile it by hand (py-spy, perf).
 
     python tools/bench_overhead.py [--json] [--quick] [--device-ms T] [--rounds N] [--baseline DIR]
+                                   [--structured FRACTION[,FRACTION...]]
 """
 from __future__ import annotations
 
@@ -61,6 +69,11 @@ START_TIMEOUT_S = 300.0
 CPU_SAMPLE_S = 0.05
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 SEED = 0
+STRUCTURED_SCHEMA = json.dumps({"type": "array", "minItems": 1000, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                                     "name": {"type": "string", "maxLength": 16},
+                                     "kind": {"enum": ["alpha", "beta", "gamma"]}, "ok": {"type": "boolean"}},
+    "required": ["id", "name", "kind", "ok"], "additionalProperties": False}})
 
 
 @dataclass(slots=True)
@@ -147,21 +160,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S
 
 
-async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int,
-                       multiplex: bool) -> tuple[np.ndarray, np.ndarray, list[CpuSample]]:
+async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int, multiplex: bool,
+                       num_constrained: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[CpuSample]]:
     """Streams one request per prompt at once (all on one connection, read in batches, when
-    `multiplex`); returns every token's receive time and id, and the CPU samples taken meanwhile."""
+    `multiplex`), the first `num_constrained` with STRUCTURED_SCHEMA; returns every token's receive
+    time, id and request index, and the CPU samples taken meanwhile."""
     pids = dict(daemon.pids, client=os.getpid())
     # Flat arrays, not a list of tuples: objects the collector must walk make its pauses grow.
-    received_ns, received_ids = array("q"), array("q")
+    received_ns, received_ids, received_req = array("q"), array("q"), array("q")
     samples: list[CpuSample] = []
     params = SamplingParams(max_tokens=num_steps, temperature=0.0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=num_steps, temperature=0.0, ignore_eos=True, json_schema=STRUCTURED_SCHEMA)
+    params_of = [constrained if index < num_constrained else params for index in range(len(prompts))]
     client = AsyncClient(daemon.socket_path, multiplex=multiplex)
 
-    async def one(prompt: list[int]) -> None:
-        async for delta in client.stream(prompt, params):
+    async def one(index: int, prompt: list[int]) -> None:
+        async for delta in client.stream(prompt, params_of[index]):
             received_ns.extend([time.monotonic_ns()] * len(delta.token_ids))
             received_ids.extend(delta.token_ids)
+            received_req.extend([index] * len(delta.token_ids))
 
     async def sample_cpu() -> None:
         while True:
@@ -169,43 +186,74 @@ async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int,
             await asyncio.sleep(CPU_SAMPLE_S)
 
     async def all_in_batches() -> None:
-        async with client.stream_batches(prompts, params) as batches:
+        async with client.stream_batches(prompts, params_of) as batches:
             async for batch in batches:
                 now_ns = time.monotonic_ns()
-                for _, delta in batch:
+                for index, delta in batch:
                     received_ns.extend([now_ns] * len(delta.token_ids))
                     received_ids.extend(delta.token_ids)
+                    received_req.extend([index] * len(delta.token_ids))
 
     sampler = asyncio.ensure_future(sample_cpu())
     try:
         if multiplex:
             await all_in_batches()
         else:
-            await asyncio.gather(*(one(prompt) for prompt in prompts))
+            await asyncio.gather(*(one(index, prompt) for index, prompt in enumerate(prompts)))
     finally:
         sampler.cancel()
         await client.close()
-    return np.frombuffer(received_ns, np.int64), np.frombuffer(received_ids, np.int64), samples
+    return (np.frombuffer(received_ns, np.int64), np.frombuffer(received_ids, np.int64),
+            np.frombuffer(received_req, np.int64), samples)
 
 
 def measure(daemon: Daemon, batch: int, num_steps: int, device_ms: float, rng: np.random.Generator,
-            multiplex: bool) -> dict:
-    """One batch on one daemon: the steady window's numbers."""
+            multiplex: bool, structured: float = 0.0) -> dict:
+    """One batch on one daemon, round(structured x batch) of its requests constrained: the steady
+    window's numbers."""
     prompts = [rng.integers(2, VOCAB_SIZE, PROMPT_TOKENS).tolist() for _ in range(batch)]
+    num_constrained = round(structured * batch)
     since_ns = time.monotonic_ns()
-    times, tokens, samples = uvloop.run(stream_batch(daemon, prompts, num_steps, multiplex))
+    times, tokens, requests, samples = uvloop.run(stream_batch(daemon, prompts, num_steps, multiplex,
+                                                               num_constrained))
     if len(tokens) != batch * num_steps:
         raise RuntimeError(f"{daemon.label} batch {batch}: got {len(tokens)} tokens, expected {batch * num_steps}")
     warmup = max(10, num_steps // 8)
     window = steady_window(read_timeline(daemon.trace_path), since_ns, batch, warmup, cooldown=5)
     result = step_stats(window, device_ms, 2 if daemon.async_scheduling else 1)
-    delivered = delivery_ms(window, SimulatedTokens(VOCAB_SIZE, EOS_TOKEN_IDS), times, tokens)
+    free = requests >= num_constrained
+    delivered = np.concatenate([
+        delivery_ms(window, SimulatedTokens(VOCAB_SIZE, EOS_TOKEN_IDS), times[free], tokens[free]),
+        delivery_by_order_ms(window, times[~free], requests[~free])])
     result["deliver_p50_ms"] = float(np.percentile(delivered, 50))
     result["deliver_p99_ms"] = float(np.percentile(delivered, 99))
     result["cpu_ms_per_step"] = cpu_ms_per_step(window, samples)
     result["cpu_us_per_token"] = cpu_us_per_token(result["cpu_ms_per_step"], batch)
     result["window_steps"] = window.num_steps
     return result
+
+
+def delivery_by_order_ms(window, received_ns: np.ndarray, requests: np.ndarray) -> np.ndarray:
+    """Per token of a window step, receive time - its step's ready time (ms), for tokens that do not
+    name their step: a request's k-th token was sampled k steps after its first, and its first
+    step is the latest one with every token of the request received after its step was ready."""
+    steps, ready = window.timeline["step"], window.timeline["ready_ns"]
+    delivered = []
+    for request in np.unique(requests):
+        times = received_ns[requests == request]  # in arrival order, which is output order
+        latest = steps[np.maximum(np.searchsorted(ready, times, side="right") - 1, 0)]
+        step = (latest - np.arange(len(times))).min() + np.arange(len(times))
+        inside = (step >= steps[window.first]) & (step <= steps[window.last])
+        delivered.append((times[inside] - ready[step[inside] - steps[0]]) / 1e6)
+    return np.concatenate(delivered) if delivered else np.zeros(0)
+
+
+def grammar_mask_us() -> dict:
+    """llguidance's per-token mask time on the tiny vocabulary (tools/bench_grammar.py --quick)."""
+    run = subprocess.run([sys.executable, str(checkout_path.TOOLS / "bench_grammar.py"), "--quick", "--json",
+                          "--library", "llguidance"], capture_output=True, text=True, check=True)
+    tiny = json.loads(run.stdout)["llguidance"]["tiny_1024"]
+    return {"p50": tiny["mask_us_p50"], "p99": tiny["mask_us_p99"]}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -223,23 +271,31 @@ def run(args: argparse.Namespace) -> dict:
                                                 args.device_ms, max_model_len, async_scheduling))
             for daemon in daemons:
                 wait_serving(daemon)
-            runs: dict[str, dict[int, list[dict]]] = {d.label: {b: [] for b in args.batches} for d in daemons}
+            cases = [(batch, fraction) for fraction in (args.structured or [None]) for batch in args.batches]
+            runs: dict[str, dict[str, list[dict]]] = {d.label: {case_key(*c): [] for c in cases} for d in daemons}
             for _ in range(args.rounds):
-                for batch in args.batches:
+                for batch, fraction in cases:
                     for daemon in daemons:
                         multiplex = args.multiplex and (args.baseline_multiplex or not daemon.label.startswith("baseline "))
-                        runs[daemon.label][batch].append(measure(daemon, batch, num_steps, args.device_ms, rng,
-                                                                 multiplex))
+                        runs[daemon.label][case_key(batch, fraction)].append(measure(
+                            daemon, batch, num_steps, args.device_ms, rng, multiplex, fraction or 0.0))
         finally:
             for daemon in daemons:
                 daemon.stop()
     results: dict[str, object] = {"device_ms": args.device_ms, "multiplex": args.multiplex}
     for label, by_batch in runs.items():
         target = results.setdefault("baseline", {"checkout": args.baseline}) if label.startswith("baseline ") else results
-        target[label.split()[-1]] = {str(batch): median_of(batch_runs) for batch, batch_runs in by_batch.items()}
+        target[label.split()[-1]] = {key: median_of(batch_runs) for key, batch_runs in by_batch.items()}
+    if args.structured:
+        results["grammar_mask_us"] = grammar_mask_us()
     results["conditions"] = {"rounds": args.rounds, "steps_per_request": num_steps, "cpu_count": os.cpu_count(),
                              "loadavg_1m_at_end": os.getloadavg()[0]}
     return results
+
+
+def case_key(batch: int, fraction: float | None) -> str:
+    """A result's key: the batch, and with --structured the constrained fraction ("64 s0.5")."""
+    return str(batch) if fraction is None else f"{batch} s{fraction:g}"
 
 
 def print_report(results: dict) -> None:
@@ -252,13 +308,17 @@ def print_report(results: dict) -> None:
     print("loop: tokens ready -> launch of the step planned from them (ms, async may use up to T); CPU ms per step")
     table = [("", results)] + ([("baseline ", results["baseline"])] if "baseline" in results else [])
     names = list(next(iter(results["async"].values()))["cpu_ms_per_step"])
-    print(f"{'daemon':<15}{'batch':>6}{'step':>8}{'exposed':>9}{'deliver p50/p99':>17}{'loop p50/p99':>14}  "
+    if "grammar_mask_us" in results:
+        mask = results["grammar_mask_us"]
+        print(f"batch 'B sF': F of the B rows constrained by a JSON schema; llguidance mask per token "
+              f"p50 {mask['p50']} us, p99 {mask['p99']} us (tiny vocabulary)")
+    print(f"{'daemon':<15}{'batch':>9}{'step':>8}{'exposed':>9}{'deliver p50/p99':>17}{'loop p50/p99':>14}  "
           + " ".join(f"{n[:9]:>9}" for n in names))
     for prefix, source in table:
         for mode in ("async", "sync"):
             for batch, r in source[mode].items():
                 cpu = r["cpu_ms_per_step"]
-                print(f"{prefix + mode:<15}{batch:>6}{r['step_ms']:>8.3f}{r['exposed_pct']:>8.1f}%"
+                print(f"{prefix + mode:<15}{batch:>9}{r['step_ms']:>8.3f}{r['exposed_pct']:>8.1f}%"
                       f"{r['deliver_p50_ms']:>8.2f}/{r['deliver_p99_ms']:<8.2f}"
                       f"{r['loop_p50_ms']:>6.2f}/{r['loop_p99_ms']:<7.2f} "
                       + " ".join(f"{cpu[n]:>9.3f}" for n in names))
@@ -268,7 +328,7 @@ def print_budget(results: dict) -> None:
     """Per step at the largest batch, async: the host's critical path against T, and each
     process's CPU time against what the machine's CPUs offer in T."""
     device_ms, cpus = results["device_ms"], results["conditions"]["cpu_count"]
-    batch, r = max(results["async"].items(), key=lambda item: int(item[0]))
+    batch, r = max(results["async"].items(), key=lambda item: int(item[0].split()[0]))
     cpu = r["cpu_ms_per_step"]
     print(f"\nhost budget per step at batch {batch}, async, T = {device_ms} ms:")
     print(f"  critical path (tokens ready -> launch of the step planned from them): p50 {r['loop_p50_ms']:.2f} ms, "
@@ -276,7 +336,7 @@ def print_budget(results: dict) -> None:
     print("  CPU ms per step: " + ", ".join(f"{name} {value:.2f}" for name, value in cpu.items())
           + f"; all {sum(cpu.values()):.2f} of the {cpus * device_ms:.1f} that {cpus} CPUs offer per step")
     for prefix, source in [("", results)] + ([("baseline ", results["baseline"])] if "baseline" in results else []):
-        per_token = cpu_us_per_token(source["async"][batch]["cpu_ms_per_step"], int(batch))
+        per_token = cpu_us_per_token(source["async"][batch]["cpu_ms_per_step"], int(batch.split()[0]))
         print(f"  {prefix}CPU us per generated token: " + ", ".join(f"{n} {v:.2f}" for n, v in per_token.items()))
 
 
@@ -298,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="this checkout's clients share one connection per batch (the baseline's keep one each)")
     parser.add_argument("--baseline-multiplex", action="store_true",
                         help="with --multiplex: the baseline's clients share a connection too (a baseline that has it)")
+    parser.add_argument("--structured", type=lambda text: [float(f) for f in text.split(",")], default=None,
+                        metavar="FRACTION[,FRACTION...]",
+                        help="measure each batch with these fractions of its requests constrained by a JSON schema")
     parser.add_argument("--serve", metavar="SOCKET", help="only serve on the simulated device, until Ctrl-C")
     parser.add_argument("--model", help="with --serve: checkpoint directory (default: the embedded tiny model)")
     parser.add_argument("--max-model-len", type=int, default=1024, help=argparse.SUPPRESS)
@@ -310,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds = 1 if args.quick else 3
     if max(args.batches) > max(BATCHES) or min(args.batches) < 1:
         parser.error(f"--batches must be in [1, {max(BATCHES)}], got {args.batches}")
+    if args.structured is not None and not all(0.0 <= f <= 1.0 for f in args.structured):
+        parser.error(f"--structured fractions must be in [0, 1], got {args.structured}")
     # SIGTERM unwinds like Ctrl-C, so the daemons this starts are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     results = run(args)

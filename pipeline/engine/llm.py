@@ -12,6 +12,7 @@ from pipeline.engine.ranks import WorkerRanks
 from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
+from stages.grammar import check_guided
 from stages.gpu_runner.build import build_runner, model_limits, serving_max_model_len
 from stages.gpu_runner.model_config import load_model_config, resolve_device
 from stages.gpu_runner.parallel import check_tensor_parallel
@@ -114,6 +115,7 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         for request_params in params:
             request_params.validate()  # it may have been changed since it was made
+            check_guided(request_params)
         token_lists = [self.tokenize(index, prompt) for index, prompt in enumerate(prompts)]
         outputs: dict[int, RequestOutput] = {}
         for token_ids, request_params in zip(token_lists, params):

@@ -51,6 +51,7 @@ from shm.ring import RecordTooLarge
 from stages.contracts.errors import ErrorCode
 from stages.contracts.outputs import OutputEvent, TokenTexts
 from stages.contracts.params import InvalidParams, SamplingParams
+from stages.grammar import check_guided
 
 log = logging.getLogger("pipeline.serve")
 
@@ -146,7 +147,9 @@ class DaemonServer:
 
     def _generate(self, connection: Connection, message: Generate) -> None:
         try:
-            request_id = self.start_request(connection, message.prompt, message.params.to_params(), message.stream)
+            params = message.params.to_params()
+            check_guided(params)
+            request_id = self.start_request(connection, message.prompt, params, message.stream)
         except (PipelineError, InvalidParams) as exc:
             connection.send(error_for(exc))
             return

@@ -1,6 +1,7 @@
 """Sampling parameters of one request and their limits, validated where a request enters."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 
@@ -14,6 +15,10 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256  # at most 1 KiB of UTF-8: the detokenizer holds back up to one stop string's text
 MAX_STOP_TOKEN_IDS = 256
+MAX_GRAMMAR_CHARS = 65536  # a schema, regex or grammar: compiled per distinct spec in the runner
+MAX_GUIDED_CHOICES = 256
+MAX_LOGIT_BIAS = 1024  # entries; each value in [-100, 100] as OpenAI allows
+GUIDED_FIELDS = ("json_object", "json_schema", "regex", "choice", "grammar")  # at most one per request
 
 
 class InvalidParams(ValueError):
@@ -32,6 +37,16 @@ def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool
         raise InvalidParams(name, f"must be in {left}{lo}, {hi}], got {value}")
 
 
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """What a request's output must match: `kind` is "json_schema", "regex", "choice" (text: a
+    JSON list of strings) or "lark" (a Lark grammar); equal specs share one compiled grammar."""
+
+    kind: str
+    text: str
+    field: str  # the SamplingParams field it came from, to name it in an error
+
+
 def _check_int(name: str, value: int, lo: int, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidParams(name, f"must be an integer, got {type(value).__name__}")
@@ -47,6 +62,9 @@ class SamplingParams:
     temperature 0 is greedy. top_k 0 (or -1) and top_p 1 disable those filters.
     seed makes the request's samples independent of the batch it runs in.
     logprobs=n returns the sampled token's logprob plus the n most likely (n <= 20).
+    At most one of json_object, json_schema (a JSON schema, as JSON text; a dict is serialised),
+    regex, choice and grammar (Lark, as llguidance reads it; GBNF is converted) constrains the
+    output; logit_bias adds to the logits of the token ids it names.
     """
 
     max_tokens: int = 16
@@ -65,6 +83,12 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    json_object: bool = False
+    json_schema: str = ""
+    regex: str = ""
+    choice: list[str] = field(default_factory=list)
+    grammar: str = ""
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -107,6 +131,59 @@ class SamplingParams:
             _check_int("stop_token_ids", token_id, 0, MAX_TOKEN_ID)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        self._validate_guided()
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidParams("logit_bias", "must be a map of token id to bias")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidParams("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for token_id, bias in self.logit_bias.items():
+            _check_int("logit_bias", token_id, 0, MAX_TOKEN_ID)
+            _check_range(f"logit_bias[{token_id}]", bias, -100.0, 100.0)
+
+    def _validate_guided(self) -> None:
+        if not isinstance(self.json_schema, str):
+            if not isinstance(self.json_schema, dict):
+                raise InvalidParams("json_schema", f"must be a JSON schema object, got {type(self.json_schema).__name__}")
+            self.json_schema = json.dumps(self.json_schema)
+        if not isinstance(self.json_object, bool):
+            raise InvalidParams("json_object", f"must be true or false, got {type(self.json_object).__name__}")
+        for name in ("json_schema", "regex", "grammar"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise InvalidParams(name, f"must be a string, got {type(value).__name__}")
+            if len(value) > MAX_GRAMMAR_CHARS:
+                raise InvalidParams(name, f"at most {MAX_GRAMMAR_CHARS} characters, got {len(value)}")
+        if not isinstance(self.choice, list) or not all(isinstance(c, str) and c for c in self.choice):
+            raise InvalidParams("choice", "must be a list of non-empty strings")
+        if len(self.choice) > MAX_GUIDED_CHOICES:
+            raise InvalidParams("choice", f"at most {MAX_GUIDED_CHOICES} strings, got {len(self.choice)}")
+        if sum(len(c) for c in self.choice) > MAX_GRAMMAR_CHARS:
+            raise InvalidParams("choice", f"at most {MAX_GRAMMAR_CHARS} characters in all")
+        given = [name for name in GUIDED_FIELDS if getattr(self, name)]
+        if len(given) > 1:
+            raise InvalidParams(given[1], f"only one of {', '.join(GUIDED_FIELDS)} may be set, got {given}")
+        if self.json_schema:
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as exc:
+                raise InvalidParams("json_schema", f"is not valid JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidParams("json_schema", f"must be a JSON object, got {type(schema).__name__}")
+
+    @property
+    def guided(self) -> GrammarSpec | None:
+        """The output constraint, or None when the output is free."""
+        if self.json_schema:
+            return GrammarSpec("json_schema", self.json_schema, "json_schema")
+        if self.json_object:
+            return GrammarSpec("json_schema", '{"type": "object"}', "json_object")
+        if self.regex:
+            return GrammarSpec("regex", self.regex, "regex")
+        if self.choice:
+            return GrammarSpec("choice", json.dumps(self.choice), "choice")
+        if self.grammar:
+            return GrammarSpec("lark", self.grammar, "grammar")
+        return None
 
     @property
     def greedy(self) -> bool:

@@ -30,6 +30,7 @@ from stages.contracts.connector import KVConnectorWorker
 from stages.contracts.plan import StepPlan
 from stages.gpu_runner.attention import TorchBackend
 from stages.gpu_runner.backend import AttentionBackend, resolve_attention_backend
+from stages.gpu_runner.constraints import RowConstraints
 from stages.gpu_runner.decode_graphs import DecodeGraphs
 from stages.gpu_runner.input_batch import InputBatch
 from stages.gpu_runner.kv_cache import allocate_kv_caches, num_blocks_for_budget
@@ -104,6 +105,8 @@ class ModelRunner:
         if config.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
+        self.constraints = RowConstraints(self.max_num_seqs, self.vocab_size, self.eos_token_ids, self.tokenizer_path,
+                                          self.device)
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.bind(self.kv_caches, self.block_size)
@@ -154,6 +157,8 @@ class ModelRunner:
             return self._execute_static_decode(plan)
         with self.phase("prepare_inputs"):
             inputs = prepare_step(plan, self.batch, self.max_num_batched_tokens, self.attention_backend)
+            if self.tp is None or self.tp.is_driver:  # the rank that samples keeps the grammars
+                self.constraints.apply(plan)
         connector_meta = plan.connector_meta if self.kv_connector is not None else None
         if connector_meta is not None:
             self.kv_connector.load(connector_meta)
@@ -189,7 +194,9 @@ class ModelRunner:
             bucket = static.bucket(num_rows)
             context = layout.context
             self.batch.check_held(plan.rows)
-            plain_greedy = self.batch.sampling.plain_greedy(plan.rows, context - self.batch.num_prompt_tokens[plan.rows])
+            self.constraints.apply(plan)
+            plain_greedy = (self.batch.sampling.plain_greedy(plan.rows, context - self.batch.num_prompt_tokens[plan.rows])
+                            and not self.constraints.constrains(plan.rows))
         connector_meta = plan.connector_meta if self.kv_connector is not None else None
         if connector_meta is not None:
             self.kv_connector.load(connector_meta)
@@ -221,10 +228,18 @@ class ModelRunner:
         return logits, greedy
 
     def _sample(self, logits: torch.Tensor | None, rows: np.ndarray, num_tokens: np.ndarray) -> SamplerOutput | None:
-        if logits is None:  # a tensor-parallel rank other than 0
+        """Sample `rows`; their grammar masks and logit biases are applied to the logits first (the
+        host waits there for the grammar rows' previous tokens, while this step's forward runs).
+        A tensor-parallel rank other than 0 has no logits and samples nothing."""
+        if logits is None:
             return None
         meta = SamplingMetadata.for_rows(self.batch, rows, num_tokens, self.config.eos_token_ids)
-        return self.sampler(logits, meta)
+        constrain = None
+        if self.constraints.constrains(rows):
+            constrain = lambda processed: self.constraints.constrain(processed, rows)  # noqa: E731
+        sampled = self.sampler(logits, meta, constrain)
+        self.constraints.sampled(rows, sampled.token_ids)
+        return sampled
 
     def _share_sampled(self, sampled: SamplerOutput | None, num_rows: int) -> SamplerOutput:
         """Rank 0's sampled ids, broadcast on the device to every rank (which has no logits to

@@ -204,11 +204,16 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """logits: float [n, vocab] for the sampled rows, in the same order as meta."""
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
+                 constrain: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SamplerOutput:
+        """logits: float [n, vocab] for the sampled rows, in the same order as meta. `constrain`
+        masks and biases a float32 copy of them (grammars, logit_bias) before anything else;
+        logprobs stay those of the model's raw distribution."""
         if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
             raise ValueError(f"logits must be [{meta.num_rows}, vocab], got {tuple(logits.shape)}")
         processed = logits.to(torch.float32, copy=True)
+        if constrain is not None:
+            processed = constrain(processed)
         if meta.any_penalty:
             processed = _apply_penalties(processed, meta)
         if meta.blocked_token_ids is not None:

@@ -11,6 +11,13 @@ its tokens are ready T ms later. `execute` returns at once, as a launch does; th
 
 Tokens are the same for every row of a step and encode the step (simulated_steps.py), never an
 EOS id, so a client can tell which step a streamed token came from. No logprobs are produced.
+
+Rows with a grammar (constraints.py) do the real runner's host work: after the launch, wait for
+the row's previous token (its step's `ready_ns`), advance the matcher and fill the bitmask. The
+step's sampling needs that mask, so its tokens are ready at max(start + T, mask done): host time
+past the step's end shows as the device waiting. Such a row's token is an allowed one picked
+from the mask (standing in for the device's masked sampling; its time is not charged to the
+step), so it does not name its step.
 With `simulated_device_trace` set, each step's times are recorded in that file (simulated_steps.py).
 """
 from __future__ import annotations
@@ -19,6 +26,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from shm.clock import now_ns
@@ -28,6 +36,7 @@ from stages.gpu_runner.input_batch import InputBatch
 from stages.gpu_runner.kv_cache import num_blocks_for_budget
 from stages.gpu_runner.loader import tokenizer_path
 from stages.gpu_runner.attention import TorchBackend
+from stages.gpu_runner.constraints import RowConstraints
 from stages.gpu_runner.model_config import load_model_config, resolve_device, resolve_dtype, served_max_model_len
 from stages.gpu_runner.output import StepOutput
 from stages.gpu_runner.sampler import SamplingMetadata
@@ -66,6 +75,8 @@ class SimulatedDeviceRunner:
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size, self.device)
         self.attention_backend = TorchBackend(config.block_size)  # its metadata is host work a step does
         self.tokens = SimulatedTokens(self.vocab_size, self.eos_token_ids)
+        self.constraints = RowConstraints(self.max_num_seqs, self.vocab_size, self.eos_token_ids, self.tokenizer_path,
+                                          self.device)
         self.timeline = None if config.simulated_device_trace is None else StepTimeline(config.simulated_device_trace)
         self._device_free_ns = 0  # when the last launched step ends
         self.phase: Callable[[str], AbstractContextManager] = nullcontext
@@ -75,20 +86,44 @@ class SimulatedDeviceRunner:
         plan_ns = now_ns()
         with self.phase("prepare_inputs"):
             inputs = prepare_step(plan, self.batch, self.max_num_batched_tokens, self.attention_backend)
+            self.constraints.apply(plan)
         rows = inputs.sampled_rows
         host_tokens = torch.full((len(rows),), self.tokens.for_step(plan.step), dtype=torch.int32)
-        token_ids = to_device(host_tokens.numpy(), self.device)
         if len(rows):
             with self.phase("sample"):
                 # The sampler's host work; the sampling itself is the simulated device's.
                 SamplingMetadata.for_rows(self.batch, rows, inputs.sampled_num_tokens, self.eos_token_ids)
-                self.batch.token_table.view(-1).index_copy_(0, inputs.sampled_token_index, token_ids)
         launch_ns = now_ns()
         start_ns = max(launch_ns, self._device_free_ns)
         ready_ns = start_ns + (self.step_ns if plan.num_rows else 0)
+        if len(rows) and self.constraints.constrains(rows):
+            with self.phase("sample"):
+                grammar_index, bitmask = self.constraints.step_bitmask(rows)
+                ready_ns = max(ready_ns, now_ns())  # sampling waits for the masks
+                if grammar_index:
+                    host_tokens[grammar_index] = torch.from_numpy(pick_allowed(bitmask, plan.step))
+                self.constraints.sampled(rows, host_tokens, ready_at_ns=ready_ns)
         self._device_free_ns = ready_ns
+        token_ids = to_device(host_tokens.numpy(), self.device)
+        if len(rows):
+            self.batch.token_table.view(-1).index_copy_(0, inputs.sampled_token_index, token_ids)
         if self.timeline is not None:
             self.timeline.record(plan.step, plan_ns, launch_ns, start_ns, ready_ns, len(rows))
         return StepOutput(step=plan.step, rows=rows, token_ids=token_ids, logprobs=None, logprob_token_ids=None,
                           host_token_ids=host_tokens, host_logprobs=None, host_logprob_token_ids=None, ready=None,
                           ready_at_ns=ready_ns)
+
+
+def pick_allowed(bitmask: np.ndarray, step: int) -> np.ndarray:
+    """int32 [g]: for each row of `bitmask` (int32 bit words, bit t = token t allowed) an allowed
+    token: the lowest one in the first non-empty word from a position that varies with the row and
+    step, so outputs wander through the grammar instead of always taking its first choice."""
+    num_rows, num_words = bitmask.shape
+    start = (np.arange(num_rows) * 7 + step * 13) % num_words
+    order = (start[:, None] + np.arange(num_words)[None, :]) % num_words
+    words = np.take_along_axis(bitmask, order, axis=1)
+    first = np.argmax(words != 0, axis=1)
+    word_index = order[np.arange(num_rows), first]
+    word = bitmask[np.arange(num_rows), word_index].astype(np.int64) & 0xFFFFFFFF
+    lowest_bit = np.log2(word & -word).astype(np.int64)
+    return (word_index * 32 + lowest_bit).astype(np.int32)

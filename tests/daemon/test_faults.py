@@ -41,7 +41,7 @@ GRACE_S = 3.0
 # A long context, so that a long request outlasts the grace period and the faults on any CPU: a
 # single sequence of the tiny model decodes ~1,000 tokens a second when it runs alone.
 MAX_MODEL_LEN = 16384
-DAEMON_OPTIONS = ["--stall-seconds", "1", "--grace-seconds", str(GRACE_S), "--max-restarts", "10",
+DAEMON_OPTIONS = ["--stall-seconds", "1", "--grace-seconds", str(GRACE_S), "--max-restarts", "16",
                   "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", str(4 * MAX_MODEL_LEN // 16)]
 BACKEND = "poisoned-tokenizer"  # the stage processes, but for a tokenizer that dies on POISON_PROMPT
 LONG = dict(max_tokens=MAX_MODEL_LEN - 64, ignore_eos=True, temperature=0.0)  # runs until the fault
@@ -228,6 +228,51 @@ def test_each_killed_stage_costs_a_pause_and_every_request_resumes_exactly(slot:
     assert "daemon: ok" in status.stdout and "last failure: stage 'detokenizer' was killed by signal 9" in status.stdout
     assert f"recovery: {stats.num_resumed_requests} requests resumed after stage restarts, 0 failed" in status.stdout
     assert daemon.shm_entries() == []
+
+
+# Long constrained outputs, so a stream is mid-way at the kill: arrays of exactly LIST_ITEMS items.
+LIST_ITEMS = 60
+LONG_SCHEMA = {"type": "object", "properties": {
+    "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": LIST_ITEMS,
+               "maxItems": LIST_ITEMS},
+    "codes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 8,
+              "maxItems": 8}}, "required": ["colors", "codes"], "additionalProperties": False}
+LONG_REGEX = r"([a-z]{3}-[0-9]{2} ){40}end"
+
+
+@live
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage", ["runner", "scheduler"])
+def test_a_stage_killed_mid_constrained_stream_resumes_and_the_output_still_validates(
+        slot: DaemonSlot, stage: str) -> None:
+    """The runner holds the grammar state: the fresh one rebuilds it from the delivered tokens."""
+    import json
+    import re
+
+    import jsonschema
+
+    llm = LLM(slot.model, device=engine_device(), max_model_len=MAX_MODEL_LEN, num_kv_blocks=4 * MAX_MODEL_LEN // 16,
+              block_size=16)
+    prompts = [f"{i}: {PROMPT}" for i in range(8)]
+    params = [SamplingParams(max_tokens=600, temperature=1.0, seed=40 + i,
+                             **({"json_schema": json.dumps(LONG_SCHEMA)} if i % 2 else {"regex": LONG_REGEX}))
+              for i in range(len(prompts))]
+    constrained = Load(prompts, params, llm.generate(prompts, params))
+    before = wait_for_health(slot.daemon.socket_path, lambda h: h.status == "ok", 30)
+    with Client(slot.daemon.socket_path) as client:
+        resumed_before = client.stats().num_resumed_requests
+    results, _ = asyncio.run(_kill_under_load(slot.daemon.socket_path, constrained, stage))
+    with Client(slot.daemon.socket_path) as client:
+        assert client.stats().num_resumed_requests - resumed_before == len(prompts)  # all were mid-stream
+    _assert_as_offline(results, constrained, stage)
+    for index, got in enumerate(results):
+        assert got.finish_reason == "stop"
+        if index % 2:
+            jsonschema.validate(json.loads(got.text), LONG_SCHEMA)
+        else:
+            assert re.fullmatch(LONG_REGEX, got.text), got.text
+    wait_for_health(slot.daemon.socket_path, lambda h: h.status == "ok" and h.num_restarts == before.num_restarts + 1,
+                    30)
 
 
 @live

@@ -133,7 +133,8 @@ def test_execute_never_reads_a_device_tensor(tiny_checkpoint, monkeypatch, stati
     if static_decode:
         original_static, original_sampler = runner._execute_static_decode, runner.sampler
         sampler_calls = []
-        runner.sampler = lambda logits, meta: sampler_calls.append(1) or original_sampler(logits, meta)
+        runner.sampler = lambda logits, meta, constrain=None: (sampler_calls.append(1)
+                                                                or original_sampler(logits, meta, constrain))
 
         def counted_static(plan):
             before = len(sampler_calls)

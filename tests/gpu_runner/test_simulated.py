@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from runner_plans import PlannedRequest, PlanMaker, run_requests
+from stages.contracts.params import SamplingParams
 from stages.contracts.config import EngineConfig
 from stages.gpu_runner.build import build_runner
 from stages.gpu_runner.simulated import SimulatedDeviceRunner
@@ -98,3 +99,39 @@ def test_config_refuses_a_bad_simulated_device(tmp_path):
         EngineConfig(simulated_device_ms=0)
     with pytest.raises(ValueError, match="simulated_device_trace must be a file path, given with simulated_device_ms"):
         EngineConfig(simulated_device_trace=str(tmp_path / "t.npy"))
+
+
+def test_grammar_rows_take_allowed_tokens_and_their_masks_wait_for_the_previous_step(tiny_checkpoint, tmp_path):
+    """A constrained row's tokens follow its grammar; free rows keep their step-named tokens."""
+    import re
+
+    from tokenizers import Tokenizer
+
+    trace = tmp_path / "timeline.npy"
+    runner = make_simulated(tiny_checkpoint("llama"), device_ms=2.0, simulated_device_trace=str(trace))
+    regex = r"[a-z]{4}-[0-9]{3}"
+    requests = [PlannedRequest([5, 6, 7], 9, params=SamplingParams(max_tokens=9, regex=regex)),
+                PlannedRequest([8, 9], 9, params=SamplingParams(max_tokens=9, json_object=True)),
+                PlannedRequest([10, 11], 9)]
+    outputs = run_requests(runner, requests, token_budget=64, async_mode=True)
+    tokenizer = Tokenizer.from_file(str(runner.tokenizer_path))
+    eos = runner.eos_token_ids[0]
+    regex_text = tokenizer.decode([t for t in outputs[0] if t != eos])
+    assert re.fullmatch(regex, regex_text) and outputs[0][-1] == eos, regex_text  # then only EOS is allowed
+    assert tokenizer.decode(outputs[1]).startswith("{")
+    residues = [runner.tokens.step_residue(t) for t in outputs[2]]  # one step after another
+    assert residues == list(range(residues[0], residues[0] + 9))
+
+
+def test_pick_allowed_takes_only_allowed_tokens():
+    from stages.gpu_runner.simulated import pick_allowed
+
+    rng = np.random.default_rng(0)
+    bitmask = np.zeros((50, 32), np.int32)
+    for row in range(50):
+        for token in rng.choice(1024, size=1 + row % 5, replace=False):
+            bitmask[row, token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
+    for step in range(5):
+        picked = pick_allowed(bitmask, step)
+        words = bitmask[np.arange(50), picked // 32].astype(np.int64) & 0xFFFFFFFF
+        assert np.all((words >> (picked % 32)) & 1)

@@ -39,7 +39,7 @@ def test_a_full_completion_body_maps_every_field_to_sampling_params():
         presence_penalty=0.5, frequency_penalty=-0.5, user="someone", top_k=40, min_p=0.1,
         repetition_penalty=1.2, min_tokens=2, ignore_eos=True, stop_token_ids=[5, 9],
         skip_special_tokens=False, include_stop_str_in_output=True,
-        logit_bias={"50256": -100}, suffix=None, best_of=1,  # sent by clients; ignored
+        logit_bias={"50256": -100}, suffix=None, best_of=1,  # suffix and best_of are ignored
     )
     [choice] = completion_requests(decode_completion_request(body))
     assert choice.index == 0 and choice.prompt == "Hello"
@@ -47,7 +47,7 @@ def test_a_full_completion_body_maps_every_field_to_sampling_params():
         max_tokens=7, temperature=0.5, top_p=0.9, stop=["\n\n", "END"], seed=3, logprobs=2,
         presence_penalty=0.5, frequency_penalty=-0.5, top_k=40, min_p=0.1, repetition_penalty=1.2,
         min_tokens=2, ignore_eos=True, stop_token_ids=[5, 9], skip_special_tokens=False,
-        include_stop_str_in_output=True,
+        include_stop_str_in_output=True, logit_bias={50256: -100.0},
     )
 
 

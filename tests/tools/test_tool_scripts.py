@@ -31,10 +31,10 @@ def test_with_the_path_a_tool_sees_torch_imports_the_standard_profile_module() -
     assert Path(run.stdout.strip()).parent != TOOLS
 
 
-def quick_json_report(script: str, timeout_s: float) -> dict:
-    """What `tools/<script> --quick --json` prints, parsed."""
-    run = subprocess.run([sys.executable, str(TOOLS / script), "--quick", "--json"], capture_output=True, text=True,
-                         timeout=timeout_s, stdin=subprocess.DEVNULL)
+def quick_json_report(script: str, timeout_s: float, *args: str) -> dict:
+    """What `tools/<script> --quick --json [args]` prints, parsed."""
+    run = subprocess.run([sys.executable, str(TOOLS / script), "--quick", "--json", *args], capture_output=True,
+                         text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout)
 
@@ -63,6 +63,23 @@ def test_bench_overhead_quick_reports_every_batch_of_both_daemons_as_one_json_ob
             assert {"step_ms", "exposed_pct", "deliver_p50_ms", "deliver_p99_ms", "cpu_ms_per_step"} <= set(batch)
             assert set(batch["cpu_ms_per_step"]) == {"daemon", "tokenizer0", "scheduler", "runner", "detokenizer",
                                                      "client"}
+
+
+@pytest.mark.timeout(150)
+def test_bench_overhead_structured_reports_each_fraction_and_the_mask_time() -> None:
+    report = quick_json_report("bench_overhead.py", 140, "--batches", "64", "--structured", "0,1")
+    for mode in ("async", "sync"):
+        assert set(report[mode]) == {"64 s0", "64 s1"}
+        for batch in report[mode].values():
+            assert batch["step_ms"] >= 5.0 and batch["deliver_p50_ms"] > 0
+    assert report["grammar_mask_us"]["p50"] > 0
+
+
+def test_bench_grammar_quick_measures_llguidance_on_the_tiny_vocabulary() -> None:
+    report = quick_json_report("bench_grammar.py", 120, "--library", "llguidance")
+    tiny = report["llguidance"]["tiny_1024"]
+    assert set(tiny["compile_ms"]) == {"json_schema", "json_object", "regex", "choice", "lark"}
+    assert 0 < tiny["mask_us_p50"] <= tiny["mask_us_p99"] and tiny["num_tokens"] > 20
 
 
 def test_bench_overhead_clients_run_in_a_process_without_torch() -> None:

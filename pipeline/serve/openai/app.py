@@ -44,6 +44,7 @@ from pipeline.serve.openai.schemas import (
     decode_completion_request,
 )
 from pipeline.serve.openai.sse import DONE, SSE_CONTENT_TYPE, ChatStream, CompletionStream
+from pipeline.serve.openai.tools import template_tools, tool_plan
 from pipeline.serve.server import DaemonServer
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # as the socket's frame limit: far above any max_model_len's prompt
@@ -101,8 +102,13 @@ class OpenAIApi:
             self._check_key(request)
             body = decode_chat_request(await self._body(request))
             self._check_model(body.model)
-            prompt = self.model.chat_template.render(body.messages)
-            params = chat_params(body, default_max_tokens=self.model.max_model_len)
+            tools = tool_plan(body)
+            if body.stream and tools is not None and tools.schema is not None:
+                raise OpenAIError.bad_request("stream: a forced tool call (tool_choice 'required' or a named function) "
+                                              "is answered whole; send it without stream", "stream")
+            prompt = self.model.chat_template.render(body.messages, tools=template_tools(body))
+            params = chat_params(body, default_max_tokens=self.model.max_model_len,
+                                 tool_schema=None if tools is None else tools.schema)
             resumed = resume_token_ids(body, len(params))
             call = self._start([ChoiceRequest(i, prompt, p, resumed) for i, p in enumerate(params)], body)
         except OpenAIError as error:
@@ -112,7 +118,8 @@ class OpenAIApi:
         if body.stream:
             return self._streaming(call, stream, echo=False, with_ids=bool(body.return_token_ids))
         return await self._finished(request, call, lambda choices, usage: chat_completion_body(
-            stream.response_id, self.model.name, stream.created, choices, usage, self.model.token_text), echo=False)
+            stream.response_id, self.model.name, stream.created, choices, usage, self.model.token_text, tools),
+            echo=False)
 
     async def models(self, request: HttpRequest) -> Response:
         try:

@@ -112,9 +112,11 @@ class ChatTemplate:
     def available(self) -> bool:
         return self._template is not None
 
-    def render(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`; a 400 OpenAIError when the messages are malformed or
-        the template fails (its syntax, `raise_exception`, a sandbox violation, a type error)."""
+    def render(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """The prompt text for `messages` (and `tools`, for a template that shows them); a 400
+        OpenAIError when the messages are malformed or the template fails (its syntax,
+        `raise_exception`, a sandbox violation, a type error)."""
         if self._template is None:
             raise OpenAIError.bad_request(self._unusable, "messages")
         conversation = message_dicts(messages)
@@ -124,6 +126,7 @@ class ChatTemplate:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
             )
         # Whatever the template raises comes from the template or the messages it was given,
         # not from this server: a Python error in it (a TypeError, a ZeroDivisionError) is as

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from dataclasses import dataclass
 
 from stages.contracts.params import MAX_SEED, MAX_TOKEN_ID, InvalidParams, SamplingParams
+from stages.grammar import check_guided
 from pipeline.serve.openai.errors import OpenAIError
 from pipeline.serve.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -66,11 +68,13 @@ def completion_requests(request: CompletionRequest) -> list[ChoiceRequest]:
     ]
 
 
-def chat_params(request: ChatCompletionRequest, *, default_max_tokens: int) -> list[SamplingParams]:
+def chat_params(request: ChatCompletionRequest, *, default_max_tokens: int,
+                tool_schema: dict | None = None) -> list[SamplingParams]:
     """The params of each of a `/v1/chat/completions` body's n choices, in index order.
 
     `default_max_tokens` applies when the body sets neither max_completion_tokens nor
     max_tokens (OpenAI's default is "up to the context length": max_model_len - prompt tokens).
+    `tool_schema` constrains the output to a forced tool call (tools.py).
     """
     n = _num_choices(request, 1)
     renames = {"logprobs": "top_logprobs"}
@@ -82,7 +86,14 @@ def chat_params(request: ChatCompletionRequest, *, default_max_tokens: int) -> l
     if request.top_logprobs is not None and not request.logprobs:
         raise OpenAIError.bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _choice_params(request, n, max_tokens=max_tokens, logprobs=logprobs, renames=renames)
+    extra = {}
+    if tool_schema is not None:
+        if request.response_format is not None or _guided_names(request):
+            raise OpenAIError.bad_request("tool_choice: a forced tool call cannot be combined with response_format or "
+                                          "guided_* fields", "tool_choice")
+        extra["json_schema"] = json.dumps(tool_schema)
+        renames["json_schema"] = "tools"
+    return _choice_params(request, n, max_tokens=max_tokens, logprobs=logprobs, renames=renames, extra=extra)
 
 
 def resume_token_ids(request: SamplingRequest, num_choices: int) -> list[int]:
@@ -107,16 +118,69 @@ def stream_usage(request: SamplingRequest) -> bool:
 
 
 def _choice_params(
-    request: SamplingRequest, n: int, *, max_tokens: int, logprobs: int | None, renames: dict[str, str]
+    request: SamplingRequest, n: int, *, max_tokens: int, logprobs: int | None, renames: dict[str, str],
+    extra: dict | None = None,
 ) -> list[SamplingParams]:
     values = {name: getattr(request, name) for name in _SHARED_FIELDS if getattr(request, name) is not None}
+    values.update(_constraint_values(request, renames))
+    values.update(extra or {})
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
+        check_guided(params)
     except InvalidParams as exc:
         raise OpenAIError.from_invalid_params(exc, renames.get(exc.field)) from None
     if params.seed is None:
         return [params] + [dataclasses.replace(params) for _ in range(n - 1)]
     return [dataclasses.replace(params, seed=derive_seed(params.seed, i)) for i in range(n)]
+
+
+# vLLM's guided_* request fields -> the SamplingParams field each sets
+_GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
+def _guided_names(request: SamplingRequest) -> list[str]:
+    return [name for name in _GUIDED_FIELDS if getattr(request, name) is not None]
+
+
+def _constraint_values(request: SamplingRequest, renames: dict[str, str]) -> dict:
+    """SamplingParams values of response_format, guided_* and logit_bias; `renames` learns how the
+    request spells each field it sets, for errors."""
+    values: dict = {}
+    given: list[str] = []
+    response_format = request.response_format
+    if response_format is not None and response_format.type != "text":
+        if response_format.type == "json_object":
+            values["json_object"] = True
+            renames["json_object"] = "response_format"
+        elif response_format.type == "json_schema":
+            if response_format.json_schema is None or response_format.json_schema.schema is None:
+                raise OpenAIError.bad_request("response_format.json_schema.schema: required with type 'json_schema'",
+                                              "response_format.json_schema.schema")
+            values["json_schema"] = json.dumps(response_format.json_schema.schema)
+            renames["json_schema"] = "response_format.json_schema.schema"
+        else:
+            raise OpenAIError.bad_request(f"response_format.type: must be 'text', 'json_object' or 'json_schema', "
+                                          f"got {response_format.type!r}", "response_format.type")
+        given.append("response_format")
+    for name in _guided_names(request):
+        value = getattr(request, name)
+        if name == "guided_json" and not isinstance(value, str):
+            value = json.dumps(value)
+        values[_GUIDED_FIELDS[name]] = value
+        renames[_GUIDED_FIELDS[name]] = name
+        given.append(name)
+    if len(given) > 1:
+        raise OpenAIError.bad_request(f"{given[1]}: only one of response_format and the guided_* fields may be set, "
+                                      f"got {given}", given[1])
+    if request.logit_bias:
+        bias = {}
+        for key, value in request.logit_bias.items():
+            if not key.isdigit():
+                raise OpenAIError.bad_request(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias")
+            bias[int(key)] = value
+        values["logit_bias"] = bias
+    return values
 
 
 def _num_choices(request: SamplingRequest, num_prompts: int) -> int:

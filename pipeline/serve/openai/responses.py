@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import msgspec
 
 from pipeline.protocol import TokenLogprobs
+from pipeline.serve.openai.tools import ToolPlan
 from pipeline.serve.openai.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -70,24 +71,23 @@ def completion_body(
 
 
 def chat_completion_body(
-    response_id: str, model: str, created: int, choices: Sequence[FinishedChoice], usage: Usage, token_text: TokenText
+    response_id: str, model: str, created: int, choices: Sequence[FinishedChoice], usage: Usage, token_text: TokenText,
+    tools: ToolPlan | None = None,
 ) -> bytes:
-    """A `chat.completion` body; choice i of `choices` gets index i."""
-    return encoder.encode(ChatCompletion(
-        id=response_id,
-        created=created,
-        model=model,
-        choices=[
-            ChatChoice(
-                index,
-                AssistantMessage(content=choice.text),
-                None if choice.logprobs is None else chat_logprobs(choice.logprobs, token_text),
-                choice.finish_reason,
-            )
-            for index, choice in enumerate(choices)
-        ],
-        usage=usage,
-    ))
+    """A `chat.completion` body; choice i of `choices` gets index i. With `tools`, a choice's output
+    is read as the tool calls they asked for (tools.py)."""
+    body_choices = []
+    for index, choice in enumerate(choices):
+        content, tool_calls, finish_reason = choice.text, None, choice.finish_reason
+        if tools is not None:
+            content, tool_calls, finish_reason = tools.message(choice.text, choice.finish_reason)
+        message = AssistantMessage(content=content) if tool_calls is None else AssistantMessage(
+            content=content, tool_calls=tool_calls)
+        body_choices.append(ChatChoice(index, message,
+                                       None if choice.logprobs is None else chat_logprobs(choice.logprobs, token_text),
+                                       finish_reason))
+    return encoder.encode(ChatCompletion(id=response_id, created=created, model=model, choices=body_choices,
+                                         usage=usage))
 
 
 def completion_logprobs(entries: Sequence[TokenLogprobs], token_text: TokenText, text_offset: int = 0) -> CompletionLogprobs:

@@ -2,8 +2,8 @@
 
 Requests: msgspec checks each field's type while decoding; ranges are checked where the
 sampling parameters are made (`params.py`), so each error is found once. Unknown fields are
-ignored, because OpenAI clients send fields this server has no use for (`logit_bias`,
-`response_format`, ...). Every optional field also accepts JSON null, as OpenAI's API does.
+ignored, because OpenAI clients send fields this server has no use for (`parallel_tool_calls`,
+`store`, ...). Every optional field also accepts JSON null, as OpenAI's API does.
 
 Responses and stream chunks have OpenAI's field names and order. A field that is `UNSET` is
 left out of the JSON: a chunk has no `usage` key unless `stream_options.include_usage`.
@@ -23,6 +23,18 @@ from pipeline.serve.openai.errors import OpenAIError
 
 class StreamOptions(Struct):
     include_usage: bool | None = None
+
+
+class JsonSchemaFormat(Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: str  # "text", "json_object" or "json_schema"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingRequest(Struct, kw_only=True):
@@ -48,6 +60,14 @@ class SamplingRequest(Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # structured output: OpenAI's response_format and logit_bias (token id as a string -> bias),
+    # and vLLM's guided_* fields
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # engine extensions: each streamed chunk carries its tokens' ids; a request that continues
     # outputs already delivered (one choice only), as the daemon resumes one after a crash
     return_token_ids: bool | None = None
@@ -74,8 +94,30 @@ class ChatMessage(Struct):
     name: str | None = None
 
 
+class FunctionDefinition(Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(Struct, kw_only=True):
+    type: str  # "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    type: str  # "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
     messages: list[ChatMessage]
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or a named function
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -184,9 +226,21 @@ class ChatLogprobs(Struct):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class AssistantMessage(Struct, kw_only=True):
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # when the model called tools
 
 
 class ChatChoice(Struct):

@@ -1,0 +1,148 @@
+"""Structured-output request fields -> SamplingParams, tool plans, and tool calls in response bodies."""
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from pipeline.serve.openai.errors import OpenAIError
+from pipeline.serve.openai.params import chat_params, completion_requests
+from pipeline.serve.openai.responses import FinishedChoice, chat_completion_body, count_usage
+from pipeline.serve.openai.schemas import decode_chat_request, decode_completion_request
+from pipeline.serve.openai.tools import tool_plan
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
+OTHER_TOOL = {"type": "function", "function": {"name": "no_args"}}
+
+
+def completion_params(**fields: object):
+    body = json.dumps({"prompt": "Hello", **fields}).encode()
+    [choice] = completion_requests(decode_completion_request(body))
+    return choice.params
+
+
+def chat_body(**fields: object):
+    return decode_chat_request(json.dumps({"messages": [{"role": "user", "content": "hi"}], **fields}).encode())
+
+
+def refused(call) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
+        call()
+    assert info.value.status == 400
+    return info.value
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+     {"json_schema": json.dumps(SCHEMA)}),
+    ({"response_format": {"type": "text"}}, {}),
+    ({"guided_json": SCHEMA}, {"json_schema": json.dumps(SCHEMA)}),
+    ({"guided_json": json.dumps(SCHEMA)}, {"json_schema": json.dumps(SCHEMA)}),
+    ({"guided_regex": "[a-z]+"}, {"regex": "[a-z]+"}),
+    ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+    ({"guided_grammar": 'start: "x"'}, {"grammar": 'start: "x"'}),
+    ({"logit_bias": {"7": 2.5, "9": -100}}, {"logit_bias": {7: 2.5, 9: -100.0}}),
+])
+def test_constraint_fields_map_to_sampling_params(fields: dict, expected: dict) -> None:
+    params = completion_params(**fields)
+    for name in ("json_object", "json_schema", "regex", "choice", "grammar", "logit_bias"):
+        assert getattr(params, name) == expected.get(name, getattr(type(params)(), name)), name
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),
+    ({"guided_json": {"type": "objectx"}}, "guided_json", "objectx"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema", "nope"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "required"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "'yaml'"),
+    ({"guided_grammar": 'start: a\na: "x" b'}, "guided_grammar", "unknown name"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "only one of"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "only one of"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"3": 101}}, "logit_bias[3]", "-100.0, 100.0"),
+])
+def test_bad_constraints_are_400s_naming_the_request_field(fields: dict, param: str, words: str) -> None:
+    error = refused(lambda: completion_params(**fields))
+    assert error.param == param and words in error.message
+
+
+def test_a_named_tool_constrains_the_output_to_its_parameters_and_answers_tool_calls() -> None:
+    body = chat_body(tools=[TOOL, OTHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    plan = tool_plan(body)
+    [params] = chat_params(body, default_max_tokens=50, tool_schema=plan.schema)
+    assert json.loads(params.json_schema) == SCHEMA
+    content, calls, reason = plan.message('{"a": 3}', "stop")
+    assert content is None and reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments), c.type) for c in calls] == [("get_weather", {"a": 3}, "function")]
+    assert plan.message('{"a": ', "length") == ('{"a": ', None, "length")
+
+
+def test_required_asks_for_a_list_of_calls_to_the_tools() -> None:
+    plan = tool_plan(chat_body(tools=[TOOL, OTHER_TOOL], tool_choice="required"))
+    assert plan.schema["type"] == "array" and plan.schema["minItems"] == 1
+    assert [item["properties"]["name"]["enum"] for item in plan.schema["items"]["anyOf"]] == [["get_weather"], ["no_args"]]
+    _, calls, reason = plan.message('[{"name": "no_args", "parameters": {}}, {"name": "get_weather", "parameters": {"a": 1}}]',
+                                    "stop")
+    assert reason == "tool_calls" and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("no_args", {}), ("get_weather", {"a": 1})]
+
+
+def test_auto_reads_tagged_tool_calls_and_leaves_plain_text_alone() -> None:
+    plan = tool_plan(chat_body(tools=[TOOL]))
+    assert plan.mode == "auto" and plan.schema is None
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"a": 2}}\n</tool_call>'
+    content, calls, reason = plan.message(text, "stop")
+    assert (content, reason) == ("Let me look.", "tool_calls")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"a": 2})]
+    assert plan.message("no calls here", "stop") == ("no calls here", None, "stop")
+    assert plan.message("<tool_call>not json</tool_call>", "stop")[1] is None
+    assert tool_plan(chat_body(tools=[TOOL], tool_choice="none")) is None
+    assert tool_plan(chat_body()) is None
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools[0].type"),
+])
+def test_bad_tool_requests_are_400s(fields: dict, param: str) -> None:
+    assert refused(lambda: tool_plan(chat_body(**fields))).param == param
+
+
+def test_a_forced_call_cannot_be_combined_with_another_constraint() -> None:
+    body = chat_body(tools=[TOOL], tool_choice="required", guided_regex="a")
+    error = refused(lambda: chat_params(body, default_max_tokens=5, tool_schema=tool_plan(body).schema))
+    assert error.param == "tool_choice"
+
+
+def test_a_chat_body_with_tool_calls_has_openais_shape() -> None:
+    plan = tool_plan(chat_body(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    body = msgspec.json.decode(chat_completion_body("id", "m", 1, [FinishedChoice('{"a": 1}', "stop")],
+                                                    count_usage(3, 4), str, plan))
+    [choice] = body["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["role"] == "assistant" and message["content"] is None
+    [call] = message["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"a": 1}'}
+    plain = msgspec.json.decode(chat_completion_body("id", "m", 1, [FinishedChoice("hi", "stop")], count_usage(3, 4), str))
+    assert plain["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+
+
+def test_a_template_that_shows_tools_gets_them() -> None:
+    from pipeline.serve.openai.chat import ChatTemplate
+    from pipeline.serve.openai.tools import template_tools
+
+    template = ChatTemplate("{% for tool in tools or [] %}[{{ tool.function.name }}: {{ tool.function.parameters | tojson }}]"
+                            "{% endfor %}{{ messages[0].content }}")
+    body = chat_body(tools=[TOOL, OTHER_TOOL])
+    assert template.render(body.messages, tools=template_tools(body)) == (
+        f'[get_weather: {json.dumps(SCHEMA)}][no_args: {{"type": "object"}}]hi')
+    assert template.render(body.messages) == "hi"
