@@ -8,6 +8,11 @@ written anywhere else. A name with `{i}` stands for one link (or stage) per toke
     daemon -abort-> scheduler      scheduler -manifest-> detokenizer -events-> daemon
     detokenizer -stop_strings-> scheduler
     runner -mailbox (each step's sampled tokens)-> scheduler, detokenizer
+
+Stages of one group restart together. The frontend group (the tokenizer workers and the
+detokenizer) restarts alone, on fresh links, while the engine group (the scheduler and the
+runner, which share the step protocol and hold the KV cache and its prefix index) runs on; a
+crash in any other group restarts every stage.
 """
 from __future__ import annotations
 
@@ -15,12 +20,16 @@ from dataclasses import dataclass
 
 DAEMON = "daemon"
 PER_TOKENIZER = "{i}"
+ENGINE = "engine"
+FRONTEND = "frontend"
+RESTARTS_ALONE = (FRONTEND,)  # groups whose crash restarts that group only
 
 
 @dataclass(frozen=True, slots=True)
 class Stage:
     name: str
     module: str  # the module whose `main(spec_json)` is the stage's process body
+    group: str = ENGINE  # the stages that restart together (see the module's doc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +45,10 @@ class Link:
 
 
 STAGES = (
-    Stage("runner", "stages.gpu_runner.stage"),
-    Stage("scheduler", "stages.scheduler.stage"),
-    Stage("detokenizer", "stages.detokenizer.stage"),
-    Stage("tokenizer{i}", "stages.tokenizer.stage"),
+    Stage("runner", "stages.gpu_runner.stage", ENGINE),
+    Stage("scheduler", "stages.scheduler.stage", ENGINE),
+    Stage("detokenizer", "stages.detokenizer.stage", FRONTEND),
+    Stage("tokenizer{i}", "stages.tokenizer.stage", FRONTEND),
 )
 
 REQUEST_BYTES = 4 << 20
@@ -70,7 +79,27 @@ def _expand(name: str, num_tokenizers: int) -> list[str]:
 
 def stages(num_tokenizers: int) -> list[Stage]:
     """Every stage process in spawn order (a stage's index is its place here)."""
-    return [Stage(name, stage.module) for stage in STAGES for name in _expand(stage.name, num_tokenizers)]
+    return [Stage(name, stage.module, stage.group) for stage in STAGES
+            for name in _expand(stage.name, num_tokenizers)]
+
+
+def restart_group(stage: str, num_tokenizers: int) -> list[str]:
+    """The stages that restart when `stage` dies: its group if that restarts alone, else all."""
+    table = stages(num_tokenizers)
+    group = next((s.group for s in table if s.name == stage), None)
+    if group not in RESTARTS_ALONE:
+        return [s.name for s in table]
+    return [s.name for s in table if s.group == group]
+
+
+def touches(link: Link, stage_names: list[str]) -> bool:
+    """Whether one of `stage_names` writes or reads `link` (such a link is made afresh when they restart)."""
+    return link.writer in stage_names or any(reader in stage_names for reader in link.readers)
+
+
+def segment_link(link_name: str, generation: int) -> str:
+    """The segment name part of `link_name` in frontend generation `generation` (0: the first)."""
+    return link_name if generation == 0 else f"{link_name}-g{generation}"
 
 
 def links(num_tokenizers: int) -> list[Link]:
