@@ -2,8 +2,8 @@
 
 16 streaming requests (greedy, seeded sampling, seeded sampling with penalties, greedy with a stop
 string late in its text) against a daemon this script starts on the tiny model on CPU; once every
-stream is running, one stage is SIGKILLed, and the daemon restarts the stages and resumes the
-requests. Per stage: which stages restarted (a frontend stage's group alone, or all), the time
+stream has delivered a quarter of its tokens (or ended early, on its stop string), one stage is
+SIGKILLed, and the daemon restarts the stages and resumes the requests. Per stage: which stages restarted (a frontend stage's group alone, or all), the time
 from the kill to the first token from the fresh stages and to the moment every stream has had
 one, the prompt tokens the resumed requests' replays found in the prefix cache (a fresh engine
 has an empty one), and the requests lost: ended with an error, or with output other than the
@@ -63,13 +63,16 @@ async def kill_under_load(socket_path: Path, stage: str, prompts: list[str], par
     client = AsyncClient(socket_path)
     streams = [client.stream(prompt, request_params) for prompt, request_params in zip(prompts, params)]
     arrivals: list[list[float]] = [[] for _ in streams]
+    num_tokens = [0] * len(streams)
+    min_tokens = max(1, min(p.max_tokens for p in params) // 4)
 
     async def read(index: int) -> None:
-        async for _ in streams[index]:
+        async for delta in streams[index]:
             arrivals[index].append(time.monotonic())
+            num_tokens[index] += len(delta.token_ids)
 
     readers = [asyncio.ensure_future(read(index)) for index in range(len(streams))]
-    while not all(arrivals):  # every stream is running
+    while not all(n >= min_tokens or reader.done() for n, reader in zip(num_tokens, readers)):
         await asyncio.sleep(0.005)
     before = await client.health()
     hit_tokens = (await client.stats()).prefix_cache_hit_tokens
