@@ -6,7 +6,7 @@ round-robin, least-load), a router in front of them; runs the multi-turn chat wo
 system prompts) through it, each policy with conversations of its own so that no policy finds
 another's prefixes. Reports per policy the fleet's prefix-cache hit rate (from the daemons' own
 metrics: hit rate x prompt tokens, before and after) beside the rate perfect routing would get on
-the same turns (multiturn.affinity_hit_rate: one replica whose cache never evicts), TTFT p50/p99
+the same turns (pipeline/router/affinity.py: one replica whose cache never evicts), TTFT p50/p99
 of the turns, output tokens/s and how evenly requests spread. Then the router's own cost, against a direct connection to one
 daemon in the same run: the latency it adds to a one-token request (median of sequential ones),
 and the CPU time the router process spends per streamed chunk (the daemon's own per chunk beside
@@ -36,11 +36,12 @@ import numpy as np  # noqa: E402
 from bench_e2e import engine_options, start_daemon  # noqa: E402
 from bench_http import _run as run_bench  # noqa: E402
 from bench_http import cpu_s  # noqa: E402
-from pipeline.bench.multiturn import affinity_hit_rate, fleet_prefix_hit_tokens, run_workload, scrape_metric  # noqa: E402
+from pipeline.bench.multiturn import fleet_prefix_hit_tokens, run_workload, scrape_metric  # noqa: E402
 from pipeline.bench.targets import HttpTarget  # noqa: E402
 from pipeline.bench.workload import random_requests  # noqa: E402
 from pipeline.client import Client  # noqa: E402
 from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
+from pipeline.router.affinity import affinity_hit_rate  # noqa: E402
 from pipeline.router.prefix import PrefixKeyer  # noqa: E402
 
 POLICIES = ("prefix", "round-robin", "least-load")

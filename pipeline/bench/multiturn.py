@@ -1,12 +1,6 @@
 """A multi-turn chat workload with shared system prompts (the router's test and benchmark):
 conversations run side by side, each one turn after the other, each turn's prompt holding the
 whole history so far (what a chat client sends).
-
-`affinity_hit_rate` estimates the prefix-cache hit rate of a run of it with perfect routing:
-every turn finds every block that a turn before it (of any conversation) left, as on one replica
-whose cache never evicts; a conversation's first turn can find only its system prompt's blocks.
-It tokenizes each reply's text again, which may split differently from the tokens generated, so
-a measured rate can pass it by a little.
 """
 from __future__ import annotations
 
@@ -17,9 +11,6 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-
-from pipeline.router.prefix import PrefixKeyer
-from pipeline.serve.openai.schemas import ChatMessage
 
 WORDS = ("river stone lamp orbit maple quiet signal harbor copper meadow velvet glacier ember lantern "
          "thistle canyon marble willow falcon prism cobalt juniper tundra sparrow").split()
@@ -112,23 +103,3 @@ async def run_workload(url: str, num_conversations: int = 9, num_turns: int = 4,
     result.wall_s = time.monotonic() - start
     return result
 
-
-def affinity_hit_rate(turns: list[TurnResult], keyer: PrefixKeyer) -> float:
-    """The hit rate of `turns` (see the module's doc) with `keyer`'s tokenizer, chat template and
-    block size: the share of prompt tokens in leading blocks that a turn of a lower place left
-    (its prompt and its reply, tokenized again), the last prompt token never counted (the engine
-    computes at least one)."""
-    left: set[bytes] = set()
-    hit_tokens = prompt_tokens = 0
-    for place in range(max((turn.turn for turn in turns), default=-1) + 1):
-        sequences = []
-        for turn in (turn for turn in turns if turn.turn == place):
-            prompt = keyer.tokenizer.encode(keyer.chat_template.render(
-                [ChatMessage(**message) for message in turn.messages]), add_special_tokens=False).ids
-            prompt_tokens += len(prompt)
-            hashes = keyer.block_hashes(prompt[:len(prompt) - 1])
-            hit_tokens += keyer.block_size * next((i for i, h in enumerate(hashes) if h not in left), len(hashes))
-            sequences.append(prompt + keyer.tokenizer.encode(turn.reply, add_special_tokens=False).ids)
-        for sequence in sequences:  # a turn's blocks serve later places only: the same place runs alongside
-            left.update(keyer.block_hashes(sequence))
-    return hit_tokens / prompt_tokens if prompt_tokens else 0.0

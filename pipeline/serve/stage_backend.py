@@ -157,13 +157,15 @@ class StageBackend:
         indexes = [index for index, (name, _) in enumerate(self._procs) if name in group]
         if len(indexes) == len(self._procs):
             return False
+        # By pid: the exit status of a stage whose forkserver is stopped or gone never comes.
+        if not all(pid_alive(process.pid or 0) for name, process in self._procs if name not in group):
+            return False  # a stage of another group died as well (it may be the cause): every stage restarts
         deadline = time.monotonic() + KILL_GRACE_S
         for index in indexes:
             _signal(self._procs[index][1], signal.SIGKILL)
         for index in indexes:
             process = self._procs[index][1]
             process.join(max(0.0, deadline - time.monotonic()))
-            # By pid: a forkserver that is stopped or gone never reports the exit.
             while pid_alive(process.pid or 0) and time.monotonic() < deadline:
                 time.sleep(READY_POLL_S)
             if pid_alive(process.pid or 0):
@@ -200,6 +202,9 @@ class StageBackend:
             failed = self._failed_stage(among=indexes)
             if failed is not None:
                 raise failed
+            dead = [self._procs[index][0] for index in indexes if not pid_alive(self._procs[index][1].pid or 0)]
+            if dead:
+                raise StageFailed(f"stage {dead[0]!r} died during the frontend's restart", stage=dead[0])
             if time.monotonic() > deadline:
                 raise StageFailed(f"the stages at the frontend's links did not move onto fresh ones within "
                                   f"{self.config.start_timeout_s} s")

@@ -158,8 +158,8 @@ class StageSupervisor:
 
     def _restart_alone(self, backend: Backend, failure: StageFailed) -> bool:
         """Restarts only the dead stage's group, where the backend can (StageBackend.restart_stage)
-        and a restart is allowed; True once the loop has the backend back. A restart that fails
-        counts as one, and the whole backend restarts next."""
+        and a restart is allowed; True once the loop has the backend back. When it fails the whole
+        backend restarts next, which is the restart the budget counts."""
         restart_stage = getattr(backend, "restart_stage", None)
         if restart_stage is None or failure.stage is None or self._no_restarts.is_set():
             return False
@@ -169,7 +169,6 @@ class StageSupervisor:
         try:
             restarted = restart_stage(failure.stage)
         except Exception as exc:  # noqa: BLE001 - the whole backend restarts instead
-            self._budget.take(time.monotonic())
             message = exc.message if isinstance(exc, StageFailed) else f"{type(exc).__name__}: {exc}"
             log.error("restarting the group of stage %r failed (%s); restarting every stage", failure.stage, message)
             return False

@@ -42,7 +42,7 @@ GRACE_S = 3.0
 # A long context, so that a long request outlasts the grace period and the faults on any CPU: a
 # single sequence of the tiny model decodes ~1,000 tokens a second when it runs alone.
 MAX_MODEL_LEN = 16384
-DAEMON_OPTIONS = ["--stall-seconds", "1", "--grace-seconds", str(GRACE_S), "--max-restarts", "10",
+DAEMON_OPTIONS = ["--stall-seconds", "1", "--grace-seconds", str(GRACE_S), "--max-restarts", "16",
                   "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", str(4 * MAX_MODEL_LEN // 16)]
 BACKEND = "poisoned-tokenizer"  # the stage processes, but for a tokenizer that dies on POISON_PROMPT
 LONG = dict(max_tokens=MAX_MODEL_LEN - 64, ignore_eos=True, temperature=0.0)  # runs until the fault

@@ -20,7 +20,8 @@ from live_daemon import REAL_BACKEND, daemon_model  # noqa: F401 - a fixture
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not REAL_BACKEND, reason="starts `pipeline start --port` daemons itself")]
 
-from pipeline.bench.multiturn import affinity_hit_rate, fleet_prefix_hit_tokens, run_workload, scrape_metric
+from pipeline.bench.multiturn import fleet_prefix_hit_tokens, run_workload, scrape_metric
+from pipeline.router.affinity import affinity_hit_rate
 from pipeline.router.prefix import PrefixKeyer
 
 NUM_REPLICAS = 3
