@@ -152,6 +152,19 @@ async def stream_completion(client: httpx.AsyncClient, url: str, request: dict, 
     return text, finish, errors
 
 
+async def streams_with_a_signal(url: str, requests: list[dict], pid: int, signum: int
+                                ) -> list[tuple[str, str | None, list[str]]]:
+    """Streams `requests` through `url`, sends `signum` to `pid` once every stream has had text,
+    and returns each stream's text, finish reason and error frames."""
+    started, num_started = asyncio.Event(), [0]
+    async with httpx.AsyncClient(timeout=60) as client:
+        streams = [asyncio.ensure_future(stream_completion(client, url, request, started, num_started, len(requests)))
+                   for request in requests]
+        await asyncio.wait_for(started.wait(), 60)
+        os.kill(pid, signum)
+        return await asyncio.gather(*streams)
+
+
 def complete(url: str, request: dict) -> str:
     response = httpx.post(f"{url}/v1/completions", json=request, timeout=60)
     assert response.status_code == 200, response.text
@@ -178,17 +191,9 @@ def test_a_replica_stopped_under_streams_is_failed_over_after_the_stall_timeout(
     router = start_router(daemon_model, [r.url for r in replicas], tmp_path / "stall.log", "--stall-timeout-s", "2")
     victim = replicas[2]
 
-    async def run() -> list[tuple[str, str | None, list[str]]]:
-        started, num_started = asyncio.Event(), [0]
-        async with httpx.AsyncClient(timeout=60) as client:
-            streams = [asyncio.ensure_future(stream_completion(client, router.url, request, started, num_started,
-                                                               len(requests))) for request in requests]
-            await asyncio.wait_for(started.wait(), 60)
-            os.kill(victim.daemon.process.pid, signal.SIGSTOP)  # alive, connections open, silent
-            return await asyncio.gather(*streams)
-
     try:
-        results = asyncio.run(run())
+        # SIGSTOP: alive, its connections open, silent.
+        results = asyncio.run(streams_with_a_signal(router.url, requests, victim.daemon.process.pid, signal.SIGSTOP))
         failovers = scrape_metric(router.url, "pipeline:router_failovers_total")
         victim_health = httpx.get(f"{router.url}/health").json()["backends"][victim.url]
     finally:
@@ -210,16 +215,7 @@ def test_a_replica_killed_under_16_streams_costs_no_stream_a_token(fleet) -> Non
     failovers_before = scrape_metric(router.url, "pipeline:router_failovers_total")
     victim = replicas[0]
 
-    async def run() -> list[tuple[str, str | None, list[str]]]:
-        started, num_started = asyncio.Event(), [0]
-        async with httpx.AsyncClient(timeout=60) as client:
-            streams = [asyncio.ensure_future(stream_completion(client, router.url, request, started, num_started,
-                                                               len(requests))) for request in requests]
-            await asyncio.wait_for(started.wait(), 60)
-            os.kill(victim.daemon.process.pid, signal.SIGKILL)
-            return await asyncio.gather(*streams)
-
-    results = asyncio.run(run())
+    results = asyncio.run(streams_with_a_signal(router.url, requests, victim.daemon.process.pid, signal.SIGKILL))
     victim.daemon.process.wait(timeout=10)
     for (text, finish, errors), want in zip(results, reference):
         assert errors == []
