@@ -325,6 +325,9 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     parser.add_argument("--health-interval", type=_seconds, default=defaults.health_interval_s,
                         help="seconds between health checks of each backend (default %(default)s)")
+    parser.add_argument("--stall-timeout-s", type=_seconds, default=defaults.stall_timeout_s,
+                        help="a backend whose stream sends nothing for this many seconds is taken for broken: it "
+                             "leaves the ring and the stream goes on on another (default %(default)s)")
     parser.set_defaults(handler=_router)
 
 
@@ -342,7 +345,8 @@ def _router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = RouterConfig(args.backend, model, args.host, args.port, Policy(args.policy), args.epsilon,
-                              args.block_size, args.prefix_blocks, max(args.health_interval, 0.05))
+                              args.block_size, args.prefix_blocks, max(args.health_interval, 0.05),
+                              stall_timeout_s=args.stall_timeout_s)
         return run(config)
     except ValueError as exc:
         raise PipelineError(str(exc)) from None

@@ -182,6 +182,7 @@ class StatsReply(Struct, tag="stats_reply"):
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     prefix_cache_hit_rate: float = 0.0
+    prefix_cache_hit_tokens: int = 0  # admitted tokens found in the prefix cache, since the engine (re)started
     uptime_s: float = 0.0
     generated_tokens_per_s: float = 0.0  # over the last second or so
     num_restarts: int = 0

@@ -6,6 +6,10 @@ the copy kernel), then announces the step. Each consumer (scheduler, detokenizer
 slot and then releases it by storing "released up to step N" in its own counter; the runner
 reuses a slot only once every consumer has released the step before.
 
+A consumer that attaches as replaceable is one the daemon restarts when it dies: the runner then
+waits for the replacement instead of failing. The replacement starts at a step that another
+consumer, which covered for it meanwhile, hands it (`MailboxReader.cover_for`).
+
 A slot may also carry a "ready at" time (CLOCK_MONOTONIC ns, shm/clock.py): its tokens exist
 only from then on, and a reader sleeps until it, as it would wait on a device event. Only the
 simulated device of the benchmarks sets it (stages/gpu_runner/simulated.py); 0 means ready now.
@@ -22,7 +26,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shm.clock import sleep_until_ns
-from shm.mailbox_layout import (DEVICE, MAGIC, MAX_ROWS, NUM_CONSUMERS, NUM_SLOTS, PID, READY_AT_NS, RELEASED, ROWS,
+from shm.mailbox_layout import (DEVICE, MAGIC, MAX_ROWS, NUM_CONSUMERS, NUM_SLOTS, PID, READY_AT_NS, RELEASED,
+                                REPLACEABLE, ROWS,
                                 SEQ, USED_WIDTH, WIDTH, WRITER_PID, Geometry, Mailbox, SlotData, unpack_slot)
 from shm.naming import pid_alive, ring_name
 from shm.polling import poll_until
@@ -84,9 +89,10 @@ class MailboxWriter:
         return self._box.slots[self._box.consumer_field(consumer, PID)]
 
     def _check_consumers(self) -> None:
+        slots = self._box.slots
         for consumer in range(self._box.geometry.num_consumers):
             pid = self.consumer_pid(consumer)
-            if pid and not pid_alive(pid):
+            if pid and not pid_alive(pid) and not slots[self._box.consumer_field(consumer, REPLACEABLE)]:
                 raise PeerDied(f"mailbox {self._box.name!r}: consumer {consumer} (pid {pid}) died")
 
     def wait_free(self, step: int, timeout_s: float, check: Callable[[], None] = lambda: None) -> int:
@@ -157,13 +163,14 @@ class MailboxReader:
     (not in its first read), when the runner has published them, as it has by the time the
     stages build their consumers; else at the first read."""
 
-    def __init__(self, name: str, index: int) -> None:
+    def __init__(self, name: str, index: int, *, replaceable: bool = False) -> None:
         self._box = Mailbox.open(name)
         g = self._box.geometry
         if not 0 <= index < g.num_consumers:
             self._box.close()
             raise ValueError(f"consumer index must be in [0, {g.num_consumers}), got {index}")
         self._index = index
+        self._box.slots[self._box.consumer_field(index, REPLACEABLE)] = int(replaceable)
         self._box.slots[self._box.consumer_field(index, PID)] = os.getpid()
         self._device_slots: DeviceSlotsReader | None = None
         if g.cuda and self._box.handles_ready:
@@ -220,6 +227,20 @@ class MailboxReader:
     def release(self, step: int) -> None:
         """Done with step `step` (and every earlier one)."""
         self._box.slots[self._box.consumer_field(self._index, RELEASED)] = step + 1
+
+    def cover_for(self, consumer: int) -> int:
+        """Releases, for `consumer` (dead; a replacement attaches later), every step this end has
+        released, so that the runner goes on; returns that count. The replacement reads from the
+        next step on. Raises RuntimeError if the consumer runs."""
+        box = self._box
+        pid = box.slots[box.consumer_field(consumer, PID)]
+        if pid and pid_alive(pid):
+            raise RuntimeError(f"mailbox {box.name!r}: consumer {consumer} (pid {pid}) runs; only a dead one's "
+                               "steps may be released for it")
+        released = box.slots[box.consumer_field(self._index, RELEASED)]
+        field = box.consumer_field(consumer, RELEASED)
+        box.slots[field] = max(box.slots[field], released)
+        return released
 
     def close(self) -> None:
         if self._device_slots is not None:

@@ -6,7 +6,8 @@ module; it imports neither. The segment holds, as int64 slots:
     line 0          magic, num_slots, max_rows, logprob_width, num_consumers, device (0 cpu, 1 cuda),
                     handles ready, writer pid
     line 1 + s      slot s: sequence (step + 1), num_rows, logprob width used, ready at (ns, 0: now)
-    line 1 + K + c  consumer c: released count (steps released), pid
+    line 1 + K + c  consumer c: released count (steps released), pid, replaceable (its death makes the
+                    runner wait for a replacement: shm/mailbox.py)
     handles         CUDA only: device index, table bytes, the table's 64-byte IPC memory handle,
                     then one 64-byte IPC event handle per slot
     data            CPU only: per slot token ids int32[R], logprob ids int32[R*W], logprobs float32[R*W]
@@ -26,7 +27,7 @@ from shm.segment import LINE_SLOTS, PeerDied, SharedSegment
 MAGIC = 0x31584F424C49414D  # b"MAILBOX1"
 NUM_SLOTS, MAX_ROWS, WIDTH, NUM_CONSUMERS, DEVICE, HANDLES_READY, WRITER_PID = range(1, 8)
 SEQ, ROWS, USED_WIDTH, READY_AT_NS = range(4)
-RELEASED, PID = range(2)
+RELEASED, PID, REPLACEABLE = range(3)
 IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t alike
 _HANDLES_HEAD = struct.Struct("<qq")  # device index, table bytes
 

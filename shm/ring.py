@@ -67,8 +67,8 @@ def _now() -> float:
 class RingWriter:
     """The one writer of a ring. `write` copies parts in; `reserve`/`commit` fill in place."""
 
-    def __init__(self, segment: RingSegment, *, spin_s: float = SPIN_S) -> None:
-        segment.claim(WRITER_PID, "writer")
+    def __init__(self, segment: RingSegment, *, spin_s: float = SPIN_S, replaceable: bool = False) -> None:
+        segment.claim(WRITER_PID, "writer", replaceable=replaceable)
         self._seg = segment
         self._mm = segment.mm
         self._slots = segment.slots
@@ -89,11 +89,12 @@ class RingWriter:
         self._refresh_limit()
 
     @classmethod
-    def attach(cls, name: str, *, spin_s: float = SPIN_S) -> RingWriter:
-        """Open ring `name` (made by RingSegment.create, maybe in another process) as its writer."""
+    def attach(cls, name: str, *, spin_s: float = SPIN_S, replaceable: bool = False) -> RingWriter:
+        """Open ring `name` (made by RingSegment.create, maybe in another process) as its writer;
+        `replaceable`: see shm/segment.py."""
         segment = RingSegment.open(name)
         try:
-            return cls(segment, spin_s=spin_s)
+            return cls(segment, spin_s=spin_s, replaceable=replaceable)
         except BaseException:
             segment.close()
             raise
@@ -301,11 +302,12 @@ class RingReader:
     """Reader `index` of a ring. read()/try_read() hand out one Record at a time; the next call,
     or release(), frees its space for the writer."""
 
-    def __init__(self, segment: RingSegment, index: int = 0, *, spin_s: float = SPIN_S) -> None:
+    def __init__(self, segment: RingSegment, index: int = 0, *, spin_s: float = SPIN_S,
+                 replaceable: bool = False) -> None:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < segment.num_readers:
             raise ValueError(f"reader index must be in [0, {segment.num_readers}) for ring {segment.name!r}, "
                              f"got {index!r}")
-        segment.claim(reader_slot(index, READER_PID), f"reader {index}")
+        segment.claim(reader_slot(index, READER_PID), f"reader {index}", replaceable=replaceable)
         self._seg = segment
         self._index = index
         self._mm = segment.mm
@@ -324,11 +326,12 @@ class RingReader:
         self._held_end = -1  # cursor after the record handed out and not yet released
 
     @classmethod
-    def attach(cls, name: str, index: int = 0, *, spin_s: float = SPIN_S) -> RingReader:
-        """Open ring `name` (made by RingSegment.create, maybe in another process) as reader `index`."""
+    def attach(cls, name: str, index: int = 0, *, spin_s: float = SPIN_S, replaceable: bool = False) -> RingReader:
+        """Open ring `name` (made by RingSegment.create, maybe in another process) as reader
+        `index`; `replaceable`: see shm/segment.py."""
         segment = RingSegment.open(name)
         try:
-            return cls(segment, index, spin_s=spin_s)
+            return cls(segment, index, spin_s=spin_s, replaceable=replaceable)
         except BaseException:
             segment.close()
             raise

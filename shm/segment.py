@@ -12,8 +12,12 @@ issue, so the segments refuse to map there.
 A ring's layout (each 64-byte line written by exactly one process):
 
     line 0      magic, version, capacity_bytes, num_readers, creator_pid   (written once)
-    line 1      write cursor, writer sleeping, writer pid, writer closed   (the writer's)
-    line 2 + i  read cursor, reader sleeping, reader pid, reader closed    (reader i's)
+    line 1      write cursor, writer sleeping, writer pid, writer closed, writer replaceable
+    line 2 + i  read cursor, reader sleeping, reader pid, reader closed, reader replaceable
+
+An end that claims as replaceable is one the ring's creator restarts when it dies: its death
+makes the other end wait (for the replacement, which claims the same end) instead of raising
+PeerDied, for as long as the creator lives. The creator's own ends are told (it decides).
     data        capacity_bytes of records [u32 length | u32 kind | payload | pad to 8]
 
 Cursors are monotonic byte counts; a record starts at `cursor % capacity_bytes`.
@@ -44,7 +48,9 @@ WRITE_CURSOR = LINE_SLOTS
 WRITER_SLEEPING = LINE_SLOTS + 1
 WRITER_PID = LINE_SLOTS + 2
 WRITER_CLOSED = LINE_SLOTS + 3
-READ_CURSOR, READER_SLEEPING, READER_PID, READER_CLOSED = range(4)  # offsets within a reader line
+WRITER_REPLACEABLE = LINE_SLOTS + 4
+READ_CURSOR, READER_SLEEPING, READER_PID, READER_CLOSED, READER_REPLACEABLE = range(5)  # offsets within a reader line
+REPLACEABLE_AFTER_PID = WRITER_REPLACEABLE - WRITER_PID  # an end's replaceable flag, counted from its pid slot
 
 _X86_64 = ("x86_64", "amd64")
 
@@ -239,25 +245,31 @@ class RingSegment:
     def peer_pid_slots(self) -> list[int]:
         return [WRITER_PID] + [reader_slot(i, READER_PID) for i in range(self.num_readers)]
 
-    def claim(self, pid_slot: int, role: str) -> None:
-        """Write this process's pid as `role`'s, then unlink the names if every end is attached."""
+    def claim(self, pid_slot: int, role: str, *, replaceable: bool = False) -> None:
+        """Write this process's pid as `role`'s, then unlink the names if every end is attached.
+        A `replaceable` end's death makes its peer wait for a replacement (see the module's doc)."""
         register_process()
         holder = self.slots[pid_slot]
         if holder != 0:
             raise RuntimeError(f"ring {self.name!r} already has a {role} (pid {holder})")
+        self.slots[pid_slot + REPLACEABLE_AFTER_PID] = int(replaceable)
         self.slots[pid_slot] = os.getpid()
         full_fence()  # two ends attaching at once must not both miss each other's pid
         if all(self.slots[slot] != 0 for slot in self.peer_pid_slots()):
             self.unlink()
 
     def check_peer(self, pid_slot: int, role: str) -> None:
-        """Raise PeerDied if the process holding `pid_slot` died, or never came and the creator died."""
+        """Raise PeerDied if the process holding `pid_slot` died (unless it is replaceable and the
+        creator, who replaces it, lives), or never came and the creator died."""
         pid = self.slots[pid_slot]
         if pid == 0:
             creator = self.creator_pid
             if not pid_alive(creator):
                 raise PeerDied(f"ring {self.name!r}: the {role} never attached and the creator (pid {creator}) died")
         elif not pid_alive(pid):
+            creator = self.creator_pid
+            if self.slots[pid_slot + REPLACEABLE_AFTER_PID] and creator != os.getpid() and pid_alive(creator):
+                return  # the creator starts its replacement, or stops everything
             raise PeerDied(f"ring {self.name!r}: the {role} (pid {pid}) died")
 
     def unlink(self) -> None:

@@ -28,11 +28,12 @@ from collections.abc import Callable
 from typing import Any
 
 from shm.mailbox import MailboxReader
-from shm.naming import pid_alive
+from shm.naming import pid_alive, ring_name
 from shm.ring import Record, RingReader, RingTimeout, RingWriter
 from shm.segment import PeerDied
 from stages.contracts.config import EngineConfig, ModelLimits
-from stages.contracts.topology import MAILBOX_READERS, Link, links
+from stages.contracts.topology import (FRONTEND, MAILBOX_READERS, RESTARTS_ALONE, Link, links, segment_link, stages,
+                                       touches)
 from stages.profiling import PhaseRange, StageProfiler
 from stages.status import StatusBoard
 
@@ -75,7 +76,12 @@ class StageContext:
         self.instance: str = spec["instance"]
         self.config = EngineConfig.from_dict(spec["config"])
         self._links = links(self.config.num_tokenizers, self.config.ranks_per_node)
-        self._ring_names: dict[str, str] = spec["links"]
+        self._ring_names: dict[str, str] = dict(spec["links"])
+        # A stage of a group that restarts alone attaches as replaceable: its death makes its
+        # peers wait for the replacement the daemon starts (shm/segment.py).
+        table = stages(self.config.num_tokenizers, self.config.ranks_per_node)
+        self._replaceable = next((s.group for s in table if s.name == self.name), None) in RESTARTS_ALONE
+        self._frontend = [s.name for s in table if s.group == FRONTEND]
         self._daemon_pid: int = spec["parent_pid"]
         # The parent to watch; none if the daemon went before this process could watch it (the
         # first tick then stops).
@@ -94,16 +100,18 @@ class StageContext:
         """This stage's end of the link it reads called `name` (or of the one link of family
         `name`, such as "generate{i}" for tokenizer i)."""
         link = self._link(name, reading=True)
-        return RingReader.attach(self._ring_names[link.name], link.reader_index(self.name))
+        return RingReader.attach(self._ring_names[link.name], link.reader_index(self.name),
+                                 replaceable=self._replaceable)
 
     def readers(self, family: str) -> list[RingReader]:
         """This stage's ends of every link of `family` it reads ("tokenized{i}": one per tokenizer)."""
-        return [RingReader.attach(self._ring_names[link.name], link.reader_index(self.name))
+        return [RingReader.attach(self._ring_names[link.name], link.reader_index(self.name),
+                                  replaceable=self._replaceable)
                 for link in self._links if link.family == family and self.name in link.readers]
 
     def writer(self, name: str) -> RingWriter:
         """This stage's end of the link it writes called `name` (or of family `name`)."""
-        return RingWriter.attach(self._ring_names[self._link(name, reading=False).name])
+        return RingWriter.attach(self._ring_names[self._link(name, reading=False).name], replaceable=self._replaceable)
 
     def _link(self, name: str, *, reading: bool) -> Link:
         found = [link for link in self._links if name in (link.name, link.family)
@@ -113,13 +121,24 @@ class StageContext:
                              f"called {name!r}; the topology gives it exactly one or none")
         return found[0]
 
+    def relink(self, generation: int) -> None:
+        """From now on `reader` and `writer` give the ends of frontend generation `generation`'s
+        links (made by the daemon for a restart of the frontend group)."""
+        for link in self._links:
+            if touches(link, self._frontend):
+                self._ring_names[link.name] = ring_name(self.instance, segment_link(link.name, generation))
+
+    def frontend_consumers(self) -> list[int]:
+        """The mailbox consumer indexes of the frontend group's stages."""
+        return [index for index, name in enumerate(MAILBOX_READERS) if name in self._frontend]
+
     @property
     def mailbox_name(self) -> str:
         return self.spec["mailbox"]
 
     def mailbox(self) -> MailboxReader:
         """This stage's reader end of the token mailbox (the runner makes the mailbox)."""
-        return MailboxReader(self.mailbox_name, MAILBOX_READERS.index(self.name))
+        return MailboxReader(self.mailbox_name, MAILBOX_READERS.index(self.name), replaceable=self._replaceable)
 
     # ---- liveness
 
@@ -162,15 +181,22 @@ class StageContext:
         daemon has a capture running. Fetch it once, outside the loop."""
         return self.profiler.range(name)
 
-    def write(self, writer: RingWriter, kind: int, *parts: object) -> None:
+    def write(self, writer: RingWriter, kind: int, *parts: object, give_up: Callable[[], bool] | None = None) -> bool:
         """Write one record, ticking while the ring stays full (a stalled reader never keeps
-        this stage from seeing a stop request or its parent's death)."""
+        this stage from seeing a stop request or its parent's death). With `give_up`, a record
+        still waiting for room once it holds is dropped: False."""
         while True:
             try:
                 writer.write(kind, *parts, timeout=TICK_S)
-                return
+                return True
             except RingTimeout:
                 self.tick()
+                if give_up is not None and give_up():
+                    return False
+
+    def frontend_generation(self) -> int:
+        """How many times the frontend group has restarted alone (stages/status.py)."""
+        return self.board.frontend_generation()
 
     def ready(self) -> None:
         """The stage is built: from here on it only loops. What it built (torch and the model's

@@ -3,12 +3,14 @@
 Layout (int64 slots; each written by one process):
 
     0..7            magic, stop flag (the daemon's), model limits published by the runner:
-                    limits ready, num_kv_blocks, max_model_len, vocab_size, num_host_blocks
+                    limits ready, num_kv_blocks, max_model_len, vocab_size, num_host_blocks;
+                    the frontend generation (the daemon's)
     8..15           eos token ids (count, then up to 7 ids)               (the runner's)
     16..23          scheduler counters: waiting, running, kv used, kv free, tokens
                     generated, preemptions, prefix cache tokens queried and hit (the scheduler's)
     24 + 8*s ..     stage s: pid, heartbeat (CLOCK_MONOTONIC ns), ready,
-                    profile answer: generation answered, outcome          (stage s's)
+                    profile answer: generation answered, outcome,
+                    frontend generation taken up                          (stage s's)
     then            an error message area of ERROR_BYTES per stage (utf-8, length-prefixed)
     then            the profile request: generation, active, directory
                     (PROFILE_DIRECTORY_BYTES, utf-8, length-prefixed)     (the daemon's)
@@ -19,6 +21,10 @@ CLOCK_MONOTONIC is one clock for every process on the machine, so heartbeat ages
 A profile request is posted by writing the directory and the active flag, then bumping the
 generation; a stage that sees a new generation on its tick answers with its outcome and message,
 then the generation it answered (last, so the daemon that sees it sees the rest).
+
+The frontend generation counts restarts of the frontend group alone (stages/contracts/topology.py):
+the daemon bumps it once the fresh links exist, and the scheduler, having let go of every
+request and moved its ends onto them, answers with the generation it took up.
 """
 from __future__ import annotations
 
@@ -34,12 +40,13 @@ MAGIC = 0x31544154535F5049  # b"IP_STAT1"
 MAX_STAGES = 64
 MAX_EOS_IDS = 7
 ERROR_BYTES = 1024
-_MAGIC, _STOP, _LIMITS_READY, _NUM_KV_BLOCKS, _MAX_MODEL_LEN, _VOCAB_SIZE, _NUM_HOST_BLOCKS = range(7)
+(_MAGIC, _STOP, _LIMITS_READY, _NUM_KV_BLOCKS, _MAX_MODEL_LEN, _VOCAB_SIZE, _NUM_HOST_BLOCKS,
+ _FRONTEND_GENERATION) = range(8)
 _EOS = 8
 _COUNTERS = 16
 _STAGES = 24
 _STAGE_SLOTS = 8
-_PID, _HEARTBEAT, _READY, _PROFILE_ANSWERED, _PROFILE_OUTCOME = range(5)
+_PID, _HEARTBEAT, _READY, _PROFILE_ANSWERED, _PROFILE_OUTCOME, _FRONTEND_TAKEN = range(6)
 _ERRORS_OFFSET = (_STAGES + MAX_STAGES * _STAGE_SLOTS) * 8
 PROFILE_DIRECTORY_BYTES = 8 + 4096  # a length, then up to PATH_MAX bytes
 PROFILE_MESSAGE_BYTES = 1024
@@ -119,6 +126,22 @@ class StatusBoard:
     def request_stop(self) -> None:
         self._slots[_STOP] = 1
 
+    def bump_frontend_generation(self) -> int:
+        """The fresh frontend links exist: the scheduler moves onto them. Returns the generation."""
+        generation = self._slots[_FRONTEND_GENERATION] + 1
+        self._slots[_FRONTEND_GENERATION] = generation
+        return generation
+
+    def frontend_generation(self) -> int:
+        return self._slots[_FRONTEND_GENERATION]
+
+    def take_up_frontend(self, index: int, generation: int) -> None:
+        self._slots[self._stage(index, _FRONTEND_TAKEN)] = generation
+
+    def frontend_taken(self, index: int) -> int:
+        """The frontend generation stage `index` has moved onto."""
+        return self._slots[self._stage(index, _FRONTEND_TAKEN)]
+
     @property
     def stop_requested(self) -> bool:
         return bool(self._slots[_STOP])
@@ -178,6 +201,12 @@ class StatusBoard:
     def mark_ready(self, index: int) -> None:
         self.beat(index)
         self._slots[self._stage(index, _READY)] = 1
+
+    def clear_stage(self, index: int) -> None:
+        """Forget stage `index`'s process (the daemon's, before starting a replacement there)."""
+        for field in (_READY, _PID, _HEARTBEAT):
+            self._slots[self._stage(index, field)] = 0
+        self.set_error(index, "")
 
     def is_ready(self, index: int) -> bool:
         return bool(self._slots[self._stage(index, _READY)])

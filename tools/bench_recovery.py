@@ -2,10 +2,12 @@
 
 16 streaming requests (greedy, seeded sampling, seeded sampling with penalties, greedy with a stop
 string late in its text) against a daemon this script starts on the tiny model on CPU; once every
-stream is running, one stage is SIGKILLed, and the daemon restarts the stages and resumes the
-requests. Per stage: the time from the kill to the first token from the fresh stages and to the
-moment every stream has had one, and the requests lost: ended with an error, or with output other
-than the offline engine's for the same requests.
+stream has delivered a quarter of its tokens (or ended early, on its stop string), one stage is
+SIGKILLed, and the daemon restarts the stages and resumes the requests. Per stage: which stages restarted (a frontend stage's group alone, or all), the time
+from the kill to the first token from the fresh stages and to the moment every stream has had
+one, the prompt tokens the resumed requests' replays found in the prefix cache (a fresh engine
+has an empty one), and the requests lost: ended with an error, or with output other than the
+offline engine's for the same requests.
 
     python tools/bench_recovery.py [--quick] [--json]
 """
@@ -41,9 +43,11 @@ NUM_KV_BLOCKS = 512
 @dataclass
 class Outcome:
     stage: str
+    restarted: str  # "group" (the killed stage's group alone: the engine ran on) or "all"
     first_resumed_ms: float  # kill -> the first token from the fresh stages
     all_resumed_ms: float  # kill -> every stream still running at the kill has had one
     lost: int  # streams that ended with an error or with output other than the offline engine's
+    replay_hit_tokens: int  # tokens found in the prefix cache from the kill until every stream ended
 
 
 def workload(model: Path, num_tokens: int) -> tuple[list[str], list[SamplingParams], list[list[int]]]:
@@ -59,29 +63,38 @@ async def kill_under_load(socket_path: Path, stage: str, prompts: list[str], par
     client = AsyncClient(socket_path)
     streams = [client.stream(prompt, request_params) for prompt, request_params in zip(prompts, params)]
     arrivals: list[list[float]] = [[] for _ in streams]
+    num_tokens = [0] * len(streams)
+    min_tokens = max(1, min(p.max_tokens for p in params) // 4)
 
     async def read(index: int) -> None:
-        async for _ in streams[index]:
+        async for delta in streams[index]:
             arrivals[index].append(time.monotonic())
+            num_tokens[index] += len(delta.token_ids)
 
     readers = [asyncio.ensure_future(read(index)) for index in range(len(streams))]
-    while not all(arrivals):  # every stream is running
+    while not all(n >= min_tokens or reader.done() for n, reader in zip(num_tokens, readers)):
         await asyncio.sleep(0.005)
     before = await client.health()
+    hit_tokens = (await client.stats()).prefix_cache_hit_tokens
     killed_at = time.monotonic()
     os.kill(before.stage_pids[stage], signal.SIGKILL)
     # Once the daemon says it restarts the stages, or has, it has let go of the dead ones: every
     # delta that comes later is from the fresh stages.
-    while (health := await client.health()).instance == before.instance and "restarting" not in str(health.reason):
+    while ((health := await client.health()).instance == before.instance and "restarting" not in str(health.reason)
+           and health.num_restarts == before.num_restarts):
         await asyncio.sleep(0.005)
     restarting_at = time.monotonic()
     ended = await asyncio.gather(*readers, return_exceptions=True)
+    after = await client.health()
+    same_engine = after.instance == before.instance
+    replay_hit_tokens = (await client.stats()).prefix_cache_hit_tokens - (hit_tokens if same_engine else 0)
     await client.close()
     resumed = [min((t for t in times if t > restarting_at), default=None) for times in arrivals]
     resumed = [t for t in resumed if t is not None]
     lost = sum(error is not None or not isinstance(stream.completion, Completion)
                or stream.completion.token_ids != want for error, stream, want in zip(ended, streams, expected))
-    return Outcome(stage, (min(resumed) - killed_at) * 1000, (max(resumed) - killed_at) * 1000, lost)
+    return Outcome(stage, "group" if same_engine else "all", (min(resumed) - killed_at) * 1000,
+                   (max(resumed) - killed_at) * 1000, lost, replay_hit_tokens)
 
 
 def wait_serving(socket_path: Path) -> None:
@@ -125,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
                           "stages": [asdict(outcome) for outcome in outcomes]}))
         return 0
     print(f"{NUM_STREAMS} streams of {num_tokens} tokens, tiny llama on CPU; one stage SIGKILLed once all run")
-    print(f"{'stage killed':<16}{'first resumed ms':>18}{'all resumed ms':>16}{'requests lost':>15}")
-    for outcome in outcomes:
-        print(f"{outcome.stage:<16}{outcome.first_resumed_ms:>18.0f}{outcome.all_resumed_ms:>16.0f}{outcome.lost:>15}")
+    print(f"{'stage killed':<16}{'restarted':>10}{'first resumed ms':>18}{'all resumed ms':>16}"
+          f"{'replay hit tokens':>19}{'requests lost':>15}")
+    for o in outcomes:
+        print(f"{o.stage:<16}{o.restarted:>10}{o.first_resumed_ms:>18.0f}{o.all_resumed_ms:>16.0f}"
+              f"{o.replay_hit_tokens:>19}{o.lost:>15}")
     return 0
 
 

@@ -5,8 +5,9 @@ round-robin, least-load), a router in front of them; runs the multi-turn chat wo
 (pipeline/bench/multiturn.py: conversations side by side, each turn carrying the history, shared
 system prompts) through it, each policy with conversations of its own so that no policy finds
 another's prefixes. Reports per policy the fleet's prefix-cache hit rate (from the daemons' own
-metrics: hit rate x prompt tokens, before and after), TTFT p50/p99 of the turns, output tokens/s
-and how evenly requests spread. Then the router's own cost, against a direct connection to one
+metrics: hit rate x prompt tokens, before and after) beside the rate perfect routing would get on
+the same turns (pipeline/router/affinity.py: one replica whose cache never evicts), TTFT p50/p99
+of the turns, output tokens/s and how evenly requests spread. Then the router's own cost, against a direct connection to one
 daemon in the same run: the latency it adds to a one-token request (median of sequential ones),
 and the CPU time the router process spends per streamed chunk (the daemon's own per chunk beside
 it, for scale) on the serving benchmark's streamed workload.
@@ -40,9 +41,12 @@ from pipeline.bench.targets import HttpTarget  # noqa: E402
 from pipeline.bench.workload import random_requests  # noqa: E402
 from pipeline.client import Client  # noqa: E402
 from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
+from pipeline.router.affinity import affinity_hit_rate  # noqa: E402
+from pipeline.router.prefix import PrefixKeyer  # noqa: E402
 
 POLICIES = ("prefix", "round-robin", "least-load")
 NUM_REPLICAS = 3
+BLOCK_SIZE = 16  # the daemons' (engine_options leave the default)
 ROUTER_START_S = 60.0
 
 
@@ -100,7 +104,8 @@ def run_policy(model: Path, urls: list[str], policy: str, seed: int, directory: 
     ttft_ms = np.array([turn.ttft_s * 1000 for turn in result.turns])
     tokens = sum(turn.num_tokens for turn in result.turns)
     mean = sum(per_backend) / len(per_backend)
-    return {"hit_rate": (hits - hits_before) / (total - total_before), "ttft_p50_ms": float(np.percentile(ttft_ms, 50)),
+    return {"hit_rate": (hits - hits_before) / (total - total_before),
+            "affinity_hit_rate": affinity_hit_rate(result.turns, PrefixKeyer(model, BLOCK_SIZE, 1)), "ttft_p50_ms": float(np.percentile(ttft_ms, 50)),
             "ttft_p99_ms": float(np.percentile(ttft_ms, 99)), "output_tok_s": tokens / result.wall_s,
             "requests": len(result.turns), "max_over_mean_requests": max(per_backend) / mean,
             "prefix_owner_routes": prefix_owner}
@@ -143,8 +148,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--quick", action="store_true", help="a smaller workload: a smoke run")
     args = parser.parse_args()
-    args.conversations, args.turns, args.max_tokens = (6, 3, 4) if args.quick else (12, 4, 8)
-    num_streamed, num_probes, rounds = (32, 10, 1) if args.quick else (128, 40, 3)
+    args.conversations, args.turns, args.max_tokens = (4, 2, 2) if args.quick else (12, 4, 8)
+    num_streamed, num_probes, rounds = (16, 5, 1) if args.quick else (128, 40, 3)
     directory = Path(tempfile.mkdtemp(prefix="pl-router-"))
     model = make_tiny_model(directory / "model", "llama", seed=0)
     daemons: list[subprocess.Popen] = []
@@ -184,9 +189,10 @@ def main() -> int:
         return 0
     print(f"{NUM_REPLICAS} daemons, {args.conversations} conversations x {args.turns} turns, {args.max_tokens} "
           "tokens per reply, all conversations at once")
-    print(f"{'policy':<12} {'hit rate':>9} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tok/s':>8} {'max/mean reqs':>14}")
+    print(f"{'policy':<12} {'hit rate':>9} {'affinity':>8} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tok/s':>8} "
+          f"{'max/mean reqs':>14}")
     for policy, row in policies.items():
-        print(f"{policy:<12} {row['hit_rate']:>9.3f} {row['ttft_p50_ms']:>12.1f} {row['ttft_p99_ms']:>12.1f} "
+        print(f"{policy:<12} {row['hit_rate']:>9.3f} {row['affinity_hit_rate']:>8.3f} {row['ttft_p50_ms']:>12.1f} {row['ttft_p99_ms']:>12.1f} "
               f"{row['output_tok_s']:>8.1f} {row['max_over_mean_requests']:>14.2f}")
     print(f"prefix / round-robin hit rate: {report['prefix_over_round_robin_hit_rate']:.2f}")
     latency = report["added_latency"]

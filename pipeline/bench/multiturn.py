@@ -1,6 +1,7 @@
 """A multi-turn chat workload with shared system prompts (the router's test and benchmark):
 conversations run side by side, each one turn after the other, each turn's prompt holding the
-whole history so far (what a chat client sends)."""
+whole history so far (what a chat client sends).
+"""
 from __future__ import annotations
 
 import asyncio
@@ -44,6 +45,9 @@ class TurnResult:
     ttft_s: float
     latency_s: float
     num_tokens: int
+    turn: int = 0  # its place in its conversation, from 0
+    messages: list[dict] = field(default_factory=list)  # what it sent
+    reply: str = ""
 
 
 @dataclass(slots=True)
@@ -90,7 +94,7 @@ async def run_workload(url: str, num_conversations: int = 9, num_turns: int = 4,
                             first = time.monotonic()
                         text += content
             done = time.monotonic()
-            result.turns.append(TurnResult((first or done) - sent, done - sent, num_tokens))
+            result.turns.append(TurnResult((first or done) - sent, done - sent, num_tokens, turn, list(messages), text))
             messages.append({"role": "assistant", "content": text})
 
     async with httpx.AsyncClient(timeout=120) as client:
@@ -98,3 +102,4 @@ async def run_workload(url: str, num_conversations: int = 9, num_turns: int = 4,
                                for system, users in conversations(num_conversations, num_system_prompts, seed)))
     result.wall_s = time.monotonic() - start
     return result
+

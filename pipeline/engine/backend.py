@@ -32,6 +32,7 @@ class BackendStats:
     generated_tokens_per_s: float
     num_restarts: int
     prefix_cache_hit_rate: float = 0.0
+    prefix_cache_hit_tokens: int = 0  # admitted tokens found in the prefix cache, since the engine started
 
 
 class Backend(Protocol):

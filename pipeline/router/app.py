@@ -47,6 +47,7 @@ class RouterApi:
     router: Router
     keyer: PrefixKeyer
     metrics: RouterMetrics
+    stall_timeout_s: float | None = None  # see Sender
 
     def app(self) -> AsgiRouter:
         routes = {
@@ -110,7 +111,7 @@ class RouterApi:
     def _sender(self, request: HttpRequest, path: str, key: bytes | None) -> Sender:
         headers = {"content-type": "application/json"}
         headers.update({name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers})
-        return Sender(self.session, self.router, self.metrics, path, headers, key)
+        return Sender(self.session, self.router, self.metrics, path, headers, key, self.stall_timeout_s)
 
     async def _stream(self, sender: Sender, body: dict, states: list[ChoiceState],
                       parsed: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,

@@ -31,6 +31,11 @@ class RouterConfig:
     prefix_blocks: int = 4  # leading full blocks that make a prompt's key
     health_interval_s: float = 0.5
     health_timeout_s: float = 2.0
+    stall_timeout_s: float = 30.0  # a replica whose stream sends nothing this long is taken for broken
+
+    def __post_init__(self) -> None:
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"the stall timeout must be a positive number of seconds, got {self.stall_timeout_s!r}")
 
 
 async def serve(config: RouterConfig) -> None:
@@ -47,7 +52,7 @@ async def serve(config: RouterConfig) -> None:
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         await replicas.check_all(session)
         replicas.start(session)
-        listener = HttpListener(RouterApi(session, router, keyer, metrics).app(), sock)
+        listener = HttpListener(RouterApi(session, router, keyer, metrics, config.stall_timeout_s).app(), sock)
         await listener.start()
         print(f"router listening on {listener.url} in front of {len(config.backends)} backends "
               f"({len(replicas.healthy())} healthy), policy {config.policy.value}", flush=True)

@@ -33,14 +33,16 @@ class PrefixKeyer:
         self.num_blocks = num_blocks
 
     def key_of_tokens(self, token_ids: list[int]) -> bytes | None:
-        full = min(self.num_blocks, len(token_ids) // self.block_size)
-        if full == 0:
-            return None
-        ids = np.asarray(token_ids[:full * self.block_size], np.int32)
-        parent: bytes | None = None
-        for start in range(0, full * self.block_size, self.block_size):
-            parent = hash_block(parent, ids[start:start + self.block_size])
-        return parent
+        hashes = self.block_hashes(token_ids[:self.num_blocks * self.block_size])
+        return hashes[-1] if hashes else None
+
+    def block_hashes(self, token_ids: list[int]) -> list[bytes]:
+        """The chained hash of each full block of `token_ids`, as the prefix cache makes them."""
+        ids = np.asarray(token_ids, np.int32)
+        hashes: list[bytes] = []
+        for start in range(0, len(ids) - self.block_size + 1, self.block_size):
+            hashes.append(hash_block(hashes[-1] if hashes else None, ids[start:start + self.block_size]))
+        return hashes
 
     def key_of_text(self, text: str) -> bytes | None:
         # Only the leading blocks matter: a prompt's first characters give at least as many tokens.

@@ -2,7 +2,8 @@
 
 The router asks its replica for each chunk's token ids (the `return_token_ids` extension) and
 keeps, per choice, every token delivered to the client. When the replica's stream breaks before
-`[DONE]` (the replica died, or its connection did), every unfinished choice is resubmitted to
+`[DONE]` (the replica died, or its connection did, or it sent nothing for the stall timeout: a
+stopped or hung process), every unfinished choice is resubmitted to
 another replica as its own request: the same body with n = 1, the choice's own seed and prompt,
 and the delivered tokens as `resume_token_ids`, which the daemon continues exactly as it resumes
 a request after a stage crash (seeded sampling, penalties, max_tokens and stop strings go on from
@@ -101,7 +102,7 @@ class StreamRelay:
 
     async def open(self) -> Refused | None:
         """Opens the first upstream stream; a refusal is the response the client gets instead."""
-        opened = await self.sender.open(self.upstream_body())
+        opened = await self.sender.open(self.upstream_body(), stream=True)
         if isinstance(opened, Refused):
             return opened
         self._first = _Attempt(opened, {c.index: c for c in self.choices}, resumed=False)
@@ -139,8 +140,9 @@ class StreamRelay:
     async def _read(self, attempt: _Attempt) -> None:
         response, replica = attempt.opened.response, attempt.opened.replica
         done = False
+        why = "a stream from it broke before its end"
         try:
-            async for line in response.content:
+            while line := await asyncio.wait_for(response.content.readline(), self.sender.stall_timeout_s):
                 if not line.startswith(_DATA):
                     continue
                 payload = line[len(_DATA):].rstrip(b"\r\n")
@@ -150,6 +152,8 @@ class StreamRelay:
                 frame = self._relay(attempt, payload)
                 if frame:
                     self._queue.put_nowait(frame)
+        except TimeoutError:
+            why = f"a stream from it sent nothing for {self.sender.stall_timeout_s:g} s"
         except UNREACHABLE:
             pass
         finally:
@@ -159,7 +163,7 @@ class StreamRelay:
                 response.close()
             self.sender.end(replica)
         if not done:
-            self.sender.router.replicas.mark(replica.url, False, "a stream from it broke before its end")
+            self.sender.router.replicas.mark(replica.url, False, why)
         self._queue.put_nowait((attempt, not done))
 
     def _relay(self, attempt: _Attempt, payload: bytes) -> bytes | None:
@@ -244,7 +248,7 @@ class StreamRelay:
                     resume_token_ids=list(choice.token_ids))
         body.pop("stream_options", None)
         body.pop("echo", None)
-        opened = await self.sender.open(msgspec.json.encode(body))
+        opened = await self.sender.open(msgspec.json.encode(body), stream=True)
         if isinstance(opened, Refused):
             choice.finished = True
             self._queue.put_nowait(_DATA + opened.body + b"\n\n" if opened.body.startswith(b"{\"error\"") else

@@ -2,12 +2,15 @@
 next, until one answers or none is left.
 
 A replica that cannot be reached, or that dies while a request is on it, leaves the ring at once
-(its health checks bring it back). A 5xx answer (overloaded, restarting) sends the request to
+(its health checks bring it back). So does one that hangs: a stream that opens, or sends
+nothing, for `stall_timeout_s` is taken for broken (relay.py fails it over). A 5xx answer (overloaded, restarting) sends the request to
 another replica; a 4xx is the request's own fault and is returned as it came.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import asyncio
 
 import aiohttp
 
@@ -44,12 +47,14 @@ class Sender:
     path: str
     headers: dict[str, str]
     key: bytes | None
+    stall_timeout_s: float | None = None  # a stream silent this long (opening or mid-way) is broken; None: never
     tried: set[str] = field(default_factory=set)
     num_attempts: int = 0
 
-    async def open(self, body: bytes) -> Opened | Refused:
+    async def open(self, body: bytes, *, stream: bool = False) -> Opened | Refused:
         """The first replica that answers 200 with its response (headers read, body not), else
-        the last refusal (or a 503 when no replica is left to try)."""
+        the last refusal (or a 503 when no replica is left to try). A `stream` whose replica
+        does not answer within the stall timeout is tried on the next."""
         refused: Refused | None = None
         self.tried.clear()
         while True:
@@ -66,7 +71,9 @@ class Sender:
             replica.num_requests += 1
             self.begin(replica)
             try:
-                response = await self.session.post(replica.url + self.path, data=body, headers=self.headers)
+                response = await asyncio.wait_for(
+                    self.session.post(replica.url + self.path, data=body, headers=self.headers),
+                    self.stall_timeout_s if stream else None)
             except UNREACHABLE as exc:
                 self.end(replica)
                 self.router.replicas.mark(replica.url, False, f"unreachable: {type(exc).__name__} {exc}".rstrip())

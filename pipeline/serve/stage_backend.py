@@ -4,7 +4,9 @@
 in stages/contracts/topology.py) and the status board, starts the stages the table names
 (runner, scheduler, detokenizer, `num_tokenizers` tokenizer workers), waits until each reports
 ready, and then only writes requests and aborts and reads output events. The runner makes the
-token mailbox itself, since its kind follows the runner's device.
+token mailbox itself, since its kind follows the runner's device. When a stage of a group that
+restarts alone dies (the frontend: tokenizer workers and detokenizer), `restart_stage` restarts
+that group on fresh links while the engine's stages, and the KV cache they hold, run on.
 
 The stages fork from a server process that the first backend starts and that has imported
 their modules (torch among them) once: a restart after a crash then costs a fork and the
@@ -33,14 +35,14 @@ from pipeline.errors import Overloaded, StageFailed
 from pipeline.engine.backend import BackendStats, StageHealth
 from pipeline.serve.nsys import SESSION_ENV
 from pipeline.serve.profile_control import ProfileControl
-from shm.mailbox import unlink_mailbox
 from shm.naming import pid_alive, ring_name, sweep_stale, unlink_instance
 from shm.ring import RingReader, RingTimeout, RingWriter
 from shm.segment import PeerDied, RingSegment
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent, TokenTexts
 from stages.contracts.params import SamplingParams
-from stages.contracts.topology import DAEMON, STAGES, Stage, links, stages
+from stages.contracts.topology import (DAEMON, STAGES, Link, Stage, links, restart_group, segment_link, stages,
+                                       touches)
 from stages.events import coalesce_outputs, decode_events, decode_token_texts
 from stages.messages import Kind, encode_generate, encode_req_id
 from stages.process import EXIT_PEER_DIED, launch
@@ -85,8 +87,8 @@ class StageBackend:
         self._next_tokenizer = 0
         self._forkserver_watch: threading.Thread | None = None  # replacing a dead forkserver
         self._rate = _TokenRate()
-        self._writers: list[RingWriter] = []
-        self._readers: list[RingReader] = []
+        self._ends: dict[str, RingWriter | RingReader] = {}  # this process's ends, by link name
+        self._frontend_generation = 0
         swept = sweep_stale()
         if swept:
             log.info("removed %d /dev/shm entries left by dead instances", len(swept))
@@ -102,63 +104,133 @@ class StageBackend:
         self._board = StatusBoard.create(instance)
         self._profile = ProfileControl(
             self._board, lambda: {index: name for index, (name, p) in enumerate(self._procs) if p.is_alive()})
-        ring_names: dict[str, str] = {}
-        writers: dict[str, RingWriter] = {}
-        readers: dict[str, RingReader] = {}
-        for link in links(config.num_tokenizers, config.ranks_per_node):
-            segment = RingSegment.create(instance, link.name, link.capacity_bytes, len(link.readers))
-            ring_names[link.name] = segment.name
+        self._ring_names = self._make_links(links(config.num_tokenizers, config.ranks_per_node), generation=0)
+        self._common_spec = {"instance": instance, "parent_pid": os.getpid(), "status": self._board.name,
+                             "mailbox": ring_name(instance, "mailbox"), "config": config.to_dict()}
+        for index, stage in enumerate(self.stage_table()):
+            self._procs.append((stage.name, self._spawn(index, stage)))
+        self._wait_ready(range(len(self._procs)))
+        self.limits = self._board.limits()
+        # The status board and the mailbox keep their names while the instance lives, so that a
+        # restarted frontend stage can open them; close() (or the sweep after a crash) removes them.
+
+    def _make_links(self, table: list[Link], generation: int) -> dict[str, str]:
+        """Creates the segments of `table`'s links in frontend generation `generation` and this
+        process's ends of them; returns each link's segment name, for the stages."""
+        names: dict[str, str] = {}
+        for link in table:
+            segment = RingSegment.create(self.instance, segment_link(link.name, generation), link.capacity_bytes,
+                                         len(link.readers))
+            names[link.name] = segment.name
             if link.writer == DAEMON:
-                writers[link.name] = RingWriter(segment)
+                self._ends[link.name] = RingWriter(segment)
             elif DAEMON in link.readers:
-                readers[link.name] = RingReader(segment, link.reader_index(DAEMON))
+                self._ends[link.name] = RingReader(segment, link.reader_index(DAEMON))
             else:
                 segment.close()  # the creator's mapping is not needed: the stages attach by name
-        self._writers, self._readers = list(writers.values()), list(readers.values())
-        self._generate = [writers[f"generate{i}"] for i in range(config.num_tokenizers)]
-        self._abort = writers["abort"]
-        self._events = readers["events"]
-        common = {"instance": instance, "parent_pid": os.getpid(), "status": self._board.name,
-                  "mailbox": ring_name(instance, "mailbox"), "links": ring_names, "config": config.to_dict()}
-        ctx = _process_context()
-        for index, stage in enumerate(self.stage_table()):
-            spec = dict(common, name=stage.name, index=index)
-            # Not daemonic, so a daemon that is itself a multiprocessing child may start stages;
-            # the atexit hook registered in __init__ stops them if the owner exits without close().
-            process = ctx.Process(target=_stage_process, args=(stage.module, json.dumps(spec)),
-                                  name=f"pipeline-{stage.name}")
-            process.start()
-            self._procs.append((stage.name, process))
-        self._wait_ready()
-        self.limits = self._board.limits()
-        # Every end has attached: the rings unlinked themselves; these two are ours to unlink.
-        unlink_mailbox(ring_name(instance, "mailbox"))
-        self._board.unlink()
+        self._generate = [self._ends[f"generate{i}"] for i in range(self.config.num_tokenizers)]
+        self._abort = self._ends["abort"]
+        self._events = self._ends["events"]
+        return names
+
+    def _spawn(self, index: int, stage: Stage) -> mp.process.BaseProcess:
+        spec = dict(self._common_spec, name=stage.name, index=index, links=self._ring_names)
+        # Not daemonic, so a daemon that is itself a multiprocessing child may start stages;
+        # the atexit hook registered in __init__ stops them if the owner exits without close().
+        process = _process_context().Process(target=_stage_process, args=(stage.module, json.dumps(spec)),
+                                             name=f"pipeline-{stage.name}")
+        process.start()
+        return process
 
     def stage_table(self) -> list[Stage]:
         """The stage processes to start, in order: the link table's (a test double swaps a module)."""
         return stages(self.config.num_tokenizers, self.config.ranks_per_node)
 
-    def _wait_ready(self) -> None:
+    def restart_stage(self, stage: str) -> bool:
+        """Restarts the group of `stage`, which died, while the other stages run on, if that group
+        restarts alone (stages/contracts/topology.py); False if it does not (the whole backend
+        must restart). The group's other stages are killed; its links are made afresh; the stages
+        at their other ends move onto them, letting go of every request, before the fresh group
+        starts. Every request submitted before is gone: resubmit those still wanted. Raises
+        StageFailed if the restart failed (the backend is then only good for closing)."""
+        group = restart_group(stage, self.config.num_tokenizers, self.config.ranks_per_node)
+        indexes = [index for index, (name, _) in enumerate(self._procs) if name in group]
+        if len(indexes) == len(self._procs):
+            return False
+        # By pid: the exit status of a stage whose forkserver is stopped or gone never comes.
+        if not all(pid_alive(process.pid or 0) for name, process in self._procs if name not in group):
+            return False  # a stage of another group died as well (it may be the cause): every stage restarts
+        deadline = time.monotonic() + KILL_GRACE_S
+        for index in indexes:
+            _signal(self._procs[index][1], signal.SIGKILL)
+        for index in indexes:
+            process = self._procs[index][1]
+            process.join(max(0.0, deadline - time.monotonic()))
+            while pid_alive(process.pid or 0) and time.monotonic() < deadline:
+                time.sleep(READY_POLL_S)
+            if pid_alive(process.pid or 0):
+                raise StageFailed(f"stage {self._procs[index][0]!r} outlived SIGKILL for {KILL_GRACE_S:g} s",
+                                  stage=self._procs[index][0])
+        fresh = [link for link in links(self.config.num_tokenizers, self.config.ranks_per_node) if touches(link, group)]
+        with self._lock:
+            self._check_open()
+            for link in fresh:
+                end = self._ends.pop(link.name, None)
+                if end is not None:
+                    end.close()
+            self._frontend_generation += 1
+            self._ring_names.update(self._make_links(fresh, self._frontend_generation))
+            self._live.clear()
+            self._pending_aborts.clear()
+            self._next_tokenizer = 0
+        for index in indexes:
+            self._board.clear_stage(index)
+        movers = {name for link in fresh for name in (link.writer, *link.readers)} - set(group) - {DAEMON}
+        self._wait_taken_up([index for index, (name, _) in enumerate(self._procs) if name in movers],
+                            self._board.bump_frontend_generation())
+        table = self.stage_table()
+        for index in indexes:
+            self._procs[index] = (table[index].name, self._spawn(index, table[index]))
+        self._wait_ready(indexes)
+        log.warning("restarted %s after %s died; the other stages ran on", ", ".join(group), stage)
+        return True
+
+    def _wait_taken_up(self, indexes: list[int], generation: int) -> None:
+        """Waits until the stages at `indexes` have moved onto frontend generation `generation`."""
         deadline = time.monotonic() + self.config.start_timeout_s
-        while not all(self._board.is_ready(index) for index in range(len(self._procs))):
+        while not all(self._board.frontend_taken(index) == generation for index in indexes):
+            failed = self._failed_stage(among=indexes)
+            if failed is not None:
+                raise failed
+            dead = [self._procs[index][0] for index in indexes if not pid_alive(self._procs[index][1].pid or 0)]
+            if dead:
+                raise StageFailed(f"stage {dead[0]!r} died during the frontend's restart", stage=dead[0])
+            if time.monotonic() > deadline:
+                raise StageFailed(f"the stages at the frontend's links did not move onto fresh ones within "
+                                  f"{self.config.start_timeout_s} s")
+            time.sleep(READY_POLL_S)  # a restart's wait: the scheduler drains at most two steps
+
+    def _wait_ready(self, indexes: Sequence[int]) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while not all(self._board.is_ready(index) for index in indexes):
             failed = self._failed_stage()
             if failed is not None:
                 raise failed
             if time.monotonic() > deadline:
-                waiting = [name for index, (name, _) in enumerate(self._procs) if not self._board.is_ready(index)]
+                waiting = [self._procs[index][0] for index in indexes if not self._board.is_ready(index)]
                 raise StageFailed(f"stages {waiting} were not ready within {self.config.start_timeout_s} s")
             time.sleep(READY_POLL_S)  # start-up only: model loading takes seconds
 
-    def _failed_stage(self) -> StageFailed | None:
-        """StageFailed naming a dead stage, if any died: one that failed on its own (killed, or
-        its own error) is named before one that ended because a peer died under it."""
+    def _failed_stage(self, among: Sequence[int] | None = None) -> StageFailed | None:
+        """StageFailed naming a dead stage (of those at `among`, if given), if any died: one that
+        failed on its own (killed, or its own error) is named before one that ended because a
+        peer died under it."""
         dead = [(index, name, code) for index, (name, p) in enumerate(self._procs)
-                if (code := _exit_code(p)) is not None]
+                if (among is None or index in among) and (code := _exit_code(p)) is not None]
         if not dead:
             return None
         if all(code == EXIT_PEER_DIED for _, _, code in dead) and self._reap_dead_peers():
-            return self._failed_stage()
+            return self._failed_stage(among)
         dead.sort(key=lambda d: (d[2] == EXIT_PEER_DIED, d[2] >= 0))  # killed first, then own errors
         index, name, code = dead[0]
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -314,7 +386,8 @@ class StageBackend:
         counters = self._board.counters()
         return BackendStats(counters.num_waiting, counters.num_running, counters.kv_blocks_used,
                             counters.kv_blocks_free, self._rate.tokens_per_s, num_restarts=0,
-                            prefix_cache_hit_rate=counters.prefix_cache_hit_rate)
+                            prefix_cache_hit_rate=counters.prefix_cache_hit_rate,
+                            prefix_cache_hit_tokens=counters.num_prefix_hit_tokens)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops every stage and removes every shm entry of this instance."""
@@ -337,7 +410,7 @@ class StageBackend:
             if _exit_code(process) is None:
                 _signal(process, signal.SIGKILL)
                 _join(process, time.monotonic() + KILL_GRACE_S)
-        for end in [*self._writers, *self._readers]:
+        for end in self._ends.values():
             end.close()
         if board is not None:
             board.close()

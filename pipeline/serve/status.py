@@ -103,4 +103,5 @@ def stats_reply(server: ServerState) -> StatsReply:
     reply.kv_blocks_total = stats.kv_blocks_used + stats.kv_blocks_free
     reply.generated_tokens_per_s = stats.generated_tokens_per_s
     reply.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
+    reply.prefix_cache_hit_tokens = stats.prefix_cache_hit_tokens
     return reply

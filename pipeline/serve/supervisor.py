@@ -1,10 +1,11 @@
 """Keeps the daemon's stages serving: pumps their output to the event loop, restarts them when one dies.
 
 One thread does it all, in order: read events from the backend until a stage fails; hand the
-failure to the event loop, which parks the requests in flight and lets go of the backend; close
-the dead backend (its processes and /dev/shm entries); start a fresh one under a new instance
-id; hand that to the loop, which resumes the parked requests (and those that came meanwhile) on
-it. A start that fails (the forkserver died with it, a stage crashed while loading) is tried
+failure to the event loop, which parks the requests in flight and lets go of the backend; where
+the backend can restart the dead stage's group alone (`restart_stage`: the frontend, whose crash
+leaves the engine and its prefix cache running), do that and hand the same backend back;
+otherwise close the dead backend (its processes and /dev/shm entries) and start a fresh one under
+a new instance id. The loop then resumes the parked requests (and those that came meanwhile). A start that fails (the forkserver died with it, a stage crashed while loading) is tried
 again after a backoff. Restarts are bounded, so a broken model does not loop for ever: more than
 `max_restarts` restarts (tries included) within `window_s` leave the daemon degraded with the
 reason (and end the parked requests), as does a failure once the daemon is shutting down.
@@ -72,13 +73,19 @@ class RestartBudget:
 
     def take(self, now_s: float) -> str | None:
         """Counts a restart at `now_s` and returns None, or returns why none is allowed now."""
+        refusal = self.refusal(now_s)
+        if refusal is None:
+            self._restart_times_s.append(now_s)
+        return refusal
+
+    def refusal(self, now_s: float) -> str | None:
+        """Why no restart is allowed at `now_s`, or None if one is (without counting it)."""
         policy = self._policy
         while self._restart_times_s and now_s - self._restart_times_s[0] >= policy.window_s:
             self._restart_times_s.popleft()
         if len(self._restart_times_s) >= policy.max_restarts:
             return (f"{len(self._restart_times_s)} restarts within {policy.window_s:g} s already "
                     f"(the limit is {policy.max_restarts})")
-        self._restart_times_s.append(now_s)
         return None
 
 
@@ -128,6 +135,8 @@ class StageSupervisor:
                 return  # stopping: stop() closes the backend
             # The loop parks the requests and lets go of the backend.
             self._call_on_loop(self._server.on_backend_failed, failure.message, failure.stage)
+            if self._restart_alone(backend, failure):
+                continue
             self._backend = None
             backend.close()
             self._backend = self._restart(failure.message)
@@ -146,6 +155,28 @@ class StageSupervisor:
             if events:
                 self._loop.call_soon_threadsafe(self._server.on_events, events)
         return None
+
+    def _restart_alone(self, backend: Backend, failure: StageFailed) -> bool:
+        """Restarts only the dead stage's group, where the backend can (StageBackend.restart_stage)
+        and a restart is allowed; True once the loop has the backend back. When it fails the whole
+        backend restarts next, which is the restart the budget counts."""
+        restart_stage = getattr(backend, "restart_stage", None)
+        if restart_stage is None or failure.stage is None or self._no_restarts.is_set():
+            return False
+        if self._budget.refusal(time.monotonic()) is not None:
+            return False  # the whole restart says so, and gives up
+        log.warning("restarting the group of stage %r after: %s", failure.stage, failure.message)
+        try:
+            restarted = restart_stage(failure.stage)
+        except Exception as exc:  # noqa: BLE001 - the whole backend restarts instead
+            message = exc.message if isinstance(exc, StageFailed) else f"{type(exc).__name__}: {exc}"
+            log.error("restarting the group of stage %r failed (%s); restarting every stage", failure.stage, message)
+            return False
+        if not restarted:
+            return False
+        self._budget.take(time.monotonic())
+        self._call_on_loop(self._server.on_backend_restarted, backend)
+        return True
 
     def _restart(self, reason: str) -> Backend | None:
         """A fresh backend, or None (with the loop told why) when no restart is allowed. A start

@@ -12,8 +12,11 @@ it alone writes `done` and the mailbox; every rank reads `plan`).
     runner -mailbox (each step's sampled tokens)-> scheduler, detokenizer
     scheduler -plan-> runner{r} (tensor-parallel ranks 1..N-1 on this machine)
 
-Stages of one `group` restart together: a tensor-parallel rank cannot rejoin a group whose other
-ranks run on, so the death of one runner rank restarts every rank (`restart_group`).
+Stages of one group restart together. The frontend group (the tokenizer workers and the
+detokenizer) restarts alone, on fresh links, while the engine group (the scheduler and the
+runner ranks, which share the step protocol and hold the KV cache and its prefix index) runs on;
+a crash in any other group restarts every stage. A tensor-parallel rank cannot rejoin a group
+whose other ranks run on, so the death of one runner rank restarts every rank with the rest.
 """
 from __future__ import annotations
 
@@ -23,13 +26,16 @@ DAEMON = "daemon"
 PER_TOKENIZER = "{i}"
 PER_RANK = "{r}"
 RUNNER = "runner"
+ENGINE = "engine"
+FRONTEND = "frontend"
+RESTARTS_ALONE = (FRONTEND,)  # groups whose crash restarts that group only
 
 
 @dataclass(frozen=True, slots=True)
 class Stage:
     name: str
     module: str  # the module whose `main(spec_json)` is the stage's process body
-    group: str = ""  # stages that restart together share it ("": the stage alone)
+    group: str = ENGINE  # the stages that restart together (see the module's doc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,11 +51,11 @@ class Link:
 
 
 STAGES = (
-    Stage(RUNNER, "stages.gpu_runner.stage", RUNNER),
-    Stage(RUNNER + PER_RANK, "stages.gpu_runner.stage", RUNNER),
-    Stage("scheduler", "stages.scheduler.stage"),
-    Stage("detokenizer", "stages.detokenizer.stage"),
-    Stage("tokenizer{i}", "stages.tokenizer.stage"),
+    Stage(RUNNER, "stages.gpu_runner.stage", ENGINE),
+    Stage(RUNNER + PER_RANK, "stages.gpu_runner.stage", ENGINE),
+    Stage("scheduler", "stages.scheduler.stage", ENGINE),
+    Stage("detokenizer", "stages.detokenizer.stage", FRONTEND),
+    Stage("tokenizer{i}", "stages.tokenizer.stage", FRONTEND),
 )
 
 REQUEST_BYTES = 4 << 20
@@ -87,11 +93,23 @@ def stages(num_tokenizers: int, num_ranks: int = 1) -> list[Stage]:
             for name in _expand(stage.name, num_tokenizers, num_ranks)]
 
 
-def restart_group(name: str, num_tokenizers: int, num_ranks: int = 1) -> list[str]:
-    """The stages that restart with stage `name`: those of its group, or itself alone."""
+def restart_group(stage: str, num_tokenizers: int, num_ranks: int = 1) -> list[str]:
+    """The stages that restart when `stage` dies: its group if that restarts alone, else all."""
     table = stages(num_tokenizers, num_ranks)
-    group = next((stage.group for stage in table if stage.name == name), "")
-    return [stage.name for stage in table if stage.name == name or (group and stage.group == group)]
+    group = next((s.group for s in table if s.name == stage), None)
+    if group not in RESTARTS_ALONE:
+        return [s.name for s in table]
+    return [s.name for s in table if s.group == group]
+
+
+def touches(link: Link, stage_names: list[str]) -> bool:
+    """Whether one of `stage_names` writes or reads `link` (such a link is made afresh when they restart)."""
+    return link.writer in stage_names or any(reader in stage_names for reader in link.readers)
+
+
+def segment_link(link_name: str, generation: int) -> str:
+    """The segment name part of `link_name` in frontend generation `generation` (0: the first)."""
+    return link_name if generation == 0 else f"{link_name}-g{generation}"
 
 
 def runner_rank(name: str) -> int:

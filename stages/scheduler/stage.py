@@ -5,6 +5,12 @@ process: plans go out on the plan ring, and each step's tokens come back as a do
 mailbox slot. Every applied step becomes a manifest for the detokenizer (which entries are real
 outputs, which requests finished). New requests and rejections reach the detokenizer through
 here too, so it hears of a request before any manifest names it.
+
+When the daemon restarts the frontend group (a tokenizer worker or the detokenizer died) this
+stage runs on: it ends every request (their KV blocks stay in the prefix cache), lets the steps
+in flight drain, releases their mailbox slots for the dead detokenizer, and moves its ends onto
+the fresh links. The daemon then resumes each request as prompt plus delivered tokens, and its
+replay finds those blocks again.
 """
 from __future__ import annotations
 
@@ -90,11 +96,14 @@ class SchedulerLoop:
         self.to_detokenizer = to_detokenizer
         self.requests = RequestRegistry()
         self.tokens_generated = 0
+        self.frontend_generation = ctx.frontend_generation()
 
     def run(self) -> None:
         drain_range, manifest_range = self.ctx.range("drain_inputs"), self.ctx.range("write_manifest")
         while True:
             self.ctx.tick()
+            if self.frontend_restarted():
+                self.take_up_frontend(self.ctx.frontend_generation())
             with drain_range:
                 took_input = self.drain_inputs()
             update = self.steps.turn(wait_s=TICK_S)
@@ -108,6 +117,40 @@ class SchedulerLoop:
                 if not took_input:
                     self.wait_for_input()
             self.publish_counters()
+
+    # ---- the frontend group's restart
+
+    def frontend_restarted(self) -> bool:
+        return self.ctx.frontend_generation() != self.frontend_generation
+
+    def take_up_frontend(self, generation: int) -> None:
+        """Ends every request, drains the steps in flight, and moves onto `generation`'s links."""
+        for req_id in list(self.requests.live):
+            self.scheduler.abort(req_id)
+        self.requests = RequestRegistry()
+        mailbox = self.executor.mailbox
+        while self.scheduler.num_steps_in_flight:  # their outputs go to no one: each request resumes
+            for consumer in self.ctx.frontend_consumers():
+                mailbox.cover_for(consumer)
+            self.steps.turn(wait_s=TICK_S)
+            self.ctx.tick()
+        for consumer in self.ctx.frontend_consumers():
+            mailbox.cover_for(consumer)
+        while self.aborts.try_read() is not None:
+            pass  # for requests of the dead frontend: the daemon resubmits only those still wanted
+        for end in [*self.inboxes, self.stop_strings, self.to_detokenizer]:
+            end.close()
+        self.ctx.relink(generation)
+        self.inboxes = self.ctx.readers("tokenized{i}")
+        self.stop_strings = self.ctx.reader("stop_strings")
+        self.to_detokenizer = self.ctx.writer("manifest")
+        self.frontend_generation = generation
+        self.ctx.board.take_up_frontend(self.ctx.index, generation)
+
+    def to_frontend(self, kind: int, *parts: object) -> None:
+        """Writes one record to the detokenizer; one that a dead detokenizer left no room for is
+        dropped once the frontend restarts (every request resumes on the fresh one)."""
+        self.ctx.write(self.to_detokenizer, kind, *parts, give_up=self.frontend_restarted)
 
     # ---- inputs
 
@@ -138,20 +181,20 @@ class SchedulerLoop:
     def on_request(self, record: Record) -> None:
         if record.kind == msg.Kind.REJECT:
             self.requests.ended(msg.decode_reject(record.payload).req_id)
-            self.ctx.write(self.to_detokenizer, msg.Kind.REJECT, record.payload)
+            self.to_frontend(msg.Kind.REJECT, record.payload)
             return
         new = msg.decode_new_request(record.payload)
         # The detokenizer hears of the request before any manifest that names it.
-        self.ctx.write(self.to_detokenizer, msg.Kind.NEW_REQUEST, record.payload)
+        self.to_frontend(msg.Kind.NEW_REQUEST, record.payload)
         if not self.requests.admit(new.req_id):
-            self.ctx.write(self.to_detokenizer, msg.Kind.FINISHED, msg.encode_req_id(new.req_id, FinishReason.ABORT))
+            self.to_frontend(msg.Kind.FINISHED, msg.encode_req_id(new.req_id, FinishReason.ABORT))
             return
         self.scheduler.add_request(new.req_id, new.prompt_ids, new.params, new.output_ids)
 
     def on_abort(self, req_id: int) -> None:
         if self.requests.abort(req_id):
             self.scheduler.abort(req_id)
-            self.ctx.write(self.to_detokenizer, msg.Kind.FINISHED, msg.encode_req_id(req_id, FinishReason.ABORT))
+            self.to_frontend(msg.Kind.FINISHED, msg.encode_req_id(req_id, FinishReason.ABORT))
 
     # ---- steps
 
@@ -160,7 +203,7 @@ class SchedulerLoop:
             self.requests.ended(req_id)
         self.tokens_generated += update.num_tokens
         manifest = msg.Manifest.for_update(update, self.executor.last_slot)
-        self.ctx.write(self.to_detokenizer, msg.Kind.MANIFEST, msg.encode_manifest(manifest))
+        self.to_frontend(msg.Kind.MANIFEST, msg.encode_manifest(manifest))
 
     def publish_counters(self) -> None:
         stats = self.scheduler.stats()

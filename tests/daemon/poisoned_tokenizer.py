@@ -36,5 +36,5 @@ def serve(ctx: StageContext) -> None:
 
 class PoisonedStageBackend(StageBackend):
     def stage_table(self) -> list[Stage]:
-        return [Stage(stage.name, __name__) if stage.name.startswith("tokenizer") else stage
+        return [Stage(stage.name, __name__, stage.group) if stage.name.startswith("tokenizer") else stage
                 for stage in super().stage_table()]

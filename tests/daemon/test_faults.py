@@ -1,6 +1,7 @@
 """Faults, injected into a live daemon with real stage processes: a stalled stage; each stage
 SIGKILLed under load (the stages restart and every request resumes where it was, with the output
-of an uninterrupted run), once with a second kill during the recovery; a request that crashes a
+of an uninterrupted run), once with a second kill during the recovery; a frontend stage killed
+(it restarts alone: the engine's stages run on, and the resumed requests hit the prefix cache); a request that crashes a
 stage every time it meets it (the poison guard fails it, the others resume); the daemon SIGKILLed
 (its stages follow it, the next start sweeps what it left); SIGTERM with a grace period.
 
@@ -49,7 +50,8 @@ SHORT = dict(max_tokens=12, ignore_eos=True, temperature=0.0)
 QUICK = dict(max_tokens=6, ignore_eos=True, temperature=0.0)  # finishes well within the grace period
 LOAD_TOKENS = 200  # per stream of a kill under load: most of it comes after the kill
 PROMPT = "After the fault the daemon"
-STAGES = ["runner", "scheduler", "detokenizer", "tokenizer0"]
+ENGINE_STAGES = ["runner", "scheduler"]  # a crash of one restarts every stage
+FRONTEND_STAGES = ["detokenizer", "tokenizer0"]  # a crash of one restarts these alone
 
 live = pytest.mark.skipif(not REAL_BACKEND, reason="faults are injected into real stage processes")
 
@@ -153,7 +155,8 @@ async def _kill_under_load(socket_path: Path, load: Load, stage: str,
         # every later delta comes from the fresh stages. (The restart takes a fraction of a
         # second, too short to catch the refusal of new requests meanwhile reliably here; the
         # supervisor's tests hold a restart to see it.)
-        while (health := await client.health()).instance == before.instance and "restarting" not in str(health.reason):
+        while ((health := await client.health()).instance == before.instance and "restarting" not in str(health.reason)
+               and health.num_restarts == before.num_restarts):
             await asyncio.sleep(0.01)
         restarting_at = time.monotonic()
         if then_kill is not None:
@@ -199,7 +202,7 @@ def test_each_killed_stage_costs_a_pause_and_every_request_resumes_exactly(slot:
                                                                            load: Load) -> None:
     daemon = slot.daemon
     socket_path = daemon.socket_path
-    rounds = [(stage, None) for stage in STAGES] + [("runner", "detokenizer")]  # the last: killed again
+    rounds = [(stage, None) for stage in ENGINE_STAGES] + [("runner", "detokenizer")]  # the last: killed again
     for stage, then_kill in rounds:
         before = wait_for_health(socket_path, lambda h: h.status == "ok", 30)
         results, resumed_after_s = asyncio.run(_kill_under_load(socket_path, load, stage, then_kill))
@@ -227,7 +230,80 @@ def test_each_killed_stage_costs_a_pause_and_every_request_resumes_exactly(slot:
     assert status.returncode == 0, status.stderr
     assert "daemon: ok" in status.stdout and "last failure: stage 'detokenizer' was killed by signal 9" in status.stdout
     assert f"recovery: {stats.num_resumed_requests} requests resumed after stage restarts, 0 failed" in status.stdout
-    assert daemon.shm_entries() == []
+    assert _only_live_names(daemon, _health(socket_path))
+
+
+def _only_live_names(daemon: LiveDaemon, health: HealthReply) -> bool:
+    """The daemon's /dev/shm holds the status board and the mailbox of its running instance (a
+    restarted frontend stage opens them by name), and nothing else."""
+    return daemon.shm_entries() == sorted(ring_name(str(health.instance), name).lstrip("/")
+                                          for name in ("mailbox", "status"))
+
+
+@dataclass
+class FrontendKill:
+    results: list[Completion | BaseException]  # each stream's completion (or error)
+    at_kill: HealthReply  # just before the kill
+    hit_tokens: int  # the prefix cache's hit tokens just before the kill
+    num_running: int  # streams that had delivered min_tokens and not ended at the kill
+
+
+async def _kill_frontend_under_load(socket_path: Path, load: Load, stage: str, min_tokens: int) -> FrontendKill:
+    """SIGKILLs `stage` once every stream of `load` has delivered `min_tokens` or ended."""
+    client = AsyncClient(socket_path)
+    streams = [client.stream(prompt, params) for prompt, params in zip(load.prompts, load.params)]
+
+    async def delivered(deltas: AsyncIterator[StreamDelta]) -> bool:
+        num_tokens = 0
+        while num_tokens < min_tokens:
+            try:
+                num_tokens += len((await deltas.__anext__()).token_ids)
+            except StopAsyncIteration:
+                return False  # a stop string ended it early
+        return True
+
+    try:
+        iterators = [stream.__aiter__() for stream in streams]
+        running = await asyncio.wait_for(asyncio.gather(*(delivered(deltas) for deltas in iterators)), 60)
+        at_kill = await client.health()
+        hit_tokens = (await client.stats()).prefix_cache_hit_tokens
+        os.kill(at_kill.stage_pids[stage], signal.SIGKILL)
+        ended = await asyncio.wait_for(asyncio.gather(*(_finish(deltas) for deltas in iterators)), 60)
+    finally:
+        await client.close()
+    results = [stream.completion if error is None else error for stream, (error, _) in zip(streams, ended)]
+    return FrontendKill(results, at_kill, hit_tokens, sum(running))
+
+
+@live
+@pytest.mark.timeout(120)
+def test_a_killed_frontend_stage_restarts_alone_and_the_resumed_requests_hit_the_prefix_cache(
+        slot: DaemonSlot, reference: str, load: Load) -> None:
+    socket_path = slot.daemon.socket_path
+    min_tokens = 40  # each stream's prompt and outputs then fill two blocks of 16 at least
+    for stage in FRONTEND_STAGES:
+        before = wait_for_health(socket_path, lambda h: h.status == "ok", 30)
+        kill = asyncio.run(_kill_frontend_under_load(socket_path, load, stage, min_tokens))
+        at_kill = kill.at_kill
+        _assert_as_offline(kill.results, load, stage)
+        after = wait_for_health(socket_path, lambda h: h.status == "ok" and h.num_restarts == before.num_restarts + 1,
+                                30)
+        assert after.instance == before.instance, stage
+        assert {name: after.stage_pids[name] for name in ENGINE_STAGES} == \
+            {name: at_kill.stage_pids[name] for name in ENGINE_STAGES}, f"the engine's stages ran on after {stage}"
+        assert not pid_alive(at_kill.stage_pids[stage]) and after.stage_pids[stage] != at_kill.stage_pids[stage]
+        assert f"stage {stage!r} was killed by signal 9" in str(after.last_failure)
+        with Client(socket_path) as client:
+            stats = client.stats()
+            assert client.generate(PROMPT, SHORT).text == reference
+        # Each resumed request's replay found its first two blocks (at least) in the cache the
+        # scheduler kept: the hit count runs on from before the kill.
+        print(f"{stage} killed: {kill.num_running} streams resumed, {stats.prefix_cache_hit_tokens - kill.hit_tokens} "
+              "prefix cache hit tokens since")
+        assert kill.num_running >= len(load.prompts) // 2, "the kill came after most streams ended"
+        assert stats.prefix_cache_hit_tokens - kill.hit_tokens >= 2 * 16 * kill.num_running, stage
+        assert wait_idle(socket_path, timeout_s=5.0).kv_blocks_used == 0
+        assert _only_live_names(slot.daemon, after)
 
 
 # Long constrained outputs, so a stream is mid-way at the kill: arrays of exactly LIST_ITEMS items.
@@ -305,7 +381,8 @@ def test_the_poison_guard_fails_the_request_that_crashes_a_stage_twice_and_resum
     after = wait_for_health(socket_path, lambda h: h.status == "ok" and h.num_restarts == before.num_restarts + 2, 30)
     with Client(socket_path) as client:
         stats = client.stats()
-    assert stats.num_guard_failed_requests == 1 and after.instance != before.instance
+    # Each crash was a tokenizer's: the frontend restarted alone, under the same instance.
+    assert stats.num_guard_failed_requests == 1 and after.instance == before.instance
     assert wait_idle(socket_path, timeout_s=5.0).kv_blocks_used == 0
 
 

@@ -69,6 +69,8 @@ def test_runner_ranks_share_the_plan_and_restart_together() -> None:
     assert [stage.name for stage in stages(1)] == ["runner", "scheduler", "detokenizer", "tokenizer0"]
     plan = next(link for link in links(1, num_ranks=3) if link.name == "plan")
     assert plan.readers == ("runner", "runner1", "runner2")
-    assert restart_group("runner2", 1, num_ranks=3) == ["runner", "runner1", "runner2"]
-    assert restart_group("scheduler", 1, num_ranks=3) == ["scheduler"]
+    # A rank's death restarts every stage, its fellow ranks included; the frontend restarts alone.
+    assert restart_group("runner2", 1, num_ranks=3) == names
+    assert restart_group("scheduler", 1, num_ranks=3) == names
+    assert restart_group("detokenizer", 1, num_ranks=3) == ["detokenizer", "tokenizer0"]
     assert [runner_rank(name) for name in ("runner", "runner1", "runner2")] == [0, 1, 2]

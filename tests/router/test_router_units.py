@@ -122,10 +122,14 @@ def test_a_health_answer_that_is_not_the_daemons_is_not_trusted(status: int, bod
 
 class FakeReplica:
     """Streams tokens `len(resume_token_ids)` .. max_tokens - 1, one per chunk, each token t as
-    text "t<t> " with its id; dies after `die_after` chunks of a request when a script says so."""
+    text "t<t> " with its id; dies after `die_after` chunks of a request when a script says so, or
+    (`stall`) goes silent then, its connection open, as a stopped process would."""
 
-    def __init__(self, deaths: list[int | None], bodies: list[dict], health_body: bytes = b'{"status": "ok"}') -> None:
-        self.deaths, self.bodies, self.health_body = deaths, bodies, health_body
+    def __init__(self, deaths: list[int | None], bodies: list[dict], health_body: bytes = b'{"status": "ok"}',
+                 stall: bool = False) -> None:
+        self.deaths, self.bodies, self.health_body, self.stall = deaths, bodies, health_body, stall
+        self.stalled = asyncio.Event()
+        self.wake = asyncio.Event()  # ends a stall
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -148,6 +152,9 @@ class FakeReplica:
         for t in range(start, body["max_tokens"]):
             for index in range(n):
                 if die_after is not None and sent == die_after:
+                    if self.stall:
+                        self.stalled.set()
+                        await self.wake.wait()
                     request.transport.close()
                     return response
                 last = t == body["max_tokens"] - 1
@@ -161,7 +168,8 @@ class FakeReplica:
         return response
 
 
-async def _serve_fleet(model: Path, fakes: list[FakeReplica], scenario: Callable) -> None:
+async def _serve_fleet(model: Path, fakes: list[FakeReplica], scenario: Callable,
+                       stall_timeout_s: float | None = None) -> None:
     runners = []
     urls = []
     for fake in fakes:
@@ -174,8 +182,8 @@ async def _serve_fleet(model: Path, fakes: list[FakeReplica], scenario: Callable
     replicas, router = _replicas(urls)
     async with aiohttp.ClientSession() as session:
         await replicas.check_all(session)
-        listener = HttpListener(RouterApi(session, router, PrefixKeyer(model, 16, 4), RouterMetrics(urls)).app(),
-                                bind("127.0.0.1", 0))
+        api = RouterApi(session, router, PrefixKeyer(model, 16, 4), RouterMetrics(urls), stall_timeout_s)
+        listener = HttpListener(api.app(), bind("127.0.0.1", 0))
         await listener.start()
         try:
             await scenario(listener.url, replicas, urls)
@@ -228,6 +236,29 @@ def test_a_stream_whose_replica_dies_goes_on_elsewhere_with_every_token_once(tin
         assert sorted(b["seed"] for b in resumed) == sorted([11, derive_seed(11, 1)])
 
     asyncio.run(_serve_fleet(tiny_model, fakes, scenario))
+
+
+def test_a_stream_whose_replica_stalls_goes_on_elsewhere_after_the_stall_timeout(tiny_model: Path) -> None:
+    bodies: list[dict] = []
+    deaths = [3]  # the first request goes silent after 3 chunks, its connection open; the rest live
+    fakes = [FakeReplica(deaths, bodies, stall=True), FakeReplica(deaths, bodies, stall=True)]
+    stall_timeout_s = 0.3
+
+    async def scenario(url: str, replicas: Replicas, urls: list[str]) -> None:
+        try:
+            texts, errors, _ = await _stream(url, {"prompt": "hello", "max_tokens": 6, "seed": 5})
+        finally:
+            for fake in fakes:
+                fake.wake.set()
+        # The stream ended while the stalled replica was still silent: the router did not wait for it.
+        assert errors == [] and texts == {0: "".join(f"t{t} " for t in range(6))}
+        stalled = next(fake for fake in fakes if fake.stalled.is_set())
+        stalled_url = urls[fakes.index(stalled)]
+        assert not replicas.by_url[stalled_url].healthy
+        assert replicas.by_url[stalled_url].reason == f"a stream from it sent nothing for {stall_timeout_s:g} s"
+        assert [b.get("resume_token_ids") for b in bodies] == [None, [0, 1, 2]] and bodies[1]["seed"] == 5
+
+    asyncio.run(_serve_fleet(tiny_model, fakes, scenario, stall_timeout_s))
 
 
 def test_a_choice_in_flight_on_two_replicas_that_die_fails_clearly(tiny_model: Path) -> None:

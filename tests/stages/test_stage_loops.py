@@ -41,8 +41,12 @@ class StubContext:
     def tick(self) -> None:
         """A loop's heartbeat (called while it waits on the mailbox): nothing to stop here."""
 
-    def write(self, writer: str, kind: int, *parts: object) -> None:
+    def write(self, writer: str, kind: int, *parts: object, give_up: object = None) -> bool:
         self.written.append((writer, kind, b"".join(bytes(part) for part in parts)))
+        return True
+
+    def frontend_generation(self) -> int:
+        return 0
 
     def kinds(self, writer: str) -> list[int]:
         return [kind for name, kind, _ in self.written if name == writer]

@@ -51,6 +51,30 @@ def test_bench_recovery_quick_kills_every_stage_and_loses_no_request() -> None:
     report = quick_json_report("bench_recovery.py", timeout_s=170)
     assert [row["stage"] for row in report["stages"]] == ["runner", "scheduler", "detokenizer", "tokenizer0"]
     assert all(row["lost"] == 0 and 0 < row["first_resumed_ms"] <= row["all_resumed_ms"] for row in report["stages"])
+    # The frontend's stages restart alone: the resumed requests' replays find the engine's prefix cache.
+    assert [row["restarted"] for row in report["stages"]] == ["all", "all", "group", "group"]
+    assert all(row["replay_hit_tokens"] > 0 for row in report["stages"][2:])
+
+
+@pytest.mark.timeout(150)
+def test_bench_router_quick_reports_every_policy_and_the_routers_cost() -> None:
+    report = quick_json_report("bench_router.py", timeout_s=140)
+    assert (report["replicas"], report["conversations"], report["turns"]) == (3, 4, 2)
+    assert set(report["policies"]) == {"prefix", "round-robin", "least-load"}
+    for policy, row in report["policies"].items():
+        assert row["requests"] == 4 * 2, policy
+        assert 0 <= row["hit_rate"] <= 1 and 0 < row["affinity_hit_rate"] < 1, policy
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["output_tok_s"] > 0, policy
+        assert row["max_over_mean_requests"] >= 1, policy
+    prefix = report["policies"]["prefix"]
+    assert prefix["hit_rate"] > 0 and prefix["prefix_owner_routes"] > 0  # second turns meet their history
+    assert report["prefix_over_round_robin_hit_rate"] == pytest.approx(
+        prefix["hit_rate"] / max(report["policies"]["round-robin"]["hit_rate"], 1e-9))
+    for path in ("direct", "router"):
+        streamed = report["streamed"][path]
+        assert streamed["failed"] == 0 and streamed["chunks"] > 0 and streamed["output_tok_s"] > 0, path
+    assert report["streamed"]["router"]["router_cpu_us_per_chunk"] > 0
+    assert report["added_latency"]["direct_ms"] > 0 and report["added_latency"]["router_ms"] > 0
 
 
 @pytest.mark.timeout(300)
