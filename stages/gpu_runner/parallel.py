@@ -17,7 +17,8 @@ import datetime
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,30 @@ VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 class RankJoinError(RuntimeError):
     """A rank did not join the process group in time: the message names the rank and the address."""
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed because another rank left the group: the message names this rank and the address."""
+
+
+# What a collective's error says when a peer went (gloo: a closed or reset connection, a
+# timeout; NCCL: its remote-error and abort reports).
+PEER_LOST_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out")
+
+
+@contextmanager
+def naming_lost_peers(tp: TensorParallel | None, master_addr: str, master_port: int) -> Iterator[None]:
+    """Turns a collective's failure into a PeerLostError naming this rank and the group's
+    address (the backend's own words kept after them); other errors pass unchanged."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc)
+        if tp is None or isinstance(exc, (PeerLostError, RankJoinError)) \
+                or not any(word in text.lower() for word in PEER_LOST_WORDS):
+            raise
+        raise PeerLostError(f"tensor-parallel rank {tp.rank} of {tp.size}: a peer rank left the group at "
+                            f"{master_addr}:{master_port} ({text.splitlines()[0] if text else type(exc).__name__})") from exc
 
 
 def check_tensor_parallel(config: ModelConfig, size: int, device_type: str, local_ranks: int | None = None) -> None:

@@ -18,7 +18,7 @@ from stages.contracts.topology import MAILBOX_READERS, runner_rank
 from stages.gpu_runner import worker
 from stages.gpu_runner.build import build_runner, model_limits
 from stages.gpu_runner.model_config import load_model_config, resolve_device
-from stages.gpu_runner.parallel import TensorParallel, check_tensor_parallel
+from stages.gpu_runner.parallel import TensorParallel, check_tensor_parallel, naming_lost_peers
 from stages.gpu_runner.runner import ModelRunner
 from stages.process import StageContext, run_stage
 
@@ -30,8 +30,13 @@ def main(spec_json: str) -> None:
 
 
 def serve(ctx: StageContext) -> None:
-    config = ctx.config
     tp = join_ranks(ctx)
+    with naming_lost_peers(tp, ctx.config.master_addr, ctx.config.master_port):
+        serve_rank(ctx, tp)
+
+
+def serve_rank(ctx: StageContext, tp: TensorParallel | None) -> None:
+    config = ctx.config
     runner = build_runner(config, tp)
     if tp is not None and not tp.is_driver:
         follow_plans(ctx, runner)

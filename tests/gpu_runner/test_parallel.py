@@ -10,7 +10,8 @@ import torch
 from pipeline.models.tiny_model import make_tiny_model
 from stages.contracts.topology import links, restart_group, runner_rank, stages
 from stages.gpu_runner.model_config import load_model_config
-from stages.gpu_runner.parallel import RankJoinError, check_tensor_parallel, join_group, shard_tensor
+from stages.gpu_runner.parallel import (PeerLostError, RankJoinError, TensorParallel, check_tensor_parallel, join_group,
+                                        naming_lost_peers, shard_tensor)
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +75,17 @@ def test_runner_ranks_share_the_plan_and_restart_together() -> None:
     assert restart_group("scheduler", 1, num_ranks=3) == names
     assert restart_group("detokenizer", 1, num_ranks=3) == ["detokenizer", "tokenizer0"]
     assert [runner_rank(name) for name in ("runner", "runner1", "runner2")] == [0, 1, 2]
+
+
+def test_a_collectives_failure_names_the_rank_and_address_and_other_errors_pass_unchanged() -> None:
+    tp = TensorParallel(rank=1, size=2, group=None, cpu_group=None)
+    with pytest.raises(PeerLostError, match=r"^tensor-parallel rank 1 of 2: a peer rank left the group at "
+                                            r"10\.0\.0\.1:29500 \(\[gloo\] Connection closed by peer\)$"):
+        with naming_lost_peers(tp, "10.0.0.1", 29500):
+            raise RuntimeError("[gloo] Connection closed by peer\nmore lines")
+    for unrelated, holder in ((RuntimeError("shape mismatch"), tp), (RuntimeError("[gloo] closed"), None),
+                              (ValueError("nccl"), tp)):
+        with pytest.raises(type(unrelated)) as caught:
+            with naming_lost_peers(holder, "10.0.0.1", 29500):
+                raise unrelated
+        assert caught.value is unrelated
