@@ -22,6 +22,7 @@ from pipeline.serve.openai.schemas import (
     ChatDelta,
     Completion,
     CompletionChoice,
+    ToolCallDelta,
     Usage,
 )
 
@@ -134,3 +135,23 @@ class ChatStream(_Stream):
             delta = ChatDelta(content=text) if text else ChatDelta()
         choice_logprobs = None if logprobs is None else chat_logprobs(logprobs, self._token_text)
         return ChatChunkChoice(index, delta, choice_logprobs, finish_reason)
+
+    def tool_chunk(
+        self,
+        index: int,
+        text: str,
+        tool_calls: list[ToolCallDelta],
+        *,
+        logprobs: Sequence[TokenLogprobs] | None = None,
+        finish_reason: str | None = None,
+        token_ids: list[int] | None = None,
+    ) -> bytes:
+        """`chunk`, with pieces of tool calls in the delta beside (or instead of) content."""
+        offset = self._chars_streamed.get(index)
+        self._chars_streamed[index] = (offset or 0) + len(text)
+        choice = self._choice(index, text, logprobs, finish_reason, offset)
+        if tool_calls:
+            choice.delta.tool_calls = tool_calls
+        if token_ids is not None:
+            choice.token_ids = token_ids
+        return self._frame([choice], self._usage)
