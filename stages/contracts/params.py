@@ -140,6 +140,14 @@ class SamplingParams:
             _check_int("logit_bias", token_id, 0, MAX_TOKEN_ID)
             _check_range(f"logit_bias[{token_id}]", bias, -100.0, 100.0)
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """InvalidParams naming the first logit_bias token id outside the model's `vocab_size` ids
+        (validate knows no model; where a request meets one, this runs too)."""
+        outside = sorted(token_id for token_id in self.logit_bias if token_id >= vocab_size)
+        if outside:
+            raise InvalidParams(f"logit_bias[{outside[0]}]", f"token id {outside[0]} is outside the model's "
+                                f"vocabulary of {vocab_size} tokens (ids 0 to {vocab_size - 1})")
+
     def _validate_guided(self) -> None:
         if not isinstance(self.json_schema, str):
             if not isinstance(self.json_schema, dict):

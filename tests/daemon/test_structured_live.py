@@ -116,6 +116,8 @@ def test_guided_fields_stream_and_a_cut_grammar_ends_with_length(sdk: openai.Ope
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format.json_schema.schema"),
     ({"guided_grammar": "start: missing_rule"}, "guided_grammar"),
+    ({"logit_bias": {"5": 1.0, "900000": 2.0}}, "logit_bias[900000]"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias[5]"),
 ])
 def test_bad_constraints_are_400s_and_nothing_is_queued(daemon: LiveDaemon, sdk: openai.OpenAI, extra: dict,
                                                         param: str) -> None:
@@ -134,3 +136,6 @@ def test_the_socket_client_takes_the_same_fields(daemon: LiveDaemon) -> None:
         with pytest.raises(InvalidRequest) as info:
             client.generate("x", {"max_tokens": 4, "regex": "a(b"})
         assert info.value.field == "regex"
+        with pytest.raises(InvalidRequest, match="outside the model's vocabulary") as info:
+            client.generate("x", {"max_tokens": 4, "logit_bias": {900_000: 1.0}})
+        assert info.value.field == "logit_bias[900000]"

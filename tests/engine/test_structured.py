@@ -159,6 +159,7 @@ def test_logit_bias_moves_greedy(engines: dict[str, LLM]) -> None:
     ({"grammar": 'start: a\na: "x" b'}, "grammar", "unknown name"),
     ({"regex": REGEX, "choice": CHOICES}, "choice", "only one of"),
     ({"logit_bias": {5: 300.0}}, "logit_bias[5]", r"\[-100.0, 100.0\]"),
+    ({"logit_bias": {5: 1.0, 900_000: 2.0, 800_000: 1.0}}, "logit_bias[800000]", "outside the model's vocabulary"),
 ])
 def test_invalid_constraints_are_refused_naming_the_field(engines: dict[str, LLM], fields: dict, field: str,
                                                           problem: str) -> None:
