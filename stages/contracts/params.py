@@ -194,6 +194,23 @@ class SamplingParams:
         return None
 
     @property
+    def is_guided(self) -> bool:
+        return bool(self.json_schema or self.json_object or self.regex or self.choice or self.grammar)
+
+    # A grammar decides where the output ends: once it is complete EOS is the one token it allows,
+    # so min_tokens barring EOS would leave nothing to sample, and ignore_eos would run on to
+    # max_tokens on EOS alone. Under a grammar EOS always stops the request; these say so.
+    @property
+    def min_tokens_held(self) -> int:
+        """min_tokens as the engine holds it: 0 under a grammar."""
+        return 0 if self.is_guided else self.min_tokens
+
+    @property
+    def eos_ignored(self) -> bool:
+        """ignore_eos as the engine holds it: False under a grammar."""
+        return self.ignore_eos and not self.is_guided
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
