@@ -203,3 +203,19 @@ def test_streamed_auto_holds_a_tool_call_block_until_it_closes(size: int) -> Non
     assert calls == {0: ["get_weather", '{"a": 2}']} and reason == "tool_calls"
     assert content == "Let me look  and <tool_call>not json</tool_call> done <tool_"
     assert _streamed(plan, _pieces("no calls < here", size)) == ("no calls < here", {}, "stop")
+
+
+def test_a_tool_chunk_carries_the_call_pieces_as_openai_sends_them() -> None:
+    from pipeline.serve.openai.schemas import FunctionCallDelta, ToolCallDelta
+    from pipeline.serve.openai.sse import ChatStream
+
+    stream = ChatStream("chatcmpl-1", "m", 0, str, include_usage=False)
+    stream.chunk(0, "")  # the choice's opening frame, with the role
+    first = ToolCallDelta(0, FunctionCallDelta("get_weather", '{"a"'), "call_x", "function")
+    delta = msgspec.json.decode(stream.tool_chunk(0, "", [first])[len(b"data: "):])["choices"][0]["delta"]
+    assert delta == {"tool_calls": [{"index": 0, "id": "call_x", "type": "function",
+                                     "function": {"name": "get_weather", "arguments": '{"a"'}}]}
+    last = msgspec.json.decode(stream.tool_chunk(0, "", [ToolCallDelta(0, FunctionCallDelta(arguments=": 1}"))],
+                                                 finish_reason="tool_calls")[len(b"data: "):])["choices"][0]
+    assert last["delta"] == {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}
+    assert last["finish_reason"] == "tool_calls"

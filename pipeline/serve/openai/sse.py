@@ -65,12 +65,7 @@ class _Stream:
         """The frame of choice `index`'s next text (and its tokens' logprobs, when asked for);
         the choice's last frame gives `finish_reason`. `token_ids` (the `return_token_ids`
         extension) are the ids of the text's tokens."""
-        offset = self._chars_streamed.get(index)
-        self._chars_streamed[index] = (offset or 0) + len(text)
-        choice = self._choice(index, text, logprobs, finish_reason, offset)
-        if token_ids is not None:
-            choice.token_ids = token_ids
-        return self._frame([choice], self._usage)
+        return self._frame([self._next_choice(index, text, logprobs, finish_reason, token_ids)], self._usage)
 
     def text_frame(self, index: int, text: str) -> bytes:
         """`chunk(index, text)` when only text is sent (no logprobs, finish or token ids), made
@@ -89,6 +84,16 @@ class _Stream:
                 return self.chunk(index, text)
         self._chars_streamed[index] = offset + len(text)
         return template[0] + encoder.encode(text) + template[1]
+
+    def _next_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprobs] | None,
+                     finish_reason: str | None, token_ids: list[int] | None) -> CompletionChoice | ChatChunkChoice:
+        """`chunk`'s choice; the choice's text moves on by `text`."""
+        offset = self._chars_streamed.get(index)
+        self._chars_streamed[index] = (offset or 0) + len(text)
+        choice = self._choice(index, text, logprobs, finish_reason, offset)
+        if token_ids is not None:
+            choice.token_ids = token_ids
+        return choice
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         """The last frame before DONE when the request set `stream_options.include_usage`."""
@@ -147,11 +152,7 @@ class ChatStream(_Stream):
         token_ids: list[int] | None = None,
     ) -> bytes:
         """`chunk`, with pieces of tool calls in the delta beside (or instead of) content."""
-        offset = self._chars_streamed.get(index)
-        self._chars_streamed[index] = (offset or 0) + len(text)
-        choice = self._choice(index, text, logprobs, finish_reason, offset)
+        choice = self._next_choice(index, text, logprobs, finish_reason, token_ids)
         if tool_calls:
             choice.delta.tool_calls = tool_calls
-        if token_ids is not None:
-            choice.token_ids = token_ids
         return self._frame([choice], self._usage)
