@@ -116,6 +116,7 @@ class LLM:
         for request_params in params:
             request_params.validate()  # it may have been changed since it was made
             check_guided(request_params)
+            request_params.check_vocab(self.vocab_size)
         token_lists = [self.tokenize(index, prompt) for index, prompt in enumerate(prompts)]
         outputs: dict[int, RequestOutput] = {}
         for token_ids, request_params in zip(token_lists, params):

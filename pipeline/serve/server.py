@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pipeline.errors import Overloaded, PipelineError, PromptTooLong, RequestAborted, StageFailed
+from pipeline.errors import InvalidRequest, Overloaded, PipelineError, PromptTooLong, RequestAborted, StageFailed
 from pipeline.protocol import (
     Abort,
     Aborted,
@@ -160,9 +160,15 @@ class DaemonServer:
         """Hands a request to the backend for `connection`, which then gets its Delta (when
         streamed) and Done or Error messages; returns its public id. `resume_token_ids` are
         outputs delivered elsewhere (by a replica that died) that it continues after, as a
-        request resumed after a crash does. Raises Overloaded, StageFailed, RequestAborted
-        (shutting down) or PromptTooLong when it is refused."""
+        request resumed after a crash does. Raises InvalidRequest (a logit_bias id outside the
+        vocabulary), Overloaded, StageFailed, RequestAborted (shutting down) or PromptTooLong
+        when it is refused."""
         self._check_available()
+        if self.model is not None and self.model.vocab_size:
+            try:
+                params.check_vocab(self.model.vocab_size)
+            except InvalidParams as exc:
+                raise InvalidRequest.from_invalid_params(exc) from None
         if len(self._requests) >= self.max_in_flight_requests:
             self.num_overloaded += 1
             raise Overloaded(f"the daemon is at its limit of {self.max_in_flight_requests} requests in flight "

@@ -140,6 +140,14 @@ class SamplingParams:
             _check_int("logit_bias", token_id, 0, MAX_TOKEN_ID)
             _check_range(f"logit_bias[{token_id}]", bias, -100.0, 100.0)
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """InvalidParams naming the first logit_bias token id outside the model's `vocab_size` ids
+        (validate knows no model; where a request meets one, this runs too)."""
+        outside = sorted(token_id for token_id in self.logit_bias if token_id >= vocab_size)
+        if outside:
+            raise InvalidParams(f"logit_bias[{outside[0]}]", f"token id {outside[0]} is outside the model's "
+                                f"vocabulary of {vocab_size} tokens (ids 0 to {vocab_size - 1})")
+
     def _validate_guided(self) -> None:
         if not isinstance(self.json_schema, str):
             if not isinstance(self.json_schema, dict):
@@ -184,6 +192,23 @@ class SamplingParams:
         if self.grammar:
             return GrammarSpec("lark", self.grammar, "grammar")
         return None
+
+    @property
+    def is_guided(self) -> bool:
+        return bool(self.json_schema or self.json_object or self.regex or self.choice or self.grammar)
+
+    # A grammar decides where the output ends: once it is complete EOS is the one token it allows,
+    # so min_tokens barring EOS would leave nothing to sample, and ignore_eos would run on to
+    # max_tokens on EOS alone. Under a grammar EOS always stops the request; these say so.
+    @property
+    def min_tokens_held(self) -> int:
+        """min_tokens as the engine holds it: 0 under a grammar."""
+        return 0 if self.is_guided else self.min_tokens
+
+    @property
+    def eos_ignored(self) -> bool:
+        """ignore_eos as the engine holds it: False under a grammar."""
+        return self.ignore_eos and not self.is_guided
 
     @property
     def greedy(self) -> bool:

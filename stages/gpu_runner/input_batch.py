@@ -49,7 +49,7 @@ class SamplingColumns:
         self.top_k[row] = max(params.top_k, 0)
         self.seeded[row] = params.seed is not None
         self.seed[row] = params.seed or 0
-        self.min_tokens[row] = params.min_tokens
+        self.min_tokens[row] = params.min_tokens_held
         self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
 
     def plain_greedy(self, rows: np.ndarray, output_pos: np.ndarray) -> bool:

@@ -181,7 +181,7 @@ def _min_tokens_blocked_ids(min_tokens: np.ndarray, output_pos: np.ndarray,
     blocked = []
     for row in blocked_rows:
         p = params_of(row)
-        blocked.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids)))
+        blocked.append(list(p.stop_token_ids) + ([] if p.eos_ignored else list(eos_token_ids)))
     width = max((len(ids) for ids in blocked), default=0)
     if width == 0:
         return None

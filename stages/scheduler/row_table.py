@@ -40,8 +40,8 @@ class RowTable:
         self.num_prompt[row] = num_prompt
         self.num_known[row] = num_tokens
         self.max_tokens[row] = params.max_tokens
-        self.min_tokens[row] = params.min_tokens
-        self.ignore_eos[row] = params.ignore_eos
+        self.min_tokens[row] = params.min_tokens_held
+        self.ignore_eos[row] = params.eos_ignored
         self.has_stop_ids[row] = bool(params.stop_token_ids)
 
     def clear(self, row: int) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 from live_daemon import REAL_BACKEND, LiveDaemon, short_dir, start_daemon, wait_idle
 from structured_cases import CHOICES, PERSON_SCHEMA, REGEX, WEATHER_TOOL, check_json_schema, check_regex
 
@@ -73,6 +74,29 @@ def test_required_tool_choice_answers_one_or_more_calls(sdk: openai.OpenAI) -> N
             jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
 
 
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required",
+                                         "auto"])
+def test_streamed_tool_calls_accumulate_to_the_unstreamed_answer(sdk: openai.OpenAI, tool_choice: object) -> None:
+    request = dict(model="default", messages=MESSAGES, seed=7, temperature=1.0, max_tokens=400, tools=[WEATHER_TOOL],
+                   tool_choice=tool_choice)
+    whole = sdk.chat.completions.create(**request).choices[0]
+    state = ChatCompletionStreamState()
+    chunks = list(sdk.chat.completions.create(**request, stream=True))
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    streamed = state.current_completion_snapshot.choices[0]  # the SDK's accumulation
+    assert streamed.finish_reason == whole.finish_reason == chunks[-1].choices[0].finish_reason
+    calls = [(call.function.name, call.function.arguments) for call in streamed.message.tool_calls or []]
+    assert calls == [(call.function.name, call.function.arguments) for call in whole.message.tool_calls or []]
+    if tool_choice == "auto":  # the tiny model writes no <tool_call> block: plain text, as unstreamed
+        assert streamed.message.content == whole.message.content and not calls
+        return
+    assert whole.finish_reason == "tool_calls" and calls
+    firsts = [delta for chunk in chunks for delta in chunk.choices[0].delta.tool_calls or [] if delta.id]
+    assert [(d.index, d.type, d.function.name) for d in firsts] == [(i, "function", "get_weather")
+                                                                   for i in range(len(calls))]
+
+
 def test_guided_fields_stream_and_a_cut_grammar_ends_with_length(sdk: openai.OpenAI) -> None:
     chunks = list(sdk.completions.create(model="default", prompt="a domain:", max_tokens=32, seed=2, stream=True,
                                          extra_body={"guided_regex": REGEX}))
@@ -92,6 +116,8 @@ def test_guided_fields_stream_and_a_cut_grammar_ends_with_length(sdk: openai.Ope
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format.json_schema.schema"),
     ({"guided_grammar": "start: missing_rule"}, "guided_grammar"),
+    ({"logit_bias": {"5": 1.0, "900000": 2.0}}, "logit_bias[900000]"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias[5]"),
 ])
 def test_bad_constraints_are_400s_and_nothing_is_queued(daemon: LiveDaemon, sdk: openai.OpenAI, extra: dict,
                                                         param: str) -> None:
@@ -110,3 +136,6 @@ def test_the_socket_client_takes_the_same_fields(daemon: LiveDaemon) -> None:
         with pytest.raises(InvalidRequest) as info:
             client.generate("x", {"max_tokens": 4, "regex": "a(b"})
         assert info.value.field == "regex"
+        with pytest.raises(InvalidRequest, match="outside the model's vocabulary") as info:
+            client.generate("x", {"max_tokens": 4, "logit_bias": {900_000: 1.0}})
+        assert info.value.field == "logit_bias[900000]"

@@ -159,6 +159,7 @@ def test_logit_bias_moves_greedy(engines: dict[str, LLM]) -> None:
     ({"grammar": 'start: a\na: "x" b'}, "grammar", "unknown name"),
     ({"regex": REGEX, "choice": CHOICES}, "choice", "only one of"),
     ({"logit_bias": {5: 300.0}}, "logit_bias[5]", r"\[-100.0, 100.0\]"),
+    ({"logit_bias": {5: 1.0, 900_000: 2.0, 800_000: 1.0}}, "logit_bias[800000]", "outside the model's vocabulary"),
 ])
 def test_invalid_constraints_are_refused_naming_the_field(engines: dict[str, LLM], fields: dict, field: str,
                                                           problem: str) -> None:
@@ -190,3 +191,23 @@ def test_static_decode_path_applies_the_same_masks(tiny_llama: Path) -> None:
             CASES[kind][1](out.text)
         results.append([o.token_ids for o in outputs])
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("values", [{"min_tokens": 30}, {"ignore_eos": True}, {"min_tokens": 30, "ignore_eos": True}])
+def test_a_complete_grammar_ends_the_request_whatever_min_tokens_and_ignore_eos_say(
+        engines: dict[str, LLM], mode: str, values: dict) -> None:
+    """The grammar wins: the output is what it would be without min_tokens and ignore_eos (the
+    same seeded and greedy tokens, ending at the grammar's EOS), never a sampled row that the
+    grammar and min_tokens left with no token to choose."""
+    def run(**extra: object) -> list:
+        params = [SamplingParams(max_tokens=40, temperature=1.0, seed=70 + i, choice=CHOICES, **extra) for i in range(4)]
+        params.append(SamplingParams(max_tokens=40, temperature=0.0, choice=CHOICES, **extra))
+        return engines[mode].generate(["pick one"] * len(params), params)
+
+    plain = run()
+    for out, expected in zip(run(**values), plain, strict=True):
+        assert out.text in CHOICES and out.finish_reason == "stop", (out.text, out.finish_reason)
+        assert out.token_ids == expected.token_ids
+    free = SamplingParams(max_tokens=6, temperature=0.0, min_tokens=6, ignore_eos=True)  # unguided: held as asked
+    assert len(engines[mode].generate("after", free)[0].token_ids) == 6

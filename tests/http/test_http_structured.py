@@ -146,3 +146,76 @@ def test_a_template_that_shows_tools_gets_them() -> None:
     assert template.render(body.messages, tools=template_tools(body)) == (
         f'[get_weather: {json.dumps(SCHEMA)}][no_args: {{"type": "object"}}]hi')
     assert template.render(body.messages) == "hi"
+
+
+def _streamed(plan, pieces: list[str], finish_reason: str = "stop") -> tuple[str, dict[int, list[str]], str]:
+    """Feeds `pieces` to a ToolStream: (content sent, call index -> [name, arguments], finish_reason)."""
+    from pipeline.serve.openai.tools import ToolStream
+
+    tool_stream = ToolStream(plan)
+    content, calls = [], {}
+
+    def take(text, deltas):
+        content.append(text)
+        for delta in deltas:
+            if delta.id is not msgspec.UNSET:
+                assert delta.index not in calls and delta.type == "function" and delta.id.startswith("call_")
+                calls[delta.index] = [delta.function.name, ""]
+            calls[delta.index][1] += delta.function.arguments
+
+    for piece in pieces:
+        take(*tool_stream.feed(piece))
+    text, deltas, reason = tool_stream.finish(finish_reason)
+    take(text, deltas)
+    return "".join(content), calls, reason
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+@pytest.mark.parametrize("size", [1, 3, 100])
+def test_a_streamed_named_call_sends_its_arguments_as_they_come(size: int) -> None:
+    plan = tool_plan(chat_body(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert _streamed(plan, _pieces('{"a": 1}', size)) == ("", {0: ["get_weather", '{"a": 1}']}, "tool_calls")
+    assert _streamed(plan, _pieces('{"a', size), "length") == ("", {0: ["get_weather", '{"a']}, "length")
+
+
+@pytest.mark.parametrize("size", [1, 4, 200])
+def test_streamed_required_calls_go_out_as_each_element_closes(size: int) -> None:
+    plan = tool_plan(chat_body(tools=[TOOL, OTHER_TOOL], tool_choice="required"))
+    text = '[{"name": "get_weather", "parameters": {"a": 1}}, {"name": "no_args", "parameters": {"s": "}]\\"{["}}]'
+    expected = {0: ["get_weather", '{"a": 1}'], 1: ["no_args", json.dumps({"s": '}]"{['})]}
+    assert _streamed(plan, _pieces(text, size)) == ("", expected, "tool_calls")
+    content, calls, reason = _streamed(plan, _pieces(text[:30], size), "length")
+    assert (content, calls, reason) == (text[:30], {}, "length")  # nothing closed: the text, as unstreamed
+    whole = chat_completion_body("id", "m", 0, [FinishedChoice(text, "stop")], count_usage(1, 1), str, plan)
+    sent = msgspec.json.decode(whole)["choices"][0]["message"]["tool_calls"]
+    assert {i: [c["function"]["name"], c["function"]["arguments"]] for i, c in enumerate(sent)} == expected
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 300])
+def test_streamed_auto_holds_a_tool_call_block_until_it_closes(size: int) -> None:
+    plan = tool_plan(chat_body(tools=[TOOL]))
+    text = ('Let me look <tool_call>{"name": "get_weather", "arguments": {"a": 2}}</tool_call> and '
+            '<tool_call>not json</tool_call> done <tool_')
+    content, calls, reason = _streamed(plan, _pieces(text, size))
+    assert calls == {0: ["get_weather", '{"a": 2}']} and reason == "tool_calls"
+    assert content == "Let me look  and <tool_call>not json</tool_call> done <tool_"
+    assert _streamed(plan, _pieces("no calls < here", size)) == ("no calls < here", {}, "stop")
+
+
+def test_a_tool_chunk_carries_the_call_pieces_as_openai_sends_them() -> None:
+    from pipeline.serve.openai.schemas import FunctionCallDelta, ToolCallDelta
+    from pipeline.serve.openai.sse import ChatStream
+
+    stream = ChatStream("chatcmpl-1", "m", 0, str, include_usage=False)
+    stream.chunk(0, "")  # the choice's opening frame, with the role
+    first = ToolCallDelta(0, FunctionCallDelta("get_weather", '{"a"'), "call_x", "function")
+    delta = msgspec.json.decode(stream.tool_chunk(0, "", [first])[len(b"data: "):])["choices"][0]["delta"]
+    assert delta == {"tool_calls": [{"index": 0, "id": "call_x", "type": "function",
+                                     "function": {"name": "get_weather", "arguments": '{"a"'}}]}
+    last = msgspec.json.decode(stream.tool_chunk(0, "", [ToolCallDelta(0, FunctionCallDelta(arguments=": 1}"))],
+                                                 finish_reason="tool_calls")[len(b"data: "):])["choices"][0]
+    assert last["delta"] == {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}
+    assert last["finish_reason"] == "tool_calls"

@@ -27,7 +27,7 @@ from pipeline.serve.openai.asgi import (
     StreamResponse,
     until_disconnect,
 )
-from pipeline.serve.openai.call import Choice, HttpCall
+from pipeline.serve.openai.call import Choice, HttpCall, Reply
 from pipeline.serve.openai.errors import OpenAIError, error_body, from_pipeline_error
 from pipeline.serve.openai.params import (
     ChoiceRequest,
@@ -44,7 +44,7 @@ from pipeline.serve.openai.schemas import (
     decode_completion_request,
 )
 from pipeline.serve.openai.sse import DONE, SSE_CONTENT_TYPE, ChatStream, CompletionStream
-from pipeline.serve.openai.tools import template_tools, tool_plan
+from pipeline.serve.openai.tools import ToolPlan, ToolStream, template_tools, tool_plan
 from pipeline.serve.server import DaemonServer
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # as the socket's frame limit: far above any max_model_len's prompt
@@ -103,9 +103,6 @@ class OpenAIApi:
             body = decode_chat_request(await self._body(request))
             self._check_model(body.model)
             tools = tool_plan(body)
-            if body.stream and tools is not None and tools.schema is not None:
-                raise OpenAIError.bad_request("stream: a forced tool call (tool_choice 'required' or a named function) "
-                                              "is answered whole; send it without stream", "stream")
             prompt = self.model.chat_template.render(body.messages, tools=template_tools(body))
             params = chat_params(body, default_max_tokens=self.model.max_model_len,
                                  tool_schema=None if tools is None else tools.schema)
@@ -116,7 +113,7 @@ class OpenAIApi:
         stream = ChatStream(f"chatcmpl-{new_request_id()}", self.model.name, int(time.time()), self.model.token_text,
                             include_usage=stream_usage(body))
         if body.stream:
-            return self._streaming(call, stream, echo=False, with_ids=bool(body.return_token_ids))
+            return self._streaming(call, stream, echo=False, with_ids=bool(body.return_token_ids), tools=tools)
         return await self._finished(request, call, lambda choices, usage: chat_completion_body(
             stream.response_id, self.model.name, stream.created, choices, usage, self.model.token_text, tools),
             echo=False)
@@ -180,7 +177,9 @@ class OpenAIApi:
         return call
 
     def _streaming(self, call: HttpCall, stream: CompletionStream | ChatStream, *, echo: bool,
-                   with_ids: bool = False) -> StreamResponse:
+                   with_ids: bool = False, tools: ToolPlan | None = None) -> StreamResponse:
+        """The response's frames; with `tools` each choice's text is read as tool calls (tools.py),
+        so no frame is made from the text alone."""
         try:
             if isinstance(stream, ChatStream):  # each choice opens with the assistant's role
                 call.queue_frame(b"".join(stream.chunk(choice.index, "") for choice in call.choices))
@@ -190,7 +189,8 @@ class OpenAIApi:
         except BaseException:
             call.close()  # no response will run to close it
             raise
-        if not with_ids and all(choice.request.params.logprobs is None for choice in call.choices):
+        tool_streams = {} if tools is None else {choice.index: ToolStream(tools) for choice in call.choices}
+        if tools is None and not with_ids and all(choice.request.params.logprobs is None for choice in call.choices):
             call.text_frame = stream.text_frame  # plain text deltas: their frames are made at once
 
         async def frames() -> AsyncIterator[bytes]:
@@ -202,6 +202,8 @@ class OpenAIApi:
                             out.append(reply)
                         elif reply.error is not None:
                             out.append(_error_frame(from_pipeline_error(reply.error)))
+                        elif tool_streams:
+                            out.append(_tool_frame(stream, tool_streams[reply.choice.index], reply, with_ids))
                         elif (reply.text or reply.logprobs or reply.finish_reason
                               or not stream.is_open(reply.choice.index) or (with_ids and reply.token_ids)):
                             out.append(stream.chunk(reply.choice.index, reply.text, logprobs=reply.logprobs,
@@ -262,6 +264,20 @@ async def read_json_body(request: HttpRequest) -> bytes:
                                f"{MAX_BODY_BYTES} bytes") from None
     except ClientGone:
         raise OpenAIError(400, "the client closed the connection before sending the whole body") from None
+
+
+def _tool_frame(stream: ChatStream, tool_stream: ToolStream, reply: Reply, with_ids: bool) -> bytes:
+    """The frame of `reply` of a choice read as tool calls; b"" when it shows nothing yet."""
+    finish_reason = reply.finish_reason
+    if finish_reason is None:
+        text, calls = tool_stream.feed(reply.text)
+    else:
+        text, calls, finish_reason = tool_stream.finish(finish_reason)
+    token_ids = reply.token_ids or [] if with_ids else None
+    if not (text or calls or reply.logprobs or finish_reason or token_ids):
+        return b""
+    return stream.tool_chunk(reply.choice.index, text, calls, logprobs=reply.logprobs, finish_reason=finish_reason,
+                             token_ids=token_ids)
 
 
 def _error_frame(error: OpenAIError) -> bytes:

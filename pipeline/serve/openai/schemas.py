@@ -256,9 +256,24 @@ class ChatCompletion(_ResponseHead, kw_only=True):
     usage: Usage
 
 
+class FunctionCallDelta(Struct):
+    name: str | UnsetType = UNSET  # in a call's first chunk
+    arguments: str = ""  # the next piece of the arguments' JSON text
+
+
+class ToolCallDelta(Struct):
+    """A piece of a streamed tool call: its first carries id, type and the function's name."""
+
+    index: int  # which call of the choice
+    function: FunctionCallDelta
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+
+
 class ChatDelta(Struct):
     role: str | UnsetType = UNSET  # only in a choice's first chunk
     content: str | UnsetType = UNSET  # absent in a chunk that only finishes the choice
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct):

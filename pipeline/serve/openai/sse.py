@@ -22,6 +22,7 @@ from pipeline.serve.openai.schemas import (
     ChatDelta,
     Completion,
     CompletionChoice,
+    ToolCallDelta,
     Usage,
 )
 
@@ -64,12 +65,7 @@ class _Stream:
         """The frame of choice `index`'s next text (and its tokens' logprobs, when asked for);
         the choice's last frame gives `finish_reason`. `token_ids` (the `return_token_ids`
         extension) are the ids of the text's tokens."""
-        offset = self._chars_streamed.get(index)
-        self._chars_streamed[index] = (offset or 0) + len(text)
-        choice = self._choice(index, text, logprobs, finish_reason, offset)
-        if token_ids is not None:
-            choice.token_ids = token_ids
-        return self._frame([choice], self._usage)
+        return self._frame([self._next_choice(index, text, logprobs, finish_reason, token_ids)], self._usage)
 
     def text_frame(self, index: int, text: str) -> bytes:
         """`chunk(index, text)` when only text is sent (no logprobs, finish or token ids), made
@@ -88,6 +84,16 @@ class _Stream:
                 return self.chunk(index, text)
         self._chars_streamed[index] = offset + len(text)
         return template[0] + encoder.encode(text) + template[1]
+
+    def _next_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprobs] | None,
+                     finish_reason: str | None, token_ids: list[int] | None) -> CompletionChoice | ChatChunkChoice:
+        """`chunk`'s choice; the choice's text moves on by `text`."""
+        offset = self._chars_streamed.get(index)
+        self._chars_streamed[index] = (offset or 0) + len(text)
+        choice = self._choice(index, text, logprobs, finish_reason, offset)
+        if token_ids is not None:
+            choice.token_ids = token_ids
+        return choice
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         """The last frame before DONE when the request set `stream_options.include_usage`."""
@@ -134,3 +140,19 @@ class ChatStream(_Stream):
             delta = ChatDelta(content=text) if text else ChatDelta()
         choice_logprobs = None if logprobs is None else chat_logprobs(logprobs, self._token_text)
         return ChatChunkChoice(index, delta, choice_logprobs, finish_reason)
+
+    def tool_chunk(
+        self,
+        index: int,
+        text: str,
+        tool_calls: list[ToolCallDelta],
+        *,
+        logprobs: Sequence[TokenLogprobs] | None = None,
+        finish_reason: str | None = None,
+        token_ids: list[int] | None = None,
+    ) -> bytes:
+        """`chunk`, with pieces of tool calls in the delta beside (or instead of) content."""
+        choice = self._next_choice(index, text, logprobs, finish_reason, token_ids)
+        if tool_calls:
+            choice.delta.tool_calls = tool_calls
+        return self._frame([choice], self._usage)
