@@ -12,6 +12,11 @@ without a request id), so the channels awaiting their answer wait in a queue; af
 replies go by request id. Closing a channel aborts its request if it is still running (as
 closing a connection of its own would) and drops whatever comes for it later.
 
+Batched deltas: on opening, the connection asks the daemon's health; a daemon that reads
+`delta_frames` gets Generates that ask for them, and a step's deltas for every stream then come
+in one `Deltas` frame, split here into each request's `Delta` (protocol.py). An older daemon
+gets plain Generates and sends a frame per delta; both kinds are read.
+
 Nothing waits on a slow reader: the reading task never blocks on a channel, and the deltas a
 channel's reader has not taken yet are merged into one (text and tokens appended), so what one
 stream holds unread is at most its own output, in one delta, and the other streams flow on.
@@ -31,7 +36,9 @@ from typing import Any, TypeVar
 
 from pipeline.client.connection import RECV_BYTES, _Inbox, abort_with_inbox, open_unix_streams
 from pipeline.errors import ConnectionLost, ErrorCode
-from pipeline.protocol import Abort, Accepted, Delta, Done, Error, FrameDecoder, Generate, ServerMessage, encode_frame
+from pipeline.protocol import (
+    Abort, Accepted, Delta, Deltas, Done, Error, FrameDecoder, Generate, Health, HealthReply, ServerMessage, encode_frame,
+)
 
 MUX_RECV_BYTES = 16 * RECV_BYTES  # one read takes a step's replies for many streams
 T = TypeVar("T")
@@ -109,17 +116,34 @@ class Channel:
 class SharedConnection:
     """One asyncio connection carrying the requests of many `Channel`s."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 decoder: FrameDecoder[ServerMessage] | None = None, delta_frames: bool = False) -> None:
+        """`decoder` holds what was read before (the health reply's frame); with `delta_frames`
+        the Generates sent here ask for `Deltas` frames."""
         self._reader = reader
         self._writer = writer
-        self._decoder: FrameDecoder[ServerMessage] = FrameDecoder(ServerMessage)
+        self._decoder: FrameDecoder[ServerMessage] = decoder or FrameDecoder(ServerMessage)
+        self.delta_frames = delta_frames
         self._accepting: list[Channel] = []  # sent a Generate, awaiting its answer; oldest first
         self._channels: dict[str, Channel] = {}  # by request id, from its Accepted until it is closed
         self._task = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
     async def open(cls, socket_path: Path) -> SharedConnection:
-        return cls(*await open_unix_streams(socket_path))
+        """Connects, and asks the daemon's health to learn whether it sends `Deltas` frames."""
+        reader, writer = await open_unix_streams(socket_path)
+        decoder: FrameDecoder[ServerMessage] = FrameDecoder(ServerMessage)
+        try:
+            writer.write(encode_frame(Health()))
+            while (reply := decoder.next_message()) is None:
+                data = await reader.read(RECV_BYTES)
+                if not data:
+                    raise ConnectionLost("the daemon closed the connection")
+                decoder.feed(data)
+        except BaseException:
+            writer.close()
+            raise
+        return cls(reader, writer, decoder, type(reply) is HealthReply and reply.delta_frames)
 
     @property
     def closed(self) -> bool:
@@ -136,6 +160,7 @@ class SharedConnection:
         if self.closed:
             raise ConnectionLost("the connection to the daemon is closed")
         if isinstance(message, Generate):
+            message.delta_frames = self.delta_frames
             self._accepting.append(channel)  # before the write: the answer comes in this order
         self._writer.write(encode_frame(message))  # one whole frame per write: never interleaved
         await self._writer.drain()
@@ -146,6 +171,8 @@ class SharedConnection:
         if self.closed:
             raise ConnectionLost("the connection to the daemon is closed")
         self._accepting.extend(channels)
+        for generate in generates:
+            generate.delta_frames = self.delta_frames
         self._writer.write(b"".join(encode_frame(generate) for generate in generates))
 
     def release(self, channel: Channel) -> None:
@@ -177,7 +204,11 @@ class SharedConnection:
                 self._decoder.feed(data)
                 while messages := self._decoder.messages():
                     for message in messages:
-                        self._file(message)
+                        if type(message) is Deltas:
+                            for delta in message.split():
+                                self._file(delta)
+                        else:
+                            self._file(message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every request on the connection hears of it

@@ -28,6 +28,7 @@ from pipeline.protocol import (
     Accepted,
     ClientMessage,
     Delta,
+    Deltas,
     Done,
     Error,
     Generate,
@@ -75,11 +76,27 @@ class BackendState(Enum):
 
 
 @dataclass(slots=True)
+class DeltaFrame:
+    """One connection's share of an output batch, gathered into a `Deltas` message."""
+
+    request_ids: list[str] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    text_ends: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    token_ends: list[int] = field(default_factory=list)
+    num_chars: int = 0
+
+    def message(self) -> Deltas:
+        return Deltas(self.request_ids, "".join(self.pieces), self.text_ends, self.token_ids, self.token_ends)
+
+
+@dataclass(slots=True)
 class Request:
     req_id: int
     request_id: str
     connection: Connection
     stream: bool
+    delta_frames: bool  # its deltas go in its connection's `Deltas` frames
     num_logprobs: int | None
     timeline: RequestTimeline
     resume: ResumeState
@@ -149,18 +166,20 @@ class DaemonServer:
         try:
             params = message.params.to_params()
             check_guided(params)
-            request_id = self.start_request(connection, message.prompt, params, message.stream)
+            request_id = self.start_request(connection, message.prompt, params, message.stream,
+                                            delta_frames=message.delta_frames)
         except (PipelineError, InvalidParams) as exc:
             connection.send(error_for(exc))
             return
         connection.send(Accepted(request_id))
 
     def start_request(self, connection: Connection, prompt: str | list[int], params: SamplingParams,
-                      stream: bool, resume_token_ids: list[int] | None = None) -> str:
+                      stream: bool, resume_token_ids: list[int] | None = None, *, delta_frames: bool = False) -> str:
         """Hands a request to the backend for `connection`, which then gets its Delta (when
         streamed) and Done or Error messages; returns its public id. `resume_token_ids` are
         outputs delivered elsewhere (by a replica that died) that it continues after, as a
-        request resumed after a crash does. Raises Overloaded, StageFailed, RequestAborted
+        request resumed after a crash does. With `delta_frames` its plain deltas go in `Deltas`
+        frames (the connection must read them). Raises Overloaded, StageFailed, RequestAborted
         (shutting down) or PromptTooLong when it is refused."""
         self._check_available()
         if len(self._requests) >= self.max_in_flight_requests:
@@ -170,8 +189,8 @@ class DaemonServer:
         req_id = self._next_req_id
         self._next_req_id += 1
         restarting = self.state is BackendState.RESTARTING
-        request = Request(req_id, new_request_id(), connection, stream, params.logprobs, self.metrics.request_arrived(),
-                          ResumeState(prompt, params, submitted=not restarting))
+        request = Request(req_id, new_request_id(), connection, stream, stream and delta_frames, params.logprobs,
+                          self.metrics.request_arrived(), ResumeState(prompt, params, submitted=not restarting))
         if isinstance(prompt, list):
             request.prompt_token_ids = list(prompt)
         if resume_token_ids:
@@ -260,6 +279,7 @@ class DaemonServer:
         requests = self._requests
         delivered: list[RequestTimeline] = []
         counts: list[int] = []
+        frames: dict[Connection, DeltaFrame] = {}  # per connection that reads `Deltas`
         start = first = 0
         for req_id, end, last in zip(batch.req_ids.tolist(), text_ends.tolist(), token_ends):
             request = requests.get(req_id)
@@ -270,10 +290,22 @@ class DaemonServer:
             request.token_ids.extend(tokens)
             delivered.append(request.timeline)
             counts.append(len(tokens))
-            if request.stream:
+            if request.delta_frames:
+                frame = frames.get(request.connection)
+                if frame is None:
+                    frame = frames[request.connection] = DeltaFrame()
+                frame.request_ids.append(request.request_id)
+                frame.pieces.append(piece)
+                frame.num_chars += len(piece)
+                frame.text_ends.append(frame.num_chars)
+                frame.token_ids += tokens
+                frame.token_ends.append(len(frame.token_ids))
+            elif request.stream:
                 request.connection.send(Delta(request.request_id, piece, tokens))
             else:
                 request.texts.append(piece)
+        for connection, frame in frames.items():
+            connection.send(frame.message())
         self.num_generated_tokens += sum(counts)
         self.metrics.tokens_each(delivered, counts, time.monotonic())
 
