@@ -83,6 +83,16 @@ def make_generate(prompt: Prompt, params: Params, stream: bool) -> Generate:
     return Generate(prompt=prompt, params=WireSamplingParams.from_params(params), stream=stream)
 
 
+def make_stream_generates(prompts: list[Prompt], params: Params | list[Params]) -> list[Generate]:
+    """A streamed Generate per prompt, with `params` for all or `params[i]` for prompt i."""
+    if isinstance(params, list):
+        if len(params) != len(prompts):
+            raise InvalidRequest("params", f"a list of params needs one per prompt: {len(params)} params "
+                                           f"for {len(prompts)} prompts")
+        return [make_generate(prompt, p, stream=True) for prompt, p in zip(prompts, params)]
+    return [make_generate(prompt, params, stream=True) for prompt in prompts]
+
+
 class RequestReplies:
     """Follows the replies to one Generate: the same logic for the blocking and asyncio clients."""
 
