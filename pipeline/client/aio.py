@@ -14,13 +14,14 @@ from pipeline.client.replies import (
     Params,
     Prompt,
     RequestReplies,
+    RunningRequests,
     StreamDelta,
     make_generate,
     make_stream_generates,
     profile_message,
     unary_reply,
 )
-from pipeline.client.sync import RunningRequests, StreamResult
+from pipeline.client.sync import StreamResult
 from pipeline.paths import default_socket_path
 from pipeline.protocol import Generate, Health, HealthReply, ProfileReply, Stats, StatsReply
 
