@@ -77,17 +77,26 @@ class BackendState(Enum):
 
 @dataclass(slots=True)
 class DeltaFrame:
-    """One connection's share of an output batch, gathered into a `Deltas` message."""
+    """The rows of an output batch bound for one connection that reads `Deltas` frames."""
 
+    rows: list[int] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
-    pieces: list[str] = field(default_factory=list)
-    text_ends: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    token_ends: list[int] = field(default_factory=list)
-    num_chars: int = 0
 
-    def message(self) -> Deltas:
-        return Deltas(self.request_ids, "".join(self.pieces), self.text_ends, self.token_ids, self.token_ends)
+    def message(self, text: str, text_ends: list[int], token_ids: list[int], token_ends: list[int]) -> Deltas:
+        """Its `Deltas`, sliced from the batch's flat text and tokens (`*_ends` per row)."""
+        rows = self.rows
+        if len(rows) == len(text_ends):  # the whole batch, as for a client that multiplexes every stream
+            return Deltas(self.request_ids, text, text_ends, token_ids, token_ends)
+        pieces, tokens, piece_ends, tokens_ends = [], [], [], []
+        num_chars = 0
+        for row in rows:
+            start, first = (text_ends[row - 1], token_ends[row - 1]) if row else (0, 0)
+            pieces.append(text[start:text_ends[row]])
+            num_chars += text_ends[row] - start
+            piece_ends.append(num_chars)
+            tokens += token_ids[first:token_ends[row]]
+            tokens_ends.append(len(tokens))
+        return Deltas(self.request_ids, "".join(pieces), piece_ends, tokens, tokens_ends)
 
 
 @dataclass(slots=True)
@@ -275,13 +284,14 @@ class DaemonServer:
             continuation_bytes = np.concatenate(([0], np.cumsum((batch.text & 0xC0) == 0x80)))
             text_ends = text_ends - continuation_bytes[text_ends]
         token_ids = batch.token_ids.tolist()
-        token_ends = range(1, len(token_ids) + 1) if batch.token_ends is None else batch.token_ends.tolist()
+        token_ends = list(range(1, len(token_ids) + 1)) if batch.token_ends is None else batch.token_ends.tolist()
+        text_ends = text_ends.tolist()
         requests = self._requests
         delivered: list[RequestTimeline] = []
         counts: list[int] = []
         frames: dict[Connection, DeltaFrame] = {}  # per connection that reads `Deltas`
         start = first = 0
-        for req_id, end, last in zip(batch.req_ids.tolist(), text_ends.tolist(), token_ends):
+        for row, (req_id, end, last) in enumerate(zip(batch.req_ids.tolist(), text_ends, token_ends)):
             request = requests.get(req_id)
             piece, tokens, start, first = text[start:end], token_ids[first:last], end, last
             if request is None:
@@ -294,18 +304,14 @@ class DaemonServer:
                 frame = frames.get(request.connection)
                 if frame is None:
                     frame = frames[request.connection] = DeltaFrame()
+                frame.rows.append(row)
                 frame.request_ids.append(request.request_id)
-                frame.pieces.append(piece)
-                frame.num_chars += len(piece)
-                frame.text_ends.append(frame.num_chars)
-                frame.token_ids += tokens
-                frame.token_ends.append(len(frame.token_ids))
             elif request.stream:
                 request.connection.send(Delta(request.request_id, piece, tokens))
             else:
                 request.texts.append(piece)
         for connection, frame in frames.items():
-            connection.send(frame.message())
+            connection.send(frame.message(text, text_ends, token_ids, token_ends))
         self.num_generated_tokens += sum(counts)
         self.metrics.tokens_each(delivered, counts, time.monotonic())
 

@@ -210,3 +210,20 @@ def test_an_older_client_and_a_daemon_without_deltas_frames_get_a_frame_per_delt
                 assert await asyncio.gather(*readers) == ["2:5 ", "3:5 "]
                 assert kinds == ["Delta", "Delta", "Done", "Done"]
     run(test)
+
+
+def test_two_connections_interleaved_in_a_batch_each_get_their_rows_whole() -> None:
+    async def test() -> None:
+        async with daemon() as (server, backend, path), AsyncClient(path, multiplex=True) as a, \
+                AsyncClient(path, multiplex=True) as b:
+            streams = await started(a, backend, server, 2) + await started(b, backend, server, 2)
+            readers = [asyncio.ensure_future(read_all(s)) for s in streams]
+            rows = [2, 0, 3, 1]  # b, a, b, a
+            pieces = [f"é{r}€".encode() for r in rows]  # multi-byte text: offsets count characters
+            server.on_events([TokenTexts(np.array(rows, np.int64), np.array([20, 21, 0, 30, 31, 10, 11], np.int32),
+                                         np.frombuffer(b"".join(pieces), np.uint8),
+                                         np.cumsum([len(p) for p in pieces]), np.array([2, 3, 5, 7]))])
+            finish(server, [0, 1, 2, 3])
+            assert await asyncio.gather(*readers) == ["é0€", "é1€", "é2€", "é3€"]
+            assert [s.completion.token_ids for s in streams] == [[0], [10, 11], [20, 21], [30, 31]]
+    run(test)
