@@ -82,10 +82,12 @@ class DeltaFrame:
     rows: list[int] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
 
-    def message(self, text: str, text_ends: list[int], token_ids: list[int], token_ends: list[int]) -> Deltas:
-        """Its `Deltas`, sliced from the batch's flat text and tokens (`*_ends` per row)."""
+    def message(self, text: str, text_ends: list[int], token_ids: list[int],
+                token_ends: list[int]) -> Deltas | Delta:
+        """Its `Deltas` (a `Delta` for one row), sliced from the batch's flat text and tokens
+        (`*_ends` per row)."""
         rows = self.rows
-        if len(rows) == len(text_ends):  # the whole batch, as for a client that multiplexes every stream
+        if len(rows) == len(text_ends) > 1:  # the whole batch, as for a client that multiplexes every stream
             return Deltas(self.request_ids, text, text_ends, token_ids, token_ends)
         pieces, tokens, piece_ends, tokens_ends = [], [], [], []
         num_chars = 0
@@ -96,6 +98,8 @@ class DeltaFrame:
             piece_ends.append(num_chars)
             tokens += token_ids[first:token_ends[row]]
             tokens_ends.append(len(tokens))
+        if len(rows) == 1:
+            return Delta(self.request_ids[0], pieces[0], tokens)
         return Deltas(self.request_ids, "".join(pieces), piece_ends, tokens, tokens_ends)
 
 
