@@ -9,6 +9,11 @@ Conversation, per connection (the daemon serves requests from one connection con
 the client library sends one request per connection at a time, and that request's Abort):
 - `Generate` -> `Accepted(request_id)`, then `Delta`* (only when `stream`), then `Done`, or
   `Error` at any point (before `Accepted` its `request_id` is None).
+- Batched deltas: a daemon whose `HealthReply` says `delta_frames` sends the deltas of every
+  request whose Generate set `delta_frames` in one `Deltas` frame per connection per output
+  batch instead of one `Delta` frame each (logprob deltas still come one by one). A client
+  reads both kinds; it sets the field only after a HealthReply said so, because an older
+  daemon refuses a Generate with a field it does not know (the field is omitted when false).
 - `Abort(request_id)` -> `Error(aborted)` for that request (how the request itself ends), then
   `Aborted`. A client can abort only its own requests: an Abort counts only on the connection
   that sent the request's Generate, and any other id (another connection's request, one that
@@ -78,10 +83,11 @@ WireSamplingParams = msgspec.defstruct("WireSamplingParams", _wire_fields(), bas
 # --- client -> daemon ---
 
 
-class Generate(Struct, tag="generate", forbid_unknown_fields=True):
+class Generate(Struct, tag="generate", forbid_unknown_fields=True, omit_defaults=True):
     prompt: str | list[TokenId]  # text, or token ids that skip the tokenizer
     params: WireSamplingParams = msgspec.field(default_factory=WireSamplingParams)
     stream: bool = False
+    delta_frames: bool = False  # this request's deltas may come in `Deltas` frames (see the module's note)
 
 
 class Abort(Struct, tag="abort", forbid_unknown_fields=True):
@@ -135,6 +141,39 @@ class Delta(Struct, tag="delta"):
     logprobs: list[TokenLogprobs] | None = None
 
 
+Offset = Annotated[int, Meta(ge=0)]
+
+
+class Deltas(Struct, tag="deltas"):
+    """Many requests' deltas in one frame: delta i is `text[text_ends[i-1]:text_ends[i]]` (in
+    characters) and `token_ids[token_ends[i-1]:token_ends[i]]` for `request_ids[i]` (the end
+    before the first is 0). Flat arrays: one frame to encode and decode for a whole step."""
+
+    request_ids: list[str]
+    text: str
+    text_ends: list[Offset]
+    token_ids: list[int]
+    token_ends: list[Offset]
+
+    def split(self) -> list[Delta]:
+        """The `Delta` of each request, in order; ProtocolError if the offsets do not fit."""
+        request_ids, text, text_ends, token_ids, token_ends = (
+            self.request_ids, self.text, self.text_ends, self.token_ids, self.token_ends)
+        if not len(request_ids) == len(text_ends) == len(token_ends):
+            raise ProtocolError(f"Deltas of {len(request_ids)} requests has {len(text_ends)} text ends "
+                                f"and {len(token_ends)} token ends")
+        if request_ids and (text_ends[-1] != len(text) or token_ends[-1] != len(token_ids)
+                            or text_ends != sorted(text_ends) or token_ends != sorted(token_ends)):
+            raise ProtocolError(f"Deltas offsets do not split its {len(text)} characters and {len(token_ids)} "
+                                "tokens in order")
+        deltas = []
+        start = first = 0
+        for request_id, end, last in zip(request_ids, text_ends, token_ends):
+            deltas.append(Delta(request_id, text[start:end], token_ids[first:last]))
+            start, first = end, last
+        return deltas
+
+
 class Done(Struct, tag="done"):
     """The request's end. Without `stream` it carries the whole output; with it, the deltas did."""
 
@@ -171,6 +210,7 @@ class HealthReply(Struct, tag="health_reply"):
     last_failure: str | None = None  # why the stages last died
     shutdown_grace_s: float = 0.0  # how long a SIGTERM lets requests in flight finish
     http_url: str | None = None  # where the OpenAI HTTP API listens, when the daemon serves it
+    delta_frames: bool = False  # it sends `Deltas` frames to requests that ask for them
 
 
 class StatsReply(Struct, tag="stats_reply"):
@@ -201,7 +241,7 @@ class ProfileReply(Struct, tag="profile_reply"):
     paths: list[str] = msgspec.field(default_factory=list)  # stop: the Chrome trace each stage wrote
 
 
-ServerMessage = Union[Accepted, Delta, Done, Error, Aborted, HealthReply, StatsReply, ProfileReply]
+ServerMessage = Union[Accepted, Delta, Deltas, Done, Error, Aborted, HealthReply, StatsReply, ProfileReply]
 
 
 def error_for(exc: PipelineError | InvalidParams, request_id: str | None = None) -> Error:

@@ -26,11 +26,13 @@ the simulated device (stages/gpu_runner/simulated.py), and the table adds the gr
 per-token mask time (tools/bench_grammar.py). A constrained row's tokens do not name their step:
 its k-th token came k steps after its first, which is placed at the latest step consistent with
 every token of the row arriving after its step was ready.
+`--pin` pins every thread of the scheduler and the runner to one CPU and the daemons' other
+processes and the clients to a second (os.sched_setaffinity), to see what sharing CPUs costs.
 `--serve SOCKET` only starts the daemon on the simulated device and serves until Ctrl-C, to
 profile it by hand (py-spy, perf).
 
     python tools/bench_overhead.py [--json] [--quick] [--device-ms T] [--rounds N] [--baseline DIR]
-                                   [--structured FRACTION[,FRACTION...]]
+                                   [--pin] [--structured FRACTION[,FRACTION...]]
 """
 from __future__ import annotations
 
@@ -153,6 +155,24 @@ def wait_serving(daemon: Daemon) -> None:
     raise RuntimeError(f"the {daemon.label} daemon did not serve within {START_TIMEOUT_S} s")
 
 
+CRITICAL_PATH_PROCESSES = ("scheduler", "runner")
+
+
+def pin_processes(daemons: list[Daemon]) -> None:
+    """--pin: every thread of the critical path's processes (scheduler, runner) on the first CPU
+    this process may use, every thread of the daemons' other processes and of this one (the
+    clients) on the second."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit(f"--pin needs two CPUs, this process may use {cpus}")
+    first, rest = {cpus[0]}, {cpus[1]}
+    pids = [(os.getpid(), rest)] + [(pid, first if name in CRITICAL_PATH_PROCESSES else rest)
+                                    for daemon in daemons for name, pid in daemon.pids.items()]
+    for pid, cores in pids:
+        for thread_id in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(thread_id), cores)
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of process `pid` (all its threads), from /proc/<pid>/stat."""
     with open(f"/proc/{pid}/stat", "rb") as stat:
@@ -271,6 +291,8 @@ def run(args: argparse.Namespace) -> dict:
                                                 args.device_ms, max_model_len, async_scheduling))
             for daemon in daemons:
                 wait_serving(daemon)
+            if args.pin:
+                pin_processes(daemons)
             cases = [(batch, fraction) for fraction in (args.structured or [None]) for batch in args.batches]
             runs: dict[str, dict[str, list[dict]]] = {d.label: {case_key(*c): [] for c in cases} for d in daemons}
             for _ in range(args.rounds):
@@ -282,7 +304,7 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             for daemon in daemons:
                 daemon.stop()
-    results: dict[str, object] = {"device_ms": args.device_ms, "multiplex": args.multiplex}
+    results: dict[str, object] = {"device_ms": args.device_ms, "multiplex": args.multiplex, "pin": args.pin}
     for label, by_batch in runs.items():
         target = results.setdefault("baseline", {"checkout": args.baseline}) if label.startswith("baseline ") else results
         target[label.split()[-1]] = {key: median_of(batch_runs) for key, batch_runs in by_batch.items()}
@@ -358,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="this checkout's clients share one connection per batch (the baseline's keep one each)")
     parser.add_argument("--baseline-multiplex", action="store_true",
                         help="with --multiplex: the baseline's clients share a connection too (a baseline that has it)")
+    parser.add_argument("--pin", action="store_true",
+                        help="scheduler and runner on one CPU, every other process (clients too) on another")
     parser.add_argument("--structured", type=lambda text: [float(f) for f in text.split(",")], default=None,
                         metavar="FRACTION[,FRACTION...]",
                         help="measure each batch with these fractions of its requests constrained by a JSON schema")

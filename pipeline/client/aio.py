@@ -14,12 +14,14 @@ from pipeline.client.replies import (
     Params,
     Prompt,
     RequestReplies,
+    RunningRequests,
     StreamDelta,
     make_generate,
+    make_stream_generates,
     profile_message,
     unary_reply,
 )
-from pipeline.client.sync import RunningRequests, StreamResult
+from pipeline.client.sync import StreamResult
 from pipeline.paths import default_socket_path
 from pipeline.protocol import Generate, Health, HealthReply, ProfileReply, Stats, StatsReply
 
@@ -145,12 +147,12 @@ class AsyncClient:
         """Validates now; sends on first use (see AsyncStream)."""
         return AsyncStream(self, make_generate(prompt, params, stream=True))
 
-    def stream_batches(self, prompts: list[Prompt], params: Params = None) -> StreamBatches:
-        """Streams one request per prompt (validated now, sent on first use) on the shared
-        connection, read as one batch of `(index, StreamDelta)` per socket read: one wake-up per
-        read for all of them, where `stream` costs one per stream (see batches.py)."""
-        return StreamBatches(self._shared_connection, self._running,
-                             [make_generate(prompt, params, stream=True) for prompt in prompts])
+    def stream_batches(self, prompts: list[Prompt], params: Params | list[Params] = None) -> StreamBatches:
+        """Streams one request per prompt (validated now, sent on first use; `params` for all, or
+        a list of one per prompt) on the shared connection, read as one batch of `(index,
+        StreamDelta)` per socket read: one wake-up per read for all of them, where `stream` costs
+        one per stream (see batches.py)."""
+        return StreamBatches(self._shared_connection, self._running, make_stream_generates(prompts, params))
 
     async def abort(self, request_id: str) -> bool:
         """As `Client.abort`: True once the daemon has aborted one of this client's running

@@ -20,6 +20,7 @@ from pipeline.errors import ConnectionLost, DaemonNotRunning, ErrorCode
 from pipeline.protocol import Abort, Aborted, Error, FrameDecoder, ServerMessage, encode_frame
 
 RECV_BYTES = 64 * 1024
+BATCH_RECV_BYTES = 16 * RECV_BYTES  # one read takes a step's replies for many streams
 T = TypeVar("T")
 
 
@@ -134,6 +135,23 @@ class Connection:
         frame = encode_frame(message)
         with self._send_lock:
             self._sock.sendall(frame)
+
+    def send_all(self, messages: list[Any]) -> None:
+        """Sends the messages in one write."""
+        data = b"".join(encode_frame(message) for message in messages)
+        with self._send_lock:
+            self._sock.sendall(data)
+
+    def receive_all(self) -> list[ServerMessage]:
+        """Every message one read of the socket completes (at least one), as they came: for a
+        reader that has the connection to itself (no other thread reading, no Abort awaiting
+        its verdict here), such as a batch of streams (batches.py)."""
+        while not (messages := self._decoder.messages()):
+            data = self._sock.recv(BATCH_RECV_BYTES)
+            if not data:
+                raise ConnectionLost("the daemon closed the connection")
+            self._decoder.feed(data)
+        return messages
 
     def receive(self) -> ServerMessage:
         """The next message for this connection's request (an Abort's reply goes to `abort`)."""

@@ -12,6 +12,11 @@ without a request id), so the channels awaiting their answer wait in a queue; af
 replies go by request id. Closing a channel aborts its request if it is still running (as
 closing a connection of its own would) and drops whatever comes for it later.
 
+Batched deltas: on opening, the connection asks the daemon's health; a daemon that reads
+`delta_frames` gets Generates that ask for them, and a step's deltas for every stream then come
+in one `Deltas` frame, split here into each request's `Delta` (protocol.py). An older daemon
+gets plain Generates and sends a frame per delta; both kinds are read.
+
 Nothing waits on a slow reader: the reading task never blocks on a channel, and the deltas a
 channel's reader has not taken yet are merged into one (text and tokens appended), so what one
 stream holds unread is at most its own output, in one delta, and the other streams flow on.
@@ -27,13 +32,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from pipeline.client.connection import RECV_BYTES, _Inbox, abort_with_inbox, open_unix_streams
+from pipeline.client.connection import BATCH_RECV_BYTES, RECV_BYTES, _Inbox, abort_with_inbox, open_unix_streams
 from pipeline.errors import ConnectionLost, ErrorCode
-from pipeline.protocol import Abort, Accepted, Delta, Done, Error, FrameDecoder, Generate, ServerMessage, encode_frame
+from pipeline.protocol import (
+    Abort, Accepted, Delta, Deltas, Done, Error, FrameDecoder, Generate, Health, HealthReply, ServerMessage, encode_frame,
+)
 
-MUX_RECV_BYTES = 16 * RECV_BYTES  # one read takes a step's replies for many streams
 T = TypeVar("T")
 
 
@@ -109,17 +115,33 @@ class Channel:
 class SharedConnection:
     """One asyncio connection carrying the requests of many `Channel`s."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 decoder: FrameDecoder[ServerMessage] | None = None, delta_frames: bool = False) -> None:
+        """`decoder` holds what was read before (the health reply's frame); with `delta_frames`
+        the Generates sent here ask for `Deltas` frames."""
         self._reader = reader
         self._writer = writer
-        self._decoder: FrameDecoder[ServerMessage] = FrameDecoder(ServerMessage)
-        self._accepting: list[Channel] = []  # sent a Generate, awaiting its answer; oldest first
-        self._channels: dict[str, Channel] = {}  # by request id, from its Accepted until it is closed
+        self._decoder: FrameDecoder[ServerMessage] = decoder or FrameDecoder(ServerMessage)
+        self.delta_frames = delta_frames
+        self._router = ReplyRouter(self._abort_quietly)
         self._task = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
     async def open(cls, socket_path: Path) -> SharedConnection:
-        return cls(*await open_unix_streams(socket_path))
+        """Connects, and asks the daemon's health to learn whether it sends `Deltas` frames."""
+        reader, writer = await open_unix_streams(socket_path)
+        decoder: FrameDecoder[ServerMessage] = FrameDecoder(ServerMessage)
+        try:
+            writer.write(encode_frame(Health()))
+            while (reply := decoder.next_message()) is None:
+                data = await reader.read(RECV_BYTES)
+                if not data:
+                    raise ConnectionLost("the daemon closed the connection")
+                decoder.feed(data)
+        except BaseException:
+            writer.close()
+            raise
+        return cls(reader, writer, decoder, type(reply) is HealthReply and reply.delta_frames)
 
     @property
     def closed(self) -> bool:
@@ -127,7 +149,7 @@ class SharedConnection:
 
     @property
     def num_channels(self) -> int:
-        return len(self._channels) + len(self._accepting)
+        return self._router.num_ends
 
     def channel(self) -> Channel:
         return Channel(self)
@@ -136,33 +158,31 @@ class SharedConnection:
         if self.closed:
             raise ConnectionLost("the connection to the daemon is closed")
         if isinstance(message, Generate):
-            self._accepting.append(channel)  # before the write: the answer comes in this order
+            message.delta_frames = self.delta_frames
+            self._router.expect([channel])  # before the write: the answer comes in this order
         self._writer.write(encode_frame(message))  # one whole frame per write: never interleaved
         await self._writer.drain()
 
-    def send_all(self, generates: list[Generate], channels: list[Any]) -> None:
+    def send_all(self, generates: list[Generate], channels: list[RequestEnd]) -> None:
         """Sends many Generates in one write, `channels[i]` awaiting the answer to `generates[i]`
-        (anything with a channel's request_id, released, finished, put and lose will do)."""
+        (any `RequestEnd`)."""
         if self.closed:
             raise ConnectionLost("the connection to the daemon is closed")
-        self._accepting.extend(channels)
+        self._router.expect(channels)
+        for generate in generates:
+            generate.delta_frames = self.delta_frames
         self._writer.write(b"".join(encode_frame(generate) for generate in generates))
 
     def release(self, channel: Channel) -> None:
         """`channel` is closed: abort its request if it runs; what comes for it later is dropped."""
-        request_id = channel.request_id
-        if request_id is None or self._channels.get(request_id) is not channel:
-            return  # not accepted yet: its Accepted, when it comes, gets the abort
-        del self._channels[request_id]
-        if not channel.finished:
-            self._abort_quietly(request_id)
+        self._router.release(channel)
 
     def close(self) -> None:
         """Closes the socket, which aborts every request still running on it."""
         if not self._writer.is_closing():
             self._writer.close()
         self._task.cancel()
-        self._lose_all(ConnectionLost("the connection to the daemon was closed"))
+        self._router.lose_all(ConnectionLost("the connection to the daemon was closed"))
 
     def _abort_quietly(self, request_id: str) -> None:
         if not self._writer.is_closing():
@@ -171,43 +191,93 @@ class SharedConnection:
     async def _read(self) -> None:
         try:
             while True:
-                data = await self._reader.read(MUX_RECV_BYTES)
+                data = await self._reader.read(BATCH_RECV_BYTES)
                 if not data:
                     raise ConnectionLost("the daemon closed the connection")
                 self._decoder.feed(data)
                 while messages := self._decoder.messages():
-                    for message in messages:
-                        self._file(message)
+                    self._router.file_all(messages)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every request on the connection hears of it
-            self._lose_all(exc if isinstance(exc, ConnectionLost) else ConnectionLost(str(exc)))
+            self._router.lose_all(exc if isinstance(exc, ConnectionLost) else ConnectionLost(str(exc)))
             if not self._writer.is_closing():
                 self._writer.close()
 
-    def _file(self, message: ServerMessage) -> None:
+
+class RequestEnd(Protocol):
+    """What the router files replies with: a `Channel`, or a request of a batch (batches.py)."""
+
+    request_id: str | None
+    released: bool
+    finished: bool  # its Done or Error has come
+
+    def put(self, message: ServerMessage) -> None: ...
+
+    def lose(self, error: ConnectionLost) -> None: ...
+
+
+class ReplyRouter:
+    """Files each reply of a connection carrying many requests with its request's end.
+
+    The daemon answers Generates in the order they were sent (`Accepted`, or an `Error` without
+    a request id), so the ends awaiting their answer wait in a queue; after that, replies go by
+    request id, and a `Deltas` frame is split into each request's `Delta`. `abort(request_id)`
+    sends an Abort without waiting; a released end's request is aborted and its replies dropped.
+    """
+
+    def __init__(self, abort: Callable[[str], None]) -> None:
+        self._abort = abort
+        self._accepting: list[RequestEnd] = []  # sent a Generate, awaiting its answer; oldest first
+        self._ends: dict[str, RequestEnd] = {}  # by request id, from its Accepted until it is released
+
+    @property
+    def num_ends(self) -> int:
+        return len(self._ends) + len(self._accepting)
+
+    def expect(self, ends: list[RequestEnd]) -> None:
+        """`ends[i]` awaits the answer to the i-th Generate sent from now on."""
+        self._accepting.extend(ends)
+
+    def release(self, end: RequestEnd) -> None:
+        request_id = end.request_id
+        if request_id is None or self._ends.get(request_id) is not end:
+            return  # not accepted yet: its Accepted, when it comes, gets the abort
+        del self._ends[request_id]
+        if not end.finished:
+            self._abort(request_id)
+
+    def file_all(self, messages: list[ServerMessage]) -> None:
+        for message in messages:
+            if type(message) is Deltas:
+                for delta in message.split():
+                    self.file(delta)
+            else:
+                self.file(message)
+
+    def file(self, message: ServerMessage) -> None:
         if type(message) is Delta:  # nearly every message
-            channel = self._channels.get(message.request_id)
-            if channel is not None:
-                channel.put(message)
+            end = self._ends.get(message.request_id)
+            if end is not None:
+                end.put(message)
             return
         request_id = getattr(message, "request_id", None)
         if type(message) is Accepted or (type(message) is Error and request_id is None):
             if not self._accepting:
                 raise ConnectionLost(f"the daemon sent {type(message).__name__} for no request")
-            channel = self._accepting.pop(0)
+            end = self._accepting.pop(0)
             if type(message) is Accepted:
-                channel.request_id = message.request_id
-                if channel.released:
-                    self._abort_quietly(message.request_id)
+                end.request_id = message.request_id
+                if end.released:
+                    self._abort(message.request_id)
                     return
-                self._channels[message.request_id] = channel
-            channel.put(message)
+                self._ends[message.request_id] = end
+            end.put(message)
             return
-        channel = self._channels.get(request_id) if request_id is not None else None
-        if channel is not None:
-            channel.put(message)
+        end = self._ends.get(request_id) if request_id is not None else None
+        if end is not None:
+            end.put(message)
 
-    def _lose_all(self, error: ConnectionLost) -> None:
-        for channel in [*self._accepting, *self._channels.values()]:
-            channel.lose(error)
+    def lose_all(self, error: ConnectionLost) -> None:
+        for end in [*self._accepting, *self._ends.values()]:
+            end.lose(error)

@@ -7,9 +7,11 @@ enters, and the daemon checks the wire values once more on arrival.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pipeline.errors import InvalidRequest, ProtocolError, error_from_wire
 from pipeline.protocol import (
@@ -25,6 +27,8 @@ from pipeline.protocol import (
     WireSamplingParams,
 )
 from stages.contracts.params import MAX_TOKEN_ID, InvalidParams, SamplingParams
+
+C = TypeVar("C")
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -81,6 +85,45 @@ def make_generate(prompt: Prompt, params: Params, stream: bool) -> Generate:
     except InvalidParams as exc:
         raise InvalidRequest.from_invalid_params(exc) from None
     return Generate(prompt=prompt, params=WireSamplingParams.from_params(params), stream=stream)
+
+
+def make_stream_generates(prompts: list[Prompt], params: Params | list[Params]) -> list[Generate]:
+    """A streamed Generate per prompt, with `params` for all or `params[i]` for prompt i."""
+    if isinstance(params, list):
+        if len(params) != len(prompts):
+            raise InvalidRequest("params", f"a list of params needs one per prompt: {len(params)} params "
+                                           f"for {len(prompts)} prompts")
+        return [make_generate(prompt, p, stream=True) for prompt, p in zip(prompts, params)]
+    return [make_generate(prompt, params, stream=True) for prompt in prompts]
+
+
+class RunningRequests(Generic[C]):
+    """The connection of each request a client has running, by request id: where its Abort goes.
+
+    Connections are held weakly, so a stream dropped without closing still closes its socket
+    (and so aborts its request) when it is collected.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._connections: weakref.WeakValueDictionary[str, C] = weakref.WeakValueDictionary()
+
+    def add(self, request_id: str, connection: C) -> None:
+        with self._lock:
+            self._connections[request_id] = connection
+
+    def discard(self, request_id: str | None) -> None:
+        if request_id is not None:
+            with self._lock:
+                self._connections.pop(request_id, None)
+
+    def get(self, request_id: str) -> C | None:
+        with self._lock:
+            return self._connections.get(request_id)
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._connections)
 
 
 class RequestReplies:

@@ -25,53 +25,24 @@ import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
+from pipeline.client.batches import BlockingStreamBatches
 from pipeline.client.connection import Connection
 from pipeline.client.replies import (
     Completion,
     Params,
     Prompt,
     RequestReplies,
+    RunningRequests,
     StreamDelta,
     make_generate,
+    make_stream_generates,
     profile_message,
     unary_reply,
 )
 from pipeline.paths import default_socket_path
 from pipeline.protocol import Health, HealthReply, ProfileReply, ServerMessage, Stats, StatsReply
-
-C = TypeVar("C")
-
-
-class RunningRequests(Generic[C]):
-    """The connection of each request a client has running, by request id: where its Abort goes.
-
-    Connections are held weakly, so a stream dropped without closing still closes its socket
-    (and so aborts its request) when it is collected.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._connections: weakref.WeakValueDictionary[str, C] = weakref.WeakValueDictionary()
-
-    def add(self, request_id: str, connection: C) -> None:
-        with self._lock:
-            self._connections[request_id] = connection
-
-    def discard(self, request_id: str | None) -> None:
-        if request_id is not None:
-            with self._lock:
-                self._connections.pop(request_id, None)
-
-    def get(self, request_id: str) -> C | None:
-        with self._lock:
-            return self._connections.get(request_id)
-
-    def ids(self) -> list[str]:
-        with self._lock:
-            return list(self._connections)
-
 
 class StreamResult:
     """What a finished stream tells, sync or async: the completion and its finish reason."""
@@ -179,6 +150,12 @@ class Client:
         self._running.add(stream.request_id, connection)
         self._streams.add(stream)
         return stream
+
+    def stream_batches(self, prompts: list[Prompt], params: Params | list[Params] = None) -> BlockingStreamBatches:
+        """Streams one request per prompt (validated now, sent on first use; `params` for all, or
+        a list of one per prompt) on a connection they share, read as one batch of `(index,
+        StreamDelta)` per socket read, as `AsyncClient.stream_batches` (see batches.py)."""
+        return BlockingStreamBatches(self.socket_path, self._timeout_s, make_stream_generates(prompts, params))
 
     def abort(self, request_id: str) -> bool:
         """Aborts one of this client's running requests (a stream, or a `generate` waiting in

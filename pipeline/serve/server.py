@@ -28,6 +28,7 @@ from pipeline.protocol import (
     Accepted,
     ClientMessage,
     Delta,
+    Deltas,
     Done,
     Error,
     Generate,
@@ -75,11 +76,40 @@ class BackendState(Enum):
 
 
 @dataclass(slots=True)
+class DeltaFrame:
+    """The rows of an output batch bound for one connection that reads `Deltas` frames."""
+
+    rows: list[int] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+
+    def message(self, text: str, text_ends: list[int], token_ids: list[int],
+                token_ends: list[int]) -> Deltas | Delta:
+        """Its `Deltas` (a `Delta` for one row), sliced from the batch's flat text and tokens
+        (`*_ends` per row)."""
+        rows = self.rows
+        if len(rows) == len(text_ends) > 1:  # the whole batch, as for a client that multiplexes every stream
+            return Deltas(self.request_ids, text, text_ends, token_ids, token_ends)
+        pieces, tokens, piece_ends, tokens_ends = [], [], [], []
+        num_chars = 0
+        for row in rows:
+            start, first = (text_ends[row - 1], token_ends[row - 1]) if row else (0, 0)
+            pieces.append(text[start:text_ends[row]])
+            num_chars += text_ends[row] - start
+            piece_ends.append(num_chars)
+            tokens += token_ids[first:token_ends[row]]
+            tokens_ends.append(len(tokens))
+        if len(rows) == 1:
+            return Delta(self.request_ids[0], pieces[0], tokens)
+        return Deltas(self.request_ids, "".join(pieces), piece_ends, tokens, tokens_ends)
+
+
+@dataclass(slots=True)
 class Request:
     req_id: int
     request_id: str
     connection: Connection
     stream: bool
+    delta_frames: bool  # its deltas go in its connection's `Deltas` frames
     num_logprobs: int | None
     timeline: RequestTimeline
     resume: ResumeState
@@ -149,20 +179,22 @@ class DaemonServer:
         try:
             params = message.params.to_params()
             check_guided(params)
-            request_id = self.start_request(connection, message.prompt, params, message.stream)
+            request_id = self.start_request(connection, message.prompt, params, message.stream,
+                                            delta_frames=message.delta_frames)
         except (PipelineError, InvalidParams) as exc:
             connection.send(error_for(exc))
             return
         connection.send(Accepted(request_id))
 
     def start_request(self, connection: Connection, prompt: str | list[int], params: SamplingParams,
-                      stream: bool, resume_token_ids: list[int] | None = None) -> str:
+                      stream: bool, resume_token_ids: list[int] | None = None, *, delta_frames: bool = False) -> str:
         """Hands a request to the backend for `connection`, which then gets its Delta (when
         streamed) and Done or Error messages; returns its public id. `resume_token_ids` are
         outputs delivered elsewhere (by a replica that died) that it continues after, as a
-        request resumed after a crash does. Raises InvalidRequest (a logit_bias id outside the
-        vocabulary), Overloaded, StageFailed, RequestAborted (shutting down) or PromptTooLong
-        when it is refused."""
+        request resumed after a crash does. With `delta_frames` its plain deltas go in `Deltas`
+        frames (the connection must read them). Raises InvalidRequest (a logit_bias id outside the
+        vocabulary), Overloaded, StageFailed, RequestAborted (shutting down) or PromptTooLong when
+        it is refused."""
         self._check_available()
         if self.model is not None and self.model.vocab_size:
             try:
@@ -176,8 +208,8 @@ class DaemonServer:
         req_id = self._next_req_id
         self._next_req_id += 1
         restarting = self.state is BackendState.RESTARTING
-        request = Request(req_id, new_request_id(), connection, stream, params.logprobs, self.metrics.request_arrived(),
-                          ResumeState(prompt, params, submitted=not restarting))
+        request = Request(req_id, new_request_id(), connection, stream, stream and delta_frames, params.logprobs,
+                          self.metrics.request_arrived(), ResumeState(prompt, params, submitted=not restarting))
         if isinstance(prompt, list):
             request.prompt_token_ids = list(prompt)
         if resume_token_ids:
@@ -262,12 +294,14 @@ class DaemonServer:
             continuation_bytes = np.concatenate(([0], np.cumsum((batch.text & 0xC0) == 0x80)))
             text_ends = text_ends - continuation_bytes[text_ends]
         token_ids = batch.token_ids.tolist()
-        token_ends = range(1, len(token_ids) + 1) if batch.token_ends is None else batch.token_ends.tolist()
+        token_ends = list(range(1, len(token_ids) + 1)) if batch.token_ends is None else batch.token_ends.tolist()
+        text_ends = text_ends.tolist()
         requests = self._requests
         delivered: list[RequestTimeline] = []
         counts: list[int] = []
+        frames: dict[Connection, DeltaFrame] = {}  # per connection that reads `Deltas`
         start = first = 0
-        for req_id, end, last in zip(batch.req_ids.tolist(), text_ends.tolist(), token_ends):
+        for row, (req_id, end, last) in enumerate(zip(batch.req_ids.tolist(), text_ends, token_ends)):
             request = requests.get(req_id)
             piece, tokens, start, first = text[start:end], token_ids[first:last], end, last
             if request is None:
@@ -276,10 +310,18 @@ class DaemonServer:
             request.token_ids.extend(tokens)
             delivered.append(request.timeline)
             counts.append(len(tokens))
-            if request.stream:
+            if request.delta_frames:
+                frame = frames.get(request.connection)
+                if frame is None:
+                    frame = frames[request.connection] = DeltaFrame()
+                frame.rows.append(row)
+                frame.request_ids.append(request.request_id)
+            elif request.stream:
                 request.connection.send(Delta(request.request_id, piece, tokens))
             else:
                 request.texts.append(piece)
+        for connection, frame in frames.items():
+            connection.send(frame.message(text, text_ends, token_ids, token_ends))
         self.num_generated_tokens += sum(counts)
         self.metrics.tokens_each(delivered, counts, time.monotonic())
 

@@ -41,7 +41,8 @@ def health_reply(server: ServerState) -> HealthReply:
     """"ok" only while every stage lives and none has stalled, with no restart under way."""
     config = server.config
     reply = HealthReply("ok", version(), time.monotonic() - server.started_at, num_restarts=server.num_restarts,
-                        last_failure=server.last_failure, shutdown_grace_s=config.grace_s, http_url=server.http_url)
+                        last_failure=server.last_failure, shutdown_grace_s=config.grace_s, http_url=server.http_url,
+                        delta_frames=True)
     problems = ["the daemon is shutting down"] if server.shutting_down else []
     state = server.state.value
     if state == "restarting":

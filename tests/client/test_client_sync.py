@@ -310,3 +310,14 @@ def test_raw_protocol_error_reply(daemon: FakeDaemon) -> None:
             reply += chunk
     assert b"protocol" in reply and b"exceeds" in reply
     assert not daemon.messages_of(Abort)
+
+
+def test_stream_batches_takes_params_for_all_prompts_or_one_each_and_names_a_mismatch(socket_dir: Path) -> None:
+    client = Client(socket_dir / "unused.sock")  # nothing is sent before the loop starts
+    batches = client.stream_batches([[1], [2]], [{"max_tokens": 3}, {"max_tokens": 4}])
+    assert [g.params.max_tokens for g in batches._generates] == [3, 4]
+    assert [g.params.max_tokens for g in client.stream_batches([[1], [2]], {"max_tokens": 5})._generates] == [5, 5]
+    with pytest.raises(InvalidRequest, match="one per prompt: 1 params for 2 prompts"):
+        client.stream_batches([[1], [2]], [{"max_tokens": 3}])
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        client.stream_batches([[1], [2]], [{"max_tokens": 3}, {"max_tokens": -1}])

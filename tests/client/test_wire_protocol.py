@@ -26,6 +26,7 @@ from pipeline.protocol import (
     Accepted,
     ClientMessage,
     Delta,
+    Deltas,
     Done,
     Error,
     FrameDecoder,
@@ -68,6 +69,7 @@ CLIENT_MESSAGES = [
 SERVER_MESSAGES = [
     Accepted("ab"),
     Delta("ab", "中", [5, 6], [TokenLogprobs(5, -0.5, [5, 9], [-0.5, -1.5])]),
+    Deltas(["ab", "cd", "ab"], "中x😀", [1, 1, 3], [5, 6, 7], [2, 2, 3]),
     Done("ab", "stop", [1, 2], Usage(2, 3), text="xyz", token_ids=[7, 8, 9], stop_reason="\n"),
     Done("ab", "length", [1], Usage(1, 16)),
     Error("invalid_params", "temperature: must be in [0.0, 100.0], got -1", "temperature", None),
@@ -307,3 +309,79 @@ def test_a_reads_messages_at_once_equal_them_one_by_one_errors_included() -> Non
         data = random_case(rng) + b"".join(encode_frame(m) for m in CLIENT_MESSAGES[:2])
         chunk_sizes = [rng.choice((1, 7, 64, 4096)) for _ in range(len(data) + 1)]
         assert fuzz_one(data, chunk_sizes, whole_reads=True) == fuzz_one(data, chunk_sizes)
+
+
+# --- batched deltas: `Deltas` frames, read beside `Delta` frames
+
+
+def deltas_message(deltas: list[Delta]) -> Deltas:
+    """The Deltas frame a daemon sends for `deltas` (plain ones: no logprobs)."""
+    text_ends, token_ends, token_ids = [], [], []
+    for delta in deltas:
+        text_ends.append((text_ends[-1] if text_ends else 0) + len(delta.text))
+        token_ids += delta.token_ids
+        token_ends.append(len(token_ids))
+    return Deltas([d.request_id for d in deltas], "".join(d.text for d in deltas), text_ends, token_ids, token_ends)
+
+
+plain_deltas = st.lists(st.builds(Delta, st.sampled_from(["a1", "b2", "c3"]), st.text(max_size=6),
+                                  st.lists(st.integers(0, MAX_TOKEN_ID), max_size=4)), max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(frames=st.lists(st.tuples(st.booleans(), plain_deltas), max_size=6), chunk=st.integers(1, 64))
+def test_both_frame_kinds_decode_to_the_same_deltas_however_the_bytes_arrive(
+        frames: list[tuple[bool, list[Delta]]], chunk: int) -> None:
+    data = b"".join(encode_frame(deltas_message(deltas)) if batched else b"".join(encode_frame(d) for d in deltas)
+                    for batched, deltas in frames)
+    decoder: FrameDecoder = FrameDecoder(ServerMessage)
+    received: list[Delta] = []
+    for start in range(0, len(data), chunk):
+        decoder.feed(data[start : start + chunk])
+        for message in decoder.messages():
+            received += message.split() if type(message) is Deltas else [message]
+    assert received == [delta for _, deltas in frames for delta in deltas]
+    assert decoder.buffered_bytes == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(request_ids=st.lists(st.just("a1"), max_size=4), text=st.text(max_size=8),
+       text_ends=st.lists(st.integers(0, 10), max_size=5), token_ids=st.lists(st.integers(0, 9), max_size=6),
+       token_ends=st.lists(st.integers(0, 8), max_size=5))
+def test_deltas_offsets_that_do_not_split_the_frame_are_a_protocol_error(
+        request_ids: list[str], text: str, text_ends: list[int], token_ids: list[int], token_ends: list[int]) -> None:
+    message = Deltas(request_ids, text, text_ends, token_ids, token_ends)
+    fits = (len(request_ids) == len(text_ends) == len(token_ends)
+            and (not request_ids or (text_ends[-1] == len(text) and token_ends[-1] == len(token_ids)
+                                     and text_ends == sorted(text_ends) and token_ends == sorted(token_ends))))
+    if fits:
+        deltas = message.split()
+        assert "".join(d.text for d in deltas) == (text if request_ids else "")
+        assert [t for d in deltas for t in d.token_ids] == (token_ids if request_ids else [])
+    else:
+        with pytest.raises(ProtocolError, match="Deltas"):
+            message.split()
+
+
+def test_a_negative_deltas_offset_is_refused_by_the_decoder() -> None:
+    frame = encode_frame(Deltas(["a1"], "x", [-1], [], [0]))
+    with pytest.raises(ProtocolError, match="text_ends"):
+        decode_all(frame, ServerMessage)
+
+
+def test_generate_omits_delta_frames_unless_set_so_an_older_daemon_reads_it() -> None:
+    class OlderGenerate(msgspec.Struct, tag="generate", forbid_unknown_fields=True):
+        prompt: str | list[int]
+        params: WireSamplingParams = msgspec.field(default_factory=WireSamplingParams)
+        stream: bool = False
+
+    older = msgspec.msgpack.Decoder(OlderGenerate)
+    assert older.decode(msgspec.msgpack.encode(Generate([1, 2], stream=True))).stream is True
+    with pytest.raises(msgspec.ValidationError, match="delta_frames"):
+        older.decode(msgspec.msgpack.encode(Generate([1, 2], stream=True, delta_frames=True)))
+    from_older_client = msgspec.msgpack.encode(OlderGenerate([1, 2], stream=True))
+    assert decode_all(framed(from_older_client)) == [Generate([1, 2], stream=True)]
+
+
+def framed(payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + payload

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 from fake_stage_backend import FakeBackend
@@ -17,7 +18,7 @@ from fake_stage_backend import FakeBackend
 from pipeline.client import AsyncClient
 from pipeline.client.aio import AsyncStream
 from pipeline.client.mux import Channel
-from pipeline.errors import ConnectionLost, RequestAborted
+from pipeline.errors import ConnectionLost, PipelineError, RequestAborted
 from pipeline.serve.server import DaemonServer
 from pipeline.serve.socket_connection import SocketConnection
 from stages.contracts.config import EngineConfig
@@ -151,4 +152,78 @@ def test_a_dropped_connection_ends_every_stream_on_it() -> None:
             again = client.stream([5, 6])  # a new stream opens a new connection
             await again.start()
             await eventually(lambda: len(server.connections) == 1)
+    run(test)
+
+
+def sent_kinds(server: DaemonServer) -> list[str]:
+    """Records the type of every message the daemon sends on its connections, from now on."""
+    kinds: list[str] = []
+    for connection in server.connections:
+        send = connection.send
+        connection.send = lambda message, send=send: (kinds.append(type(message).__name__), send(message))[1]
+    return kinds
+
+
+def test_a_step_of_many_streams_is_one_deltas_frame_and_mixed_ends_reach_each_stream() -> None:
+    async def test() -> None:
+        async with daemon() as (server, backend, path), AsyncClient(path, multiplex=True) as client:
+            streams = await started(client, backend, server, 4)
+            kinds = sent_kinds(server)
+            readers = [asyncio.ensure_future(read_all(s)) for s in streams]
+            server.on_events([step([0, 1, 2, 3], 1)])
+            server.on_events([step([3, 0, 1, 2], 2),  # in one batch of events: ends of each kind
+                              OutputEvent(0, "", np.zeros(0, np.int32), finish_reason="stop", stop_reason=7),
+                              OutputEvent(1, "", np.zeros(0, np.int32), error_code="stage_failed",
+                                          error_message="boom"),
+                              OutputEvent(2, "", np.zeros(0, np.int32), finish_reason="abort")])
+            server.on_events([step([3], 3)])
+            finish(server, [3])
+            results = await asyncio.gather(*readers, return_exceptions=True)
+            assert results[0] == "0:1 0:2 " and streams[0].finish_reason == "stop"
+            assert streams[0].completion.stop_reason == 7 and streams[0].completion.token_ids == [1, 2]
+            assert isinstance(results[1], PipelineError) and "boom" in str(results[1])
+            assert isinstance(results[2], RequestAborted)
+            assert results[3] == "3:1 3:2 3:3 " and streams[3].completion.token_ids == [1, 2, 3]
+            assert kinds == ["Deltas", "Deltas", "Done", "Error", "Error", "Delta", "Done"]  # one row: a Delta
+    run(test)
+
+
+def test_an_older_client_and_a_daemon_without_deltas_frames_get_a_frame_per_delta() -> None:
+    async def test() -> None:
+        async with daemon() as (server, backend, path):
+            async with AsyncClient(path) as client:  # a connection per request asks for no Deltas frames
+                streams = await started(client, backend, server, 2)
+                kinds = sent_kinds(server)
+                readers = [asyncio.ensure_future(read_all(s)) for s in streams]
+                server.on_events([step([0, 1], 4)])
+                finish(server, [0, 1])
+                assert await asyncio.gather(*readers) == ["0:4 ", "1:4 "]
+                assert sorted(kinds) == ["Delta", "Delta", "Done", "Done"]
+            health = server.health
+            server.health = lambda: msgspec.structs.replace(health(), delta_frames=False)  # as an older daemon
+            async with AsyncClient(path, multiplex=True) as client:
+                streams = await started(client, backend, server, 2)
+                kinds = sent_kinds(server)
+                readers = [asyncio.ensure_future(read_all(s)) for s in streams]
+                server.on_events([step([2, 3], 5)])
+                finish(server, [2, 3])
+                assert await asyncio.gather(*readers) == ["2:5 ", "3:5 "]
+                assert kinds == ["Delta", "Delta", "Done", "Done"]
+    run(test)
+
+
+def test_two_connections_interleaved_in_a_batch_each_get_their_rows_whole() -> None:
+    async def test() -> None:
+        async with daemon() as (server, backend, path), AsyncClient(path, multiplex=True) as a, \
+                AsyncClient(path, multiplex=True) as b:
+            streams = await started(a, backend, server, 2) + await started(b, backend, server, 2)
+            readers = [asyncio.ensure_future(read_all(s)) for s in streams]
+            rows = [2, 0, 3, 1]  # b, a, b, a
+            pieces = [f"é{r}€".encode() for r in rows]  # multi-byte text: offsets count characters
+            server.on_events([TokenTexts(np.array(rows, np.int64), np.array([20, 21, 0, 30, 31, 10, 11], np.int32),
+                                         np.frombuffer(b"".join(pieces), np.uint8),
+                                         np.cumsum([len(p) for p in pieces]), np.array([2, 3, 5, 7]))])
+            finish(server, [0, 1, 2, 3])
+            assert await asyncio.gather(*readers) == ["é0€", "é1€", "é2€", "é3€"]
+            assert [s.completion.token_ids for s in streams] == [[0], [10, 11], [20, 21], [30, 31]]
     run(test)

@@ -1,17 +1,19 @@
-"""`AsyncClient.stream_batches` against the daemon's socket server in this process with a fake
-backend: the same text and tokens as per-stream reads, one request's abort or refusal ends it
-alone, leaving the loop aborts the rest, a dropped connection ends the loop."""
+"""`AsyncClient.stream_batches` (and the blocking `Client.stream_batches`) against the daemon's
+socket server in this process with a fake backend: the same text and tokens as per-stream reads,
+one request's abort or refusal ends it alone, leaving the loop aborts the rest, a dropped
+connection ends the loop."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
-from test_multiplexed_streams import daemon, eventually, finish, read_all, run, step
+from test_multiplexed_streams import WAIT_S, daemon, eventually, finish, read_all, run, sent_kinds, step
 
-from pipeline.client import AsyncClient, Completion
+from pipeline.client import AsyncClient, Client, Completion
 from pipeline.client.batches import StreamBatches
-from pipeline.errors import ConnectionLost, Overloaded, RequestAborted
+from pipeline.errors import ConnectionLost, Overloaded, PipelineError, RequestAborted
 from pipeline.serve.server import DaemonServer
 from stages.contracts.outputs import OutputEvent
 
@@ -114,3 +116,38 @@ def test_a_dropped_connection_ends_the_loop() -> None:
 
 async def read_batches(batches: StreamBatches) -> int:
     return sum([len(batch) async for batch in batches])
+
+
+def test_the_blocking_client_reads_batches_of_deltas_frames_and_one_abort_ends_one_request() -> None:
+    async def test() -> None:
+        async with daemon() as (server, backend, path):
+            first_batch = threading.Event()
+
+            def consume() -> tuple[list[str], list[Completion | PipelineError | None]]:
+                texts = ["", "", ""]
+                with Client(path, timeout_s=WAIT_S).stream_batches(
+                        [[5, 6]] * 3, [{"max_tokens": 100}, {"max_tokens": 100, "seed": 1}, None]) as batches:
+                    for batch in batches:
+                        for index, delta in batch:
+                            texts[index] += delta.text
+                        if not first_batch.is_set():
+                            assert batches.abort(1) is True
+                            first_batch.set()
+                    return texts, batches.results()
+
+            consumer = asyncio.ensure_future(asyncio.to_thread(consume))
+            await eventually(lambda: len(backend.submitted) == 3)
+            admit(server, [0, 1, 2])
+            kinds = sent_kinds(server)
+            server.on_events([step([0, 1, 2], 0)])
+            await eventually(lambda: backend.aborted == [1])
+            assert first_batch.is_set()
+            for token_id in (1, 2):
+                server.on_events([step([0, 1, 2], token_id)])  # request 1's share goes nowhere now
+            finish(server, [0, 2])
+            texts, results = await consumer
+            assert texts == ["0:0 0:1 0:2 ", "1:0 ", "2:0 2:1 2:2 "]
+            assert isinstance(results[1], RequestAborted)
+            assert [r.token_ids for r in (results[0], results[2])] == [[0, 1, 2], [0, 1, 2]]
+            assert set(kinds) == {"Deltas", "Error", "Aborted", "Done"} and kinds.count("Deltas") == 3
+    run(test)
