@@ -50,15 +50,8 @@ class RouterApi:
     stall_timeout_s: float | None = None  # see Sender
 
     def app(self) -> AsgiRouter:
-        routes = {
-            ("/v1/completions", "POST"): self.completions,
-            ("/v1/chat/completions", "POST"): self.chat_completions,
-            ("/v1/models", "GET"): self.models,
-            ("/health", "GET"): self.health,
-            ("/version", "GET"): self.version,
-            ("/metrics", "GET"): self.metrics_page,
-        }
-        return openai_router(routes)
+        return openai_router(completions=self.completions, chat_completions=self.chat_completions,
+                             models=self.models, health=self.health, version=self.version, metrics=self.metrics_page)
 
     # ---- generation
 

@@ -69,15 +69,8 @@ class OpenAIApi:
         self.created = int(time.time())
 
     def app(self) -> Router:
-        routes = {
-            ("/v1/completions", "POST"): self.completions,
-            ("/v1/chat/completions", "POST"): self.chat_completions,
-            ("/v1/models", "GET"): self.models,
-            ("/health", "GET"): self.health,
-            ("/version", "GET"): self.version,
-            ("/metrics", "GET"): self.metrics,
-        }
-        return openai_router(routes)
+        return openai_router(completions=self.completions, chat_completions=self.chat_completions,
+                             models=self.models, health=self.health, version=self.version, metrics=self.metrics)
 
     # ---- the API
 
@@ -242,8 +235,19 @@ class OpenAIApi:
         return self.model.decode(list(choice.prompt))
 
 
-def openai_router(routes: dict[tuple[str, str], Handler]) -> Router:
-    """An ASGI app of `routes` that answers an unknown path (404) or method (405) as OpenAI does."""
+def openai_router(*, completions: Handler, chat_completions: Handler, models: Handler, health: Handler,
+                  version: Handler, metrics: Handler) -> Router:
+    """An ASGI app of the API's routes (the daemon's and the router's: one table, so the two
+    serve the same paths) that answers an unknown path (404) or method (405) as OpenAI does."""
+    routes = {
+        ("/v1/completions", "POST"): completions,
+        ("/v1/chat/completions", "POST"): chat_completions,
+        ("/v1/models", "GET"): models,
+        ("/health", "GET"): health,
+        ("/version", "GET"): version,
+        ("/metrics", "GET"): metrics,
+    }
+
     def unknown(request: HttpRequest, status: int) -> Response:
         what = "no such route" if status == 404 else "this route does not take that method"
         return error_response(OpenAIError(status, f"{request.method} {request.path}: {what}"))
