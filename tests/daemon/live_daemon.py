@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,15 +132,22 @@ def run_dir() -> Iterator[Path]:
     shutil.rmtree(directory.parent, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def live_daemon(daemon_model: Path) -> Iterator[LiveDaemon]:
+@contextmanager
+def serving(model: Path, extra: list[str] | None = None) -> Iterator[LiveDaemon]:
+    """A daemon started in a directory of its own, stopped and its directory removed on exit."""
     directory = short_dir()
-    daemon = start_daemon(daemon_model, directory)
+    daemon = start_daemon(model, directory, extra)
     try:
         yield daemon
     finally:
         daemon.stop()
         shutil.rmtree(directory.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def live_daemon(daemon_model: Path) -> Iterator[LiveDaemon]:
+    with serving(daemon_model) as daemon:
+        yield daemon
 
 
 def wait_idle(socket_path: Path, timeout_s: float = 1.0) -> StatsReply:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ from urllib.parse import urlparse
 
 import openai
 import pytest
-from live_daemon import REAL_BACKEND, WORKLOAD, LiveDaemon, bench, short_dir, start_daemon, wait_idle
+from live_daemon import REAL_BACKEND, WORKLOAD, LiveDaemon, bench, serving, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.client import Client
@@ -33,14 +32,9 @@ LIMIT_IN_FLIGHT = 16  # --max-num-seqs 8 --max-waiting 8
 
 @pytest.fixture(scope="module")
 def daemon(daemon_model: Path) -> Iterator[LiveDaemon]:
-    directory = short_dir()
-    live = start_daemon(daemon_model, directory, ["--port", "0", "--api-key", API_KEY, "--served-model-name", MODEL,
-                                                  "--max-num-seqs", "8", "--max-waiting", "8"])
-    try:
+    with serving(daemon_model, ["--port", "0", "--api-key", API_KEY, "--served-model-name", MODEL,
+                                "--max-num-seqs", "8", "--max-waiting", "8"]) as live:
         yield live
-    finally:
-        live.stop()
-        shutil.rmtree(directory.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -231,15 +225,10 @@ def test_pipeline_bench_drives_the_http_api_with_either_endpoint(url: str) -> No
 
 def test_bench_draws_prompts_below_the_served_vocabulary(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "small-vocab", "llama", seed=5, vocab_size=300)
-    directory = short_dir()
-    daemon = start_daemon(model, directory, ["--port", "0"])
-    try:
+    with serving(model, ["--port", "0"]) as daemon:
         with Client(daemon.socket_path) as client:
             stats, http_url = client.stats(), client.health().http_url
         assert stats.vocab_size == 300 and stats.special_token_ids == [0, 1]
         for target in (["--socket", str(daemon.socket_path)], ["--base-url", http_url]):
             report = bench(*target, "--num-prompts", "32", *WORKLOAD)
             assert (report["completed"], report["failed"]) == (32, 0)
-    finally:
-        daemon.stop()
-        shutil.rmtree(directory.parent, ignore_errors=True)

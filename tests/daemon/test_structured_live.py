@@ -3,7 +3,6 @@ the socket client's constraint fields, and bad constraints refused with a 400 be
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
-from live_daemon import REAL_BACKEND, LiveDaemon, short_dir, start_daemon, wait_idle
+from live_daemon import REAL_BACKEND, LiveDaemon, serving, wait_idle
 from structured_cases import CHOICES, PERSON_SCHEMA, REGEX, WEATHER_TOOL, check_json_schema, check_regex
 
 from pipeline.client import Client
@@ -25,13 +24,8 @@ NUM_CHOICES = 10
 
 @pytest.fixture(scope="module")
 def daemon(daemon_model: Path) -> Iterator[LiveDaemon]:
-    directory = short_dir()
-    live = start_daemon(daemon_model, directory, ["--port", "0", "--max-num-seqs", "16", "--served-model-name", "default"])
-    try:
+    with serving(daemon_model, ["--port", "0", "--max-num-seqs", "16", "--served-model-name", "default"]) as live:
         yield live
-    finally:
-        live.stop()
-        shutil.rmtree(directory.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
