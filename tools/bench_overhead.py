@@ -28,11 +28,16 @@ its k-th token came k steps after its first, which is placed at the latest step 
 every token of the row arriving after its step was ready.
 `--pin` pins every thread of the scheduler and the runner to one CPU and the daemons' other
 processes and the clients to a second (os.sched_setaffinity), to see what sharing CPUs costs.
+`--http` streams every request as Server-Sent Events from the daemon's OpenAI API
+(`/v1/completions`, one HTTP connection per request, read by a bare asyncio protocol that counts
+frames), so the daemon's CPU per token is what an SSE stream costs it. A text frame does not say
+which tokens it holds (a token that ends inside a character sends none), so delivery is not
+measured then.
 `--serve SOCKET` only starts the daemon on the simulated device and serves until Ctrl-C, to
-profile it by hand (py-spy, perf).
+profile it by hand (py-spy, perf); `--http-port` serves the HTTP API too.
 
     python tools/bench_overhead.py [--json] [--quick] [--device-ms T] [--rounds N] [--baseline DIR]
-                                   [--pin] [--structured FRACTION[,FRACTION...]]
+                                   [--pin] [--http] [--structured FRACTION[,FRACTION...]]
 """
 from __future__ import annotations
 
@@ -58,7 +63,6 @@ from overhead_analysis import (  # noqa: E402
 )
 from pipeline.client import AsyncClient, Client  # noqa: E402
 from pipeline.errors import DaemonNotRunning, PipelineError  # noqa: E402
-from stages.contracts.config import EngineConfig  # noqa: E402
 from stages.contracts.params import SamplingParams  # noqa: E402
 from stages.gpu_runner.simulated_steps import SimulatedTokens, read_timeline  # noqa: E402
 
@@ -86,6 +90,7 @@ class Daemon:
     socket_path: Path
     trace_path: Path
     pids: dict[str, int]  # process name -> pid: the daemon and each stage
+    http_url: str | None = None  # its OpenAI API, once it serves (started with `http`)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -93,12 +98,25 @@ class Daemon:
         self.process.wait(timeout=60)
 
 
-def engine_config(model: str, device_ms: float, max_model_len: int, async_scheduling: bool,
-                  trace_path: str | None) -> EngineConfig:
-    return EngineConfig(model=model, device="cpu", max_num_seqs=max(BATCHES), max_model_len=max_model_len,
-                        num_kv_blocks=max(BATCHES) * -(-max_model_len // BLOCK_SIZE), block_size=BLOCK_SIZE,
-                        async_scheduling=async_scheduling, simulated_device_ms=device_ms,
-                        simulated_device_trace=trace_path)
+def engine_options(model: str, device_ms: float, max_model_len: int, async_scheduling: bool,
+                   trace_path: str | None) -> dict:
+    """The EngineConfig of a daemon on the simulated device, as keyword arguments."""
+    return dict(model=model, device="cpu", max_num_seqs=max(BATCHES), max_model_len=max_model_len,
+                num_kv_blocks=max(BATCHES) * -(-max_model_len // BLOCK_SIZE), block_size=BLOCK_SIZE,
+                async_scheduling=async_scheduling, simulated_device_ms=device_ms, simulated_device_trace=trace_path)
+
+
+# The daemon of the checkout in argv[1] on socket argv[2], EngineConfig(**argv[3]) and
+# DaemonConfig(**argv[4]) given as JSON: any checkout of this repository serves this way, with
+# or without HTTP, whatever its own copy of this script can do.
+SERVE_CODE = """import json, logging, sys
+sys.path.insert(0, sys.argv[1])
+from pipeline.serve.config import DaemonConfig
+from pipeline.serve.daemon import run_daemon
+from stages.contracts.config import EngineConfig
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+sys.exit(run_daemon(EngineConfig(**json.loads(sys.argv[3])), sys.argv[2], settings=DaemonConfig(**json.loads(sys.argv[4]))))
+"""
 
 
 def make_model(directory: Path) -> Path:
@@ -110,30 +128,31 @@ def make_model(directory: Path) -> Path:
     return Path(run.stdout.strip())
 
 
+def daemon_command(checkout: Path, socket_path: Path | str, engine: dict, http_port: int | None) -> list[str]:
+    """The command line of `checkout`'s daemon on `socket_path` (SERVE_CODE)."""
+    return [sys.executable, "-c", SERVE_CODE, str(checkout), str(socket_path), json.dumps(engine),
+            json.dumps({"http_port": http_port})]
+
+
 def serve(args: argparse.Namespace) -> int:
-    """The daemon on the simulated device, in this process, until SIGTERM or Ctrl-C."""
-    import logging
-
+    """The daemon on the simulated device, in place of this process, until SIGTERM or Ctrl-C."""
     from pipeline.models.default_model import ensure_default_model
-    from pipeline.serve.daemon import run_daemon
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model = args.model or str(ensure_default_model())
-    config = engine_config(model, args.device_ms, args.max_model_len, not args.no_async_scheduling, args.trace)
-    return run_daemon(config, args.serve)
+    engine = engine_options(model, args.device_ms, args.max_model_len, not args.no_async_scheduling, args.trace)
+    os.execv(sys.executable, daemon_command(checkout_path.ROOT, args.serve, engine, args.http_port))
 
 
 def start_daemon(label: str, checkout: Path, model: Path, directory: Path, device_ms: float, max_model_len: int,
-                 async_scheduling: bool) -> Daemon:
-    """Starts the daemon of `checkout` in serve mode; returns before it answers (see wait_serving)."""
+                 async_scheduling: bool, http: bool) -> Daemon:
+    """Starts the daemon of `checkout` (with the HTTP API on a free port when `http`); returns
+    before it answers (see wait_serving)."""
     directory.mkdir(mode=0o700)
     socket_path, trace_path = directory / "pipeline.sock", directory / "timeline.npy"
-    command = [sys.executable, str(checkout / "tools" / "bench_overhead.py"), "--serve", str(socket_path),
-               "--model", str(model), "--device-ms", str(device_ms), "--max-model-len", str(max_model_len),
-               "--trace", str(trace_path)] + ([] if async_scheduling else ["--no-async-scheduling"])
+    engine = engine_options(str(model), device_ms, max_model_len, async_scheduling, str(trace_path))
     log = open(directory / "daemon.log", "wb")  # noqa: SIM115 - lives as long as the daemon
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               cwd=checkout)
+    process = subprocess.Popen(daemon_command(checkout, socket_path, engine, 0 if http else None), stdout=log,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=checkout)
     return Daemon(label, async_scheduling, process, socket_path, trace_path, {"daemon": process.pid})
 
 
@@ -148,6 +167,7 @@ def wait_serving(daemon: Daemon) -> None:
                 health = client.health()
             if health.status == "ok":
                 daemon.pids.update(health.stage_pids)
+                daemon.http_url = health.http_url
                 return
         except (DaemonNotRunning, OSError, PipelineError):
             pass
@@ -180,12 +200,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S
 
 
+async def sample_cpu(daemon: Daemon, samples: list[CpuSample]) -> None:
+    """Every CPU_SAMPLE_S, the CPU time of the daemon's processes and this one (the clients)."""
+    pids = dict(daemon.pids, client=os.getpid())
+    while True:
+        samples.append(CpuSample(time.monotonic_ns(), {name: cpu_seconds(pid) for name, pid in pids.items()}))
+        await asyncio.sleep(CPU_SAMPLE_S)
+
+
 async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int, multiplex: bool,
                        num_constrained: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[CpuSample]]:
     """Streams one request per prompt at once (all on one connection, read in batches, when
     `multiplex`), the first `num_constrained` with STRUCTURED_SCHEMA; returns every token's receive
     time, id and request index, and the CPU samples taken meanwhile."""
-    pids = dict(daemon.pids, client=os.getpid())
     # Flat arrays, not a list of tuples: objects the collector must walk make its pauses grow.
     received_ns, received_ids, received_req = array("q"), array("q"), array("q")
     samples: list[CpuSample] = []
@@ -200,11 +227,6 @@ async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int,
             received_ids.extend(delta.token_ids)
             received_req.extend([index] * len(delta.token_ids))
 
-    async def sample_cpu() -> None:
-        while True:
-            samples.append(CpuSample(time.monotonic_ns(), {name: cpu_seconds(pid) for name, pid in pids.items()}))
-            await asyncio.sleep(CPU_SAMPLE_S)
-
     async def all_in_batches() -> None:
         async with client.stream_batches(prompts, params_of) as batches:
             async for batch in batches:
@@ -214,7 +236,7 @@ async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int,
                     received_ids.extend(delta.token_ids)
                     received_req.extend([index] * len(delta.token_ids))
 
-    sampler = asyncio.ensure_future(sample_cpu())
+    sampler = asyncio.ensure_future(sample_cpu(daemon, samples))
     try:
         if multiplex:
             await all_in_batches()
@@ -227,29 +249,105 @@ async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int,
             np.frombuffer(received_req, np.int64), samples)
 
 
+class SseStream(asyncio.Protocol):
+    """One streamed `/v1/completions` request on a connection of its own, read as bytes: each
+    read's time and how many `data: {` frames it held. Nothing is parsed but the status line."""
+
+    FRAME = b"data: {"
+    END = b"data: [DONE]"
+
+    def __init__(self, request: bytes, index: int, received_ns: array, received_req: array) -> None:
+        self.request, self.index = request, index
+        self.received_ns, self.received_req = received_ns, received_req
+        self.ended: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._head = b""  # the response's first bytes, until the status line is checked
+        self._tail = b""  # the last bytes of the previous read: a frame's mark may straddle two reads
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(self.request)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        now_ns = time.monotonic_ns()
+        if self._head is not None:
+            self._head += data
+            if b"\r\n" not in self._head:
+                return
+            if not self._head.startswith(b"HTTP/1.1 200"):
+                self.ended.set_exception(RuntimeError(f"stream {self.index}: {self._head[:500]!r}"))
+                return
+            data, self._head = self._head, None
+        seen = self._tail + data
+        frames = seen.count(self.FRAME)
+        if frames:
+            self.received_ns.extend([now_ns] * frames)
+            self.received_req.extend([self.index] * frames)
+        self._tail = seen[-len(self.END):]
+        if self.END in seen and not self.ended.done():
+            self.ended.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.ended.done():
+            self.ended.set_exception(RuntimeError(f"stream {self.index}: the connection closed before [DONE] ({exc})"))
+
+
+async def stream_http(daemon: Daemon, prompts: list[list[int]], num_steps: int
+                      ) -> tuple[np.ndarray, np.ndarray, list[CpuSample]]:
+    """--http: streams one request per prompt at once from the daemon's /v1/completions, each on
+    its own connection; returns every frame's receive time and request index, and the CPU samples
+    taken meanwhile."""
+    host, port = daemon.http_url.removeprefix("http://").rsplit(":", 1)
+    received_ns, received_req = array("q"), array("q")
+    samples: list[CpuSample] = []
+    sampler = asyncio.ensure_future(sample_cpu(daemon, samples))
+    streams, transports = [], []
+    try:
+        for index, prompt in enumerate(prompts):
+            body = json.dumps({"prompt": prompt, "max_tokens": num_steps, "temperature": 0, "ignore_eos": True,
+                               "stream": True}).encode()
+            request = (b"POST /v1/completions HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%b" % (host.encode(), len(body), body))
+            transport, stream = await asyncio.get_running_loop().create_connection(
+                lambda: SseStream(request, index, received_ns, received_req), host, int(port))
+            streams.append(stream)
+            transports.append(transport)
+        await asyncio.gather(*(stream.ended for stream in streams))
+    finally:
+        sampler.cancel()
+        for transport in transports:
+            transport.close()
+    return np.frombuffer(received_ns, np.int64), np.frombuffer(received_req, np.int64), samples
+
+
 def measure(daemon: Daemon, batch: int, num_steps: int, device_ms: float, rng: np.random.Generator,
-            multiplex: bool, structured: float = 0.0) -> dict:
-    """One batch on one daemon, round(structured x batch) of its requests constrained: the steady
-    window's numbers."""
+            multiplex: bool, structured: float = 0.0, http: bool = False) -> dict:
+    """One batch on one daemon, round(structured x batch) of its requests constrained (or every
+    request streamed over HTTP): the steady window's numbers."""
     prompts = [rng.integers(2, VOCAB_SIZE, PROMPT_TOKENS).tolist() for _ in range(batch)]
     num_constrained = round(structured * batch)
     since_ns = time.monotonic_ns()
-    times, tokens, requests, samples = uvloop.run(stream_batch(daemon, prompts, num_steps, multiplex,
-                                                               num_constrained))
-    if len(tokens) != batch * num_steps:
-        raise RuntimeError(f"{daemon.label} batch {batch}: got {len(tokens)} tokens, expected {batch * num_steps}")
+    if http:
+        times, requests, samples = uvloop.run(stream_http(daemon, prompts, num_steps))
+        tokens = None
+    else:
+        times, tokens, requests, samples = uvloop.run(stream_batch(daemon, prompts, num_steps, multiplex,
+                                                                   num_constrained))
+        if len(tokens) != batch * num_steps:
+            raise RuntimeError(f"{daemon.label} batch {batch}: got {len(tokens)} tokens, expected {batch * num_steps}")
     warmup = max(10, num_steps // 8)
     window = steady_window(read_timeline(daemon.trace_path), since_ns, batch, warmup, cooldown=5)
     result = step_stats(window, device_ms, 2 if daemon.async_scheduling else 1)
+    result["cpu_ms_per_step"] = cpu_ms_per_step(window, samples)
+    result["cpu_us_per_token"] = cpu_us_per_token(result["cpu_ms_per_step"], batch)
+    result["window_steps"] = window.num_steps
+    if tokens is None:  # SSE frames do not name their tokens
+        result["deliver_p50_ms"] = result["deliver_p99_ms"] = None
+        return result
     free = requests >= num_constrained
     delivered = np.concatenate([
         delivery_ms(window, SimulatedTokens(VOCAB_SIZE, EOS_TOKEN_IDS), times[free], tokens[free]),
         delivery_by_order_ms(window, times[~free], requests[~free])])
     result["deliver_p50_ms"] = float(np.percentile(delivered, 50))
     result["deliver_p99_ms"] = float(np.percentile(delivered, 99))
-    result["cpu_ms_per_step"] = cpu_ms_per_step(window, samples)
-    result["cpu_us_per_token"] = cpu_us_per_token(result["cpu_ms_per_step"], batch)
-    result["window_steps"] = window.num_steps
     return result
 
 
@@ -288,7 +386,7 @@ def run(args: argparse.Namespace) -> dict:
             for index, (prefix, checkout) in enumerate(checkouts):
                 for mode, async_scheduling in (("async", True), ("sync", False)):
                     daemons.append(start_daemon(prefix + mode, checkout, model, Path(directory) / f"d{len(daemons)}",
-                                                args.device_ms, max_model_len, async_scheduling))
+                                                args.device_ms, max_model_len, async_scheduling, args.http))
             for daemon in daemons:
                 wait_serving(daemon)
             if args.pin:
@@ -300,11 +398,12 @@ def run(args: argparse.Namespace) -> dict:
                     for daemon in daemons:
                         multiplex = args.multiplex and (args.baseline_multiplex or not daemon.label.startswith("baseline "))
                         runs[daemon.label][case_key(batch, fraction)].append(measure(
-                            daemon, batch, num_steps, args.device_ms, rng, multiplex, fraction or 0.0))
+                            daemon, batch, num_steps, args.device_ms, rng, multiplex, fraction or 0.0, args.http))
         finally:
             for daemon in daemons:
                 daemon.stop()
-    results: dict[str, object] = {"device_ms": args.device_ms, "multiplex": args.multiplex, "pin": args.pin}
+    results: dict[str, object] = {"device_ms": args.device_ms, "multiplex": args.multiplex, "pin": args.pin,
+                                  "http": args.http}
     for label, by_batch in runs.items():
         target = results.setdefault("baseline", {"checkout": args.baseline}) if label.startswith("baseline ") else results
         target[label.split()[-1]] = {key: median_of(batch_runs) for key, batch_runs in by_batch.items()}
@@ -340,8 +439,9 @@ def print_report(results: dict) -> None:
         for mode in ("async", "sync"):
             for batch, r in source[mode].items():
                 cpu = r["cpu_ms_per_step"]
-                print(f"{prefix + mode:<15}{batch:>9}{r['step_ms']:>8.3f}{r['exposed_pct']:>8.1f}%"
-                      f"{r['deliver_p50_ms']:>8.2f}/{r['deliver_p99_ms']:<8.2f}"
+                deliver = ("-" if r["deliver_p50_ms"] is None
+                           else f"{r['deliver_p50_ms']:.2f}/{r['deliver_p99_ms']:.2f}")
+                print(f"{prefix + mode:<15}{batch:>9}{r['step_ms']:>8.3f}{r['exposed_pct']:>8.1f}%{deliver:>17}"
                       f"{r['loop_p50_ms']:>6.2f}/{r['loop_p99_ms']:<7.2f} "
                       + " ".join(f"{cpu[n]:>9.3f}" for n in names))
 
@@ -385,7 +485,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--structured", type=lambda text: [float(f) for f in text.split(",")], default=None,
                         metavar="FRACTION[,FRACTION...]",
                         help="measure each batch with these fractions of its requests constrained by a JSON schema")
+    parser.add_argument("--http", action="store_true",
+                        help="stream every request as Server-Sent Events from the OpenAI API, a connection each")
     parser.add_argument("--serve", metavar="SOCKET", help="only serve on the simulated device, until Ctrl-C")
+    parser.add_argument("--http-port", type=int, default=None, help="with --serve: serve the HTTP API on this port")
     parser.add_argument("--model", help="with --serve: checkpoint directory (default: the embedded tiny model)")
     parser.add_argument("--max-model-len", type=int, default=1024, help=argparse.SUPPRESS)
     parser.add_argument("--trace", default=None, help=argparse.SUPPRESS)
@@ -397,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds = 1 if args.quick else 3
     if max(args.batches) > max(BATCHES) or min(args.batches) < 1:
         parser.error(f"--batches must be in [1, {max(BATCHES)}], got {args.batches}")
+    if args.http and (args.multiplex or args.structured is not None):
+        parser.error("--http streams each request on its own HTTP connection: no --multiplex or --structured")
     if args.structured is not None and not all(0.0 <= f <= 1.0 for f in args.structured):
         parser.error(f"--structured fractions must be in [0, 1], got {args.structured}")
     # SIGTERM unwinds like Ctrl-C, so the daemons this starts are stopped on the way out.

@@ -103,11 +103,14 @@ def cpu_ms_per_step(window: Window, samples: list[CpuSample]) -> dict[str, float
 
 
 def median_of(runs: list[dict[str, object]]) -> dict[str, object]:
-    """Key by key, the median over runs (of each entry, for a dict of numbers)."""
+    """Key by key, the median over runs (of each entry, for a dict of numbers); None stays None
+    (a figure not measured)."""
     merged: dict[str, object] = {}
     for key, value in runs[0].items():
         if isinstance(value, dict):
             merged[key] = {name: float(np.median([run[key][name] for run in runs])) for name in value}
+        elif value is None:
+            merged[key] = None
         else:
             merged[key] = float(np.median([run[key] for run in runs]))
     return merged
