@@ -82,24 +82,21 @@ class Metrics:
         """A batch of `num_tokens` output tokens reached the client (a delta, or the whole output)."""
         if num_tokens <= 0:
             return
-        now = time.monotonic() if now is None else now
+        self.tokens_reached(timeline, num_tokens, time.monotonic() if now is None else now)
+        self._generation_tokens.inc(num_tokens)
+
+    def tokens_reached(self, timeline: RequestTimeline, num_tokens: int, now: float) -> None:
+        """`tokens_generated` for the request's timeline only: a caller with many requests' tokens
+        counts them all at once with `tokens_counted`."""
         if timeline.first_token_s is None:
             timeline.first_token_s = now
             self._ttft.observe(now - timeline.arrival_s)
         timeline.last_token_s = now
         timeline.num_output_tokens += num_tokens
-        self._generation_tokens.inc(num_tokens)
 
-    def tokens_each(self, timelines: list[RequestTimeline], counts: list[int], now: float) -> None:
-        """counts[i] output tokens reached the client of timelines[i] (a batch of plain events)."""
-        for timeline, count in zip(timelines, counts):
-            if timeline.first_token_s is None:
-                timeline.first_token_s = now
-                self._ttft.observe(now - timeline.arrival_s)
-            timeline.last_token_s = now
-            timeline.num_output_tokens += count
-        if counts:
-            self._generation_tokens.inc(sum(counts))
+    def tokens_counted(self, num_tokens: int) -> None:
+        """`num_tokens` output tokens reached clients (their timelines moved by `tokens_reached`)."""
+        self._generation_tokens.inc(num_tokens)
 
     def request_finished(
         self,

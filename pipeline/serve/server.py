@@ -64,9 +64,38 @@ class Connection(Protocol):
 
     def send(self, message: ServerMessage) -> None: ...
 
+    def send_text(self, request_id: str, text: str, token_ids: list[int]) -> None:
+        """`send(Delta(request_id, text, token_ids))`, where the connection can do without the Delta."""
+
     def close(self) -> None: ...
 
     def abort(self) -> None: ...
+
+
+class Flushable(Protocol):
+    def flush(self) -> None: ...
+
+
+class FlushLater:
+    """`flush_later(connection)`: `connection.flush()` runs when this turn of the event loop is
+    over, with every other connection's that asked in this turn: one callback a turn, however
+    many connections write. A connection asks once per turn."""
+
+    def __init__(self) -> None:
+        self._due: list[Flushable] = []
+
+    def __call__(self, connection: Flushable) -> None:
+        if not self._due:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._due.append(connection)
+
+    def _flush(self) -> None:
+        due, self._due = self._due, []
+        for connection in due:
+            try:
+                connection.flush()
+            except Exception:  # one connection's failure must not keep the others' replies back
+                log.exception("writing to a connection failed")
 
 
 class BackendState(Enum):
@@ -154,6 +183,7 @@ class DaemonServer:
         self.http_url: str | None = None  # where the HTTP API listens, once it does
         self._requests: dict[int, Request] = {}  # by backend req_id: accepted and not finished
         self._idle = asyncio.Event()  # no request in flight
+        self.flush_later = FlushLater()  # flush_later(connection): its flush() at the end of this turn
         self._idle.set()
         self._next_req_id = 0
         self.num_finished = 0
@@ -286,7 +316,8 @@ class DaemonServer:
             self._end_stage_failed(self.recovery.retry(self.backend, self._requests))
 
     def _on_token_texts(self, batch: TokenTexts) -> None:
-        """Plain events: tokens and their text each, nothing that ends a request."""
+        """Plain events: tokens and their text each, nothing that ends a request. The loop over
+        the rows is the daemon's per-token cost, so it does only what each row needs."""
         raw = batch.text.tobytes()
         text = raw.decode("utf-8")  # one decode for the batch: no piece splits a character
         text_ends = batch.text_ends
@@ -296,20 +327,20 @@ class DaemonServer:
         token_ids = batch.token_ids.tolist()
         token_ends = list(range(1, len(token_ids) + 1)) if batch.token_ends is None else batch.token_ends.tolist()
         text_ends = text_ends.tolist()
-        requests = self._requests
-        delivered: list[RequestTimeline] = []
-        counts: list[int] = []
+        get, reached, now = self._requests.get, self.metrics.tokens_reached, time.monotonic()
         frames: dict[Connection, DeltaFrame] = {}  # per connection that reads `Deltas`
+        num_tokens = 0
         start = first = 0
         for row, (req_id, end, last) in enumerate(zip(batch.req_ids.tolist(), text_ends, token_ends)):
-            request = requests.get(req_id)
-            piece, tokens, start, first = text[start:end], token_ids[first:last], end, last
-            if request is None:
-                continue  # aborted or dropped meanwhile: its last tokens go nowhere
+            request = get(req_id)
+            if request is None:  # aborted or dropped meanwhile: its last tokens go nowhere
+                start, first = end, last
+                continue
+            tokens = token_ids[first:last]
             request.resume.answered = True
-            request.token_ids.extend(tokens)
-            delivered.append(request.timeline)
-            counts.append(len(tokens))
+            request.token_ids += tokens
+            num_tokens += last - first
+            reached(request.timeline, last - first, now)
             if request.delta_frames:
                 frame = frames.get(request.connection)
                 if frame is None:
@@ -317,13 +348,14 @@ class DaemonServer:
                 frame.rows.append(row)
                 frame.request_ids.append(request.request_id)
             elif request.stream:
-                request.connection.send(Delta(request.request_id, piece, tokens))
+                request.connection.send_text(request.request_id, text[start:end], tokens)
             else:
-                request.texts.append(piece)
+                request.texts.append(text[start:end])
+            start, first = end, last
         for connection, frame in frames.items():
             connection.send(frame.message(text, text_ends, token_ids, token_ends))
-        self.num_generated_tokens += sum(counts)
-        self.metrics.tokens_each(delivered, counts, time.monotonic())
+        self.num_generated_tokens += num_tokens
+        self.metrics.tokens_counted(num_tokens)
 
     def _on_event(self, request: Request, event: OutputEvent) -> None:
         connection = request.connection

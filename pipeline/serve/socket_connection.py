@@ -1,14 +1,15 @@
 """One client connection on the daemon's Unix socket: frames in, messages out, never awaiting.
 
-Replies are gathered and written once per turn of the event loop: a step's deltas for every
-request of a connection leave in one write, however many streams it carries."""
+Replies are gathered and written once per turn of the event loop (DaemonServer.flush_later): a
+step's deltas for every request of a connection leave in one write, however many streams it
+carries."""
 from __future__ import annotations
 
 import asyncio
 import logging
 
 from pipeline.errors import ProtocolError
-from pipeline.protocol import ClientMessage, FrameDecoder, ServerMessage, encode_frame, error_for
+from pipeline.protocol import ClientMessage, Delta, FrameDecoder, ServerMessage, encode_frame, error_for
 from pipeline.serve.server import DaemonServer, Request
 
 log = logging.getLogger("pipeline.serve")
@@ -22,7 +23,7 @@ class SocketConnection(asyncio.Protocol):
         self._decoder: FrameDecoder[ClientMessage] = FrameDecoder(ClientMessage)
         self.transport: asyncio.Transport | None = None
         self.requests: dict[str, Request] = {}  # this connection's running requests by public id
-        self._frames: list[bytes] = []  # encoded replies not yet written: `_flush` writes them
+        self._frames: list[bytes] = []  # encoded replies not yet written: `flush` writes them
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -49,10 +50,13 @@ class SocketConnection(asyncio.Protocol):
         except ProtocolError as exc:  # a reply over the frame limit: report it instead
             frame = encode_frame(error_for(exc, getattr(message, "request_id", None)))
         if not self._frames:
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._server.flush_later(self)
         self._frames.append(frame)
 
-    def _flush(self) -> None:
+    def send_text(self, request_id: str, text: str, token_ids: list[int]) -> None:
+        self.send(Delta(request_id, text, token_ids))
+
+    def flush(self) -> None:
         """Writes the replies gathered since the last flush, in one write."""
         frames, self._frames = self._frames, []
         transport = self.transport
@@ -65,7 +69,7 @@ class SocketConnection(asyncio.Protocol):
 
     def close(self) -> None:
         if self.transport is not None:
-            self._flush()
+            self.flush()
             self.transport.close()  # flushes what is buffered, then connection_lost runs
 
     def abort(self) -> None:

@@ -14,6 +14,7 @@ from pipeline.engine.backend import BackendStats, StageHealth
 from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.outputs import OutputEvent
 from pipeline.errors import Overloaded, StageFailed
+from pipeline.protocol import Delta
 from stages.contracts.params import SamplingParams
 
 
@@ -87,3 +88,6 @@ class RecordingConnection:
 
     def send(self, message: object) -> None:
         self.sent.append(message)
+
+    def send_text(self, request_id: str, text: str, token_ids: list[int]) -> None:
+        self.sent.append(Delta(request_id, text, token_ids))

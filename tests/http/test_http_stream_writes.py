@@ -10,6 +10,7 @@ from pipeline.protocol import Delta, Done, TokenLogprobs, Usage
 from pipeline.serve.openai.call import HttpCall, Reply
 from pipeline.serve.openai.params import ChoiceRequest
 from pipeline.serve.openai.sse import ChatStream, CompletionStream
+from pipeline.serve.server import FlushLater
 from stages.contracts.params import SamplingParams
 
 CREATED = 1700000000
@@ -39,6 +40,7 @@ class FakeServer:
     def __init__(self) -> None:
         self.started: list[str] = []
         self.dropped = 0
+        self.flush_later = FlushLater()
 
     def start_request(self, connection: HttpCall, prompt: object, params: SamplingParams, *, stream: bool,
                       resume_token_ids: list[int] | None = None) -> str:

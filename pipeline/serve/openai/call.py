@@ -7,8 +7,9 @@ never waiting); the response's task takes them in order with `next_replies`. Clo
 connection does.
 
 A streamed response may make the frames of plain text deltas at once (`text_frame`): they queue
-as bytes, and once per turn of the event loop they are written straight to the connection
-(`attach_writer`) in one write, without waking the response's task. Anything else in the queue
+as bytes, and once per turn of the event loop (DaemonServer.flush_later, one callback for every
+call) they are written straight to the connection (`attach_writer`) in one write, without waking
+the response's task. Anything else in the queue
 (a finish, an error, logprobs), a full connection buffer or no writer, and the task writes the
 queue in order instead.
 
@@ -123,16 +124,11 @@ class HttpCall:
         if choice is None or self._closed:
             return
         if isinstance(message, Delta):
-            choice.text.append(message.text)
-            choice.num_tokens += len(message.token_ids)
-            if message.token_ids and choice.index in self._waiting:
-                asyncio.get_running_loop().call_soon(self._start_followers, choice)
-            if self.text_frame is not None and not message.logprobs:
-                frame = self.text_frame(choice.index, message.text)
-                if frame:
-                    self.queue_frame(frame)
+            if not message.logprobs:
+                self.send_text(message.request_id, message.text, message.token_ids)
                 return
-            if choice.logprobs is not None and message.logprobs:
+            self._took_tokens(choice, message.text, message.token_ids)
+            if choice.logprobs is not None:
                 choice.logprobs.extend(message.logprobs)
             self._queue(Reply(choice, message.text, message.logprobs, token_ids=message.token_ids))
         elif isinstance(message, Done):
@@ -142,6 +138,26 @@ class HttpCall:
         elif isinstance(message, Error):
             self._finish(choice, error=error_from_wire(message.code, message.message, message.field))
         self._changed.set()
+
+    def send_text(self, request_id: str, text: str, token_ids: list[int]) -> None:
+        """`send(Delta(request_id, text, token_ids))`: most of a stream, made into its frame here."""
+        choice = self._by_request_id.get(request_id)
+        if choice is None or self._closed:
+            return
+        self._took_tokens(choice, text, token_ids)
+        if self.text_frame is not None:
+            frame = self.text_frame(choice.index, text)
+            if frame:
+                self.queue_frame(frame)
+            return
+        self._queue(Reply(choice, text, token_ids=token_ids))
+        self._changed.set()
+
+    def _took_tokens(self, choice: Choice, text: str, token_ids: list[int]) -> None:
+        choice.text.append(text)
+        choice.num_tokens += len(token_ids)
+        if token_ids and choice.index in self._waiting:
+            asyncio.get_running_loop().call_soon(self._start_followers, choice)
 
     def _finish(self, choice: Choice, *, error: PipelineError) -> None:
         choice.error = error
@@ -162,14 +178,14 @@ class HttpCall:
         self._replies.append(frame)
         if not self._flush_due:
             self._flush_due = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self.server.flush_later(self)
 
     def attach_writer(self, write: Callable[[bytes], bool] | None) -> None:
         """`write(body)` puts bytes on the response's connection at once, or returns False
         (when the connection is gone or its buffer is full): then the task writes them."""
         self._write = write
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         self._flush_due = False
         if not self._replies:
             return
