@@ -131,7 +131,7 @@ def echo_sleeping(name_in: str, name_out: str, num_records: int, wake_s: float) 
     `wake_s` replaces the bounded-sleep period, so a missed doorbell would stall for that long.
     """
     shm.ring.WAKE_S = wake_s
-    assert shm.ring.PUBLISH_NEEDS_FENCE == bool(os.environ.get("PIPELINE_SHM_NO_MEMBARRIER"))
+    assert shm.ring.PUBLISH_NEEDS_FENCE == (not os.environ.get("PIPELINE_SHM_MEMBARRIER"))
     with RingReader.attach(name_in, spin_s=0.0) as reader, RingWriter.attach(name_out, spin_s=0.0) as writer:
         for _ in range(num_records):
             record = reader.read(timeout=None)

@@ -48,10 +48,16 @@ def test_no_doorbell_is_lost_when_every_wait_sleeps(instance: str, start_child, 
     """With spinning off, every empty or full wait sleeps and needs the peer's doorbell; the
     bounded sleep is raised to 20 s, so one lost doorbell would stall the stream visibly.
     Both barrier strategies of shm/fence.py are exercised, in both processes."""
-    if barrier == "membarrier" and shm.fence.PUBLISH_NEEDS_FENCE:
-        pytest.skip("membarrier(GLOBAL_EXPEDITED) is not available here")
-    if barrier == "locked_instruction":
-        monkeypatch.setenv("PIPELINE_SHM_NO_MEMBARRIER", "1")  # read by the child at import
+    if barrier == "membarrier":
+        monkeypatch.setenv("PIPELINE_SHM_MEMBARRIER", "1")  # read by the child at import
+        membarrier = shm.fence._load_membarrier()
+        if membarrier is None:
+            pytest.skip("membarrier(GLOBAL_EXPEDITED) is not available here")
+        monkeypatch.setattr(shm.fence, "_membarrier", membarrier)
+        monkeypatch.setattr(shm.ring, "PUBLISH_NEEDS_FENCE", False)
+        shm.fence.register_process()
+    else:
+        monkeypatch.delenv("PIPELINE_SHM_MEMBARRIER", raising=False)
         monkeypatch.setattr(shm.fence, "_membarrier", None)
         monkeypatch.setattr(shm.ring, "PUBLISH_NEEDS_FENCE", True)
     monkeypatch.setattr(shm.ring, "WAKE_S", 20.0)
