@@ -84,6 +84,10 @@ def add_daemon_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="the model's name in the HTTP API (default: the model directory's name; "
                              "`default` for the embedded model)")
+    parser.add_argument("--stream-interval", type=positive_int, default=defaults.stream_interval,
+                        help="a streamed HTTP response sends its text once this many tokens have gathered (its "
+                             "first token and its end at once): fewer, larger events, less CPU per token "
+                             "(default %(default)s: every token)")
     parser.add_argument("--api-key", default=None,
                         help=f"require `Authorization: Bearer KEY` on every /v1/* HTTP request (or set {API_KEY_ENV})")
     parser.add_argument("--max-restarts", type=_non_negative_int, default=defaults.max_restarts,
@@ -98,7 +102,7 @@ def daemon_config(args: argparse.Namespace) -> DaemonConfig:
     config = DaemonConfig(grace_s=args.grace_seconds, stall_s=args.stall_seconds, max_waiting=args.max_waiting,
                           max_restarts=args.max_restarts, http_port=args.port, http_host=args.host,
                           api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                          served_model_name=served_model_name)
+                          served_model_name=served_model_name, stream_interval=args.stream_interval)
     try:
         config.check()
     except ValueError as exc:

@@ -30,14 +30,15 @@ every token of the row arriving after its step was ready.
 processes and the clients to a second (os.sched_setaffinity), to see what sharing CPUs costs.
 `--http` streams every request as Server-Sent Events from the daemon's OpenAI API
 (`/v1/completions`, one HTTP connection per request, read by a bare asyncio protocol that counts
-frames), so the daemon's CPU per token is what an SSE stream costs it. A text frame does not say
-which tokens it holds (a token that ends inside a character sends none), so delivery is not
+frames), so the daemon's CPU per token is what an SSE stream costs it; `--stream-interval N`
+starts this checkout's daemons with `pipeline start --stream-interval N`. A text frame does not
+say which tokens it holds (a token that ends inside a character sends none), so delivery is not
 measured then.
 `--serve SOCKET` only starts the daemon on the simulated device and serves until Ctrl-C, to
 profile it by hand (py-spy, perf); `--http-port` serves the HTTP API too.
 
     python tools/bench_overhead.py [--json] [--quick] [--device-ms T] [--rounds N] [--baseline DIR]
-                                   [--pin] [--http] [--structured FRACTION[,FRACTION...]]
+                                   [--pin] [--http [--stream-interval N]] [--structured FRACTION[,...]]
 """
 from __future__ import annotations
 
@@ -128,10 +129,12 @@ def make_model(directory: Path) -> Path:
     return Path(run.stdout.strip())
 
 
-def daemon_command(checkout: Path, socket_path: Path | str, engine: dict, http_port: int | None) -> list[str]:
+def daemon_command(checkout: Path, socket_path: Path | str, engine: dict, http_port: int | None,
+                   stream_interval: int = 1) -> list[str]:
     """The command line of `checkout`'s daemon on `socket_path` (SERVE_CODE)."""
+    settings = {"http_port": http_port} | ({"stream_interval": stream_interval} if stream_interval != 1 else {})
     return [sys.executable, "-c", SERVE_CODE, str(checkout), str(socket_path), json.dumps(engine),
-            json.dumps({"http_port": http_port})]
+            json.dumps(settings)]
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -144,15 +147,15 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def start_daemon(label: str, checkout: Path, model: Path, directory: Path, device_ms: float, max_model_len: int,
-                 async_scheduling: bool, http: bool) -> Daemon:
+                 async_scheduling: bool, http: bool, stream_interval: int = 1) -> Daemon:
     """Starts the daemon of `checkout` (with the HTTP API on a free port when `http`); returns
     before it answers (see wait_serving)."""
     directory.mkdir(mode=0o700)
     socket_path, trace_path = directory / "pipeline.sock", directory / "timeline.npy"
     engine = engine_options(str(model), device_ms, max_model_len, async_scheduling, str(trace_path))
     log = open(directory / "daemon.log", "wb")  # noqa: SIM115 - lives as long as the daemon
-    process = subprocess.Popen(daemon_command(checkout, socket_path, engine, 0 if http else None), stdout=log,
-                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=checkout)
+    command = daemon_command(checkout, socket_path, engine, 0 if http else None, stream_interval)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=checkout)
     return Daemon(label, async_scheduling, process, socket_path, trace_path, {"daemon": process.pid})
 
 
@@ -386,7 +389,8 @@ def run(args: argparse.Namespace) -> dict:
             for index, (prefix, checkout) in enumerate(checkouts):
                 for mode, async_scheduling in (("async", True), ("sync", False)):
                     daemons.append(start_daemon(prefix + mode, checkout, model, Path(directory) / f"d{len(daemons)}",
-                                                args.device_ms, max_model_len, async_scheduling, args.http))
+                                                args.device_ms, max_model_len, async_scheduling, args.http,
+                                                1 if prefix else args.stream_interval))
             for daemon in daemons:
                 wait_serving(daemon)
             if args.pin:
@@ -403,7 +407,7 @@ def run(args: argparse.Namespace) -> dict:
             for daemon in daemons:
                 daemon.stop()
     results: dict[str, object] = {"device_ms": args.device_ms, "multiplex": args.multiplex, "pin": args.pin,
-                                  "http": args.http}
+                                  "http": args.http, "stream_interval": args.stream_interval}
     for label, by_batch in runs.items():
         target = results.setdefault("baseline", {"checkout": args.baseline}) if label.startswith("baseline ") else results
         target[label.split()[-1]] = {key: median_of(batch_runs) for key, batch_runs in by_batch.items()}
@@ -487,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure each batch with these fractions of its requests constrained by a JSON schema")
     parser.add_argument("--http", action="store_true",
                         help="stream every request as Server-Sent Events from the OpenAI API, a connection each")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="with --http: this checkout's daemons send a stream's text every N tokens "
+                             "(`pipeline start --stream-interval`; the baseline's send every token)")
     parser.add_argument("--serve", metavar="SOCKET", help="only serve on the simulated device, until Ctrl-C")
     parser.add_argument("--http-port", type=int, default=None, help="with --serve: serve the HTTP API on this port")
     parser.add_argument("--model", help="with --serve: checkpoint directory (default: the embedded tiny model)")
@@ -500,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds = 1 if args.quick else 3
     if max(args.batches) > max(BATCHES) or min(args.batches) < 1:
         parser.error(f"--batches must be in [1, {max(BATCHES)}], got {args.batches}")
+    if args.stream_interval < 1 or (args.stream_interval > 1 and not args.http):
+        parser.error(f"--stream-interval must be a positive integer, and above 1 only with --http, "
+                     f"got {args.stream_interval}")
     if args.http and (args.multiplex or args.structured is not None):
         parser.error("--http streams each request on its own HTTP connection: no --multiplex or --structured")
     if args.structured is not None and not all(0.0 <= f <= 1.0 for f in args.structured):

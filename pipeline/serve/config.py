@@ -35,6 +35,9 @@ class DaemonConfig:
     http_host: str = "127.0.0.1"
     api_key: str | None = None  # if set, every /v1/* HTTP request must carry `Authorization: Bearer <key>`
     served_model_name: str | None = None  # the model's name in the HTTP API; None: the checkpoint's directory name
+    # A streamed HTTP response's text goes out once this many tokens have gathered (its first
+    # token and its end at once): fewer, larger Server-Sent Events, each a write to its connection.
+    stream_interval: int = 1
 
     def check(self) -> None:
         """Raises ValueError naming the first bad value."""
@@ -43,10 +46,11 @@ class DaemonConfig:
         if not self.stall_s >= MIN_STALL_S:
             raise ValueError(f"stall_s must be at least {MIN_STALL_S:g} s (an idle stage beats every "
                              f"{IDLE_TICK_S:g} s), got {self.stall_s!r}")
-        for name in ("max_waiting", "max_unread_bytes"):
+        for name in ("max_waiting", "max_unread_bytes", "stream_interval"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "max_unread_bytes" else 0):
-                raise ValueError(f"{name} must be a {'positive' if name == 'max_unread_bytes' else 'non-negative'} "
+            positive = name != "max_waiting"
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if positive else 0):
+                raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} "
                                  f"integer, got {value!r}")
         if self.http_port is not None and (isinstance(self.http_port, bool) or not isinstance(self.http_port, int)
                                            or not 0 <= self.http_port <= 65535):

@@ -87,6 +87,28 @@ def test_streamed_text_equals_the_whole_text_with_usage_last(sdk: openai.OpenAI)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_a_stream_interval_sends_the_same_text_in_fewer_events(daemon_model: Path, sdk: openai.OpenAI) -> None:
+    completion = dict(model=MODEL, prompt="a token mailbox ring", max_tokens=24, temperature=0)
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hello there"}], max_completion_tokens=24,
+                temperature=0)
+    whole = sdk.completions.create(**completion).choices[0].text
+    whole_chat = sdk.chat.completions.create(**chat).choices[0].message.content
+    with serving(daemon_model, ["--port", "0", "--served-model-name", MODEL, "--stream-interval", "4"]) as interval:
+        with Client(interval.socket_path) as client:
+            http_url = client.health().http_url
+        held = openai.OpenAI(api_key="unused", base_url=f"{http_url}/v1", max_retries=0)
+        chunks = list(held.completions.create(**completion, stream=True, stream_options={"include_usage": True}))
+        chat_chunks = list(held.chat.completions.create(**chat, stream=True))
+    texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert "".join(texts) == whole
+    assert 2 <= len(texts) <= 1 + -(-23 // 4)  # the first token alone, then at most 4 tokens an event
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 24
+    contents = [c.choices[0].delta.content for c in chat_chunks if c.choices[0].delta.content]
+    assert "".join(contents) == whole_chat and len(contents) <= 1 + -(-23 // 4)
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+
+
 def test_chat_renders_the_checkpoints_template(daemon: LiveDaemon, daemon_model: Path, sdk: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
     rendered = ChatTemplate.from_checkpoint(daemon_model).render([ChatMessage(**m) for m in messages])

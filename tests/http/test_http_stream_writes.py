@@ -6,10 +6,11 @@ import asyncio
 
 import pytest
 
-from pipeline.protocol import Delta, Done, TokenLogprobs, Usage
+from pipeline.protocol import Delta, Done, Error, TokenLogprobs, Usage
 from pipeline.serve.openai.call import HttpCall, Reply
 from pipeline.serve.openai.params import ChoiceRequest
 from pipeline.serve.openai.sse import ChatStream, CompletionStream
+from pipeline.serve.config import DaemonConfig
 from pipeline.serve.server import FlushLater
 from stages.contracts.params import SamplingParams
 
@@ -52,9 +53,10 @@ class FakeServer:
         self.dropped += 1
 
 
-def make_call(num_choices: int) -> tuple[HttpCall, CompletionStream, list[bytes]]:
+def make_call(num_choices: int, stream_interval: int = 1) -> tuple[HttpCall, CompletionStream, list[bytes]]:
     choices = [ChoiceRequest(i, f"prompt {i}", SamplingParams(max_tokens=8)) for i in range(num_choices)]
-    call = HttpCall(FakeServer(), choices, keep_logprobs=False)  # type: ignore[arg-type]
+    call = HttpCall(FakeServer(), choices, keep_logprobs=False,  # type: ignore[arg-type]
+                    stream_interval=stream_interval)
     call.start()
     stream = CompletionStream("cmpl-1", "tiny", CREATED, token_text, include_usage=False)
     call.text_frame = stream.text_frame
@@ -102,6 +104,56 @@ def test_a_finish_after_text_sends_both_through_the_task_in_order() -> None:
         assert await call.next_replies() == [reference.chunk(0, " late")]
 
     asyncio.run(run())
+
+
+def test_a_stream_interval_frames_every_nth_token_and_sends_the_first_and_the_rest_at_once() -> None:
+    async def run() -> None:
+        call, _, written = make_call(2, stream_interval=3)
+        reference = CompletionStream("cmpl-1", "tiny", CREATED, token_text, include_usage=False)
+        call.send(Delta("r0", " a", [5]))  # a choice's first token: at once
+        call.send(Delta("r1", "", [6]))  # an empty first delta still opens its choice at once
+        call.send_text("r0", " b", [7])
+        call.send_text("r0", "", [8])  # a token with no text yet counts toward the interval
+        await one_turn()
+        assert written == [reference.chunk(0, " a") + reference.chunk(1, "")]
+        call.send_text("r0", "c", [9])  # the third held token: " b" + "" + "c" in one frame
+        call.send_text("r1", " x", [10, 11])
+        call.send_text("r1", "y", [12])  # 3 tokens held for r1
+        await one_turn()
+        assert written[1:] == [reference.chunk(0, " bc") + reference.chunk(1, " xy")]
+        call.send_text("r0", " d", [13])
+        await one_turn()
+        assert len(written) == 2  # held
+        call.send(Done("r0", "length", [1, 2], Usage(2, 6)))  # what is held goes out before the end
+        await one_turn()
+        replies = await call.next_replies()
+        assert replies[0] == reference.chunk(0, " d")
+        assert isinstance(replies[1], Reply) and replies[1].finish_reason == "length"
+        assert [c.num_tokens for c in call.choices] == [5, 4]
+
+    asyncio.run(run())
+
+
+def test_a_stream_intervals_held_text_goes_out_before_an_error() -> None:
+    async def run() -> None:
+        call, _, written = make_call(1, stream_interval=4)
+        reference = CompletionStream("cmpl-1", "tiny", CREATED, token_text, include_usage=False)
+        call.send_text("r0", " a", [5])
+        call.send_text("r0", " b", [6])
+        call.send(Error("aborted", "request ended: abort", None, "r0"))
+        await one_turn()
+        replies = await call.next_replies()
+        assert written == []  # the error goes through the task: the frames before it do too
+        assert replies[:2] == [reference.chunk(0, " a"), reference.chunk(0, " b")]
+        assert isinstance(replies[2], Reply) and replies[2].error is not None
+
+    asyncio.run(run())
+
+
+def test_a_stream_interval_below_one_is_refused() -> None:
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match=f"stream_interval must be a positive integer, got {bad!r}"):
+            DaemonConfig(stream_interval=bad).check()  # type: ignore[arg-type]
 
 
 def test_a_full_connection_leaves_the_frames_to_the_task() -> None:

@@ -162,7 +162,8 @@ class OpenAIApi:
 
     def _start(self, choices: list[ChoiceRequest], body: CompletionRequest | ChatCompletionRequest) -> HttpCall:
         keep_logprobs = not body.stream
-        call = HttpCall(self.server, choices, keep_logprobs=keep_logprobs)
+        call = HttpCall(self.server, choices, keep_logprobs=keep_logprobs,
+                        stream_interval=self.server.config.stream_interval)
         try:
             call.start()
         except PipelineError as exc:

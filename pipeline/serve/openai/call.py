@@ -9,9 +9,12 @@ connection does.
 A streamed response may make the frames of plain text deltas at once (`text_frame`): they queue
 as bytes, and once per turn of the event loop (DaemonServer.flush_later, one callback for every
 call) they are written straight to the connection (`attach_writer`) in one write, without waking
-the response's task. Anything else in the queue
-(a finish, an error, logprobs), a full connection buffer or no writer, and the task writes the
-queue in order instead.
+the response's task. Anything else in the queue (a finish, an error, logprobs), a full
+connection buffer or no writer, and the task writes the queue in order instead.
+
+With a stream interval above 1 (`pipeline start --stream-interval N`), a choice's plain text is
+held until N tokens have gathered, then framed as one delta: a write per N tokens instead of one
+per token. Its first token goes out at once, and what is held goes out before its end or error.
 
 Choices of one prompt share it: only the first is started at once, the others once it has its
 first token, by when the prompt's full KV blocks are committed to the prefix cache, so the
@@ -42,6 +45,9 @@ class Choice:
     logprobs: list[TokenLogprobs] | None = None
     done: Done | None = None
     error: PipelineError | None = None
+    held: list[str] = field(default_factory=list)  # text not yet framed (a stream interval above 1)
+    held_tokens: int = 0
+    framed: bool = False  # its text has had a frame (the first goes out at once)
 
     @property
     def finished(self) -> bool:
@@ -68,8 +74,10 @@ class Reply:
 class HttpCall:
     """Implements the server's Connection protocol for one HTTP call."""
 
-    def __init__(self, server: DaemonServer, choices: list[ChoiceRequest], *, keep_logprobs: bool) -> None:
+    def __init__(self, server: DaemonServer, choices: list[ChoiceRequest], *, keep_logprobs: bool,
+                 stream_interval: int = 1) -> None:
         self.server = server
+        self.stream_interval = stream_interval  # text frames hold this many tokens (DaemonConfig.stream_interval)
         self.requests: dict[str, Request] = {}  # the server's: this call's running requests
         self.choices = [Choice(c.index, c.prompt, c) for c in choices]
         self._keep_logprobs = keep_logprobs
@@ -132,6 +140,7 @@ class HttpCall:
                 choice.logprobs.extend(message.logprobs)
             self._queue(Reply(choice, message.text, message.logprobs, token_ids=message.token_ids))
         elif isinstance(message, Done):
+            self._release_held(choice)
             choice.done = message
             self._queue(Reply(choice, "", finish_reason=message.finish_reason))
             self._start_followers(choice)
@@ -146,12 +155,32 @@ class HttpCall:
             return
         self._took_tokens(choice, text, token_ids)
         if self.text_frame is not None:
+            if self.stream_interval > 1:
+                choice.held.append(text)
+                choice.held_tokens += len(token_ids)
+                if choice.framed and choice.held_tokens < self.stream_interval:
+                    return
+                text = self._take_held(choice)
             frame = self.text_frame(choice.index, text)
             if frame:
                 self.queue_frame(frame)
             return
         self._queue(Reply(choice, text, token_ids=token_ids))
         self._changed.set()
+
+    def _take_held(self, choice: Choice) -> str:
+        text = "".join(choice.held)
+        choice.held.clear()
+        choice.held_tokens = 0
+        choice.framed = True
+        return text
+
+    def _release_held(self, choice: Choice) -> None:
+        """The frame of a choice's held text, before whatever ends it."""
+        if choice.held:
+            frame = self.text_frame(choice.index, self._take_held(choice))  # type: ignore[misc]
+            if frame:
+                self.queue_frame(frame)
 
     def _took_tokens(self, choice: Choice, text: str, token_ids: list[int]) -> None:
         choice.text.append(text)
@@ -160,6 +189,7 @@ class HttpCall:
             asyncio.get_running_loop().call_soon(self._start_followers, choice)
 
     def _finish(self, choice: Choice, *, error: PipelineError) -> None:
+        self._release_held(choice)
         choice.error = error
         self._queue(Reply(choice, "", error=error))
         for follower in self._waiting.pop(choice.index, ()):  # they never started: they fail alike
