@@ -1,7 +1,8 @@
 """Shared-memory names of one daemon instance, peer liveness, and sweeping what dead instances left.
 
 Every segment is `/pipeline-<instance>-<link>` and its doorbells are `<segment name>.<suffix>`
-(they appear in /dev/shm as `pipeline-...` and `sem.pipeline-...`). The instance id starts with
+(they appear in /dev/shm as `pipeline-...` and `sem.pipeline-...`; a named-pipe doorbell as
+`pipeline-...` too, removed as a segment's name is). The instance id starts with
 the creator's pid, so the names of a dead instance can be swept even when the segment that
 would have told its creator's pid is already gone.
 """

@@ -373,6 +373,34 @@ class RingReader:
         offset += 8
         return Record(kind, self._data[offset:offset + num_bytes])
 
+    def fileno(self) -> int:
+        """The descriptor that becomes readable when the writer rings this reader's doorbell, for
+        a reader that waits in an event loop (`arm`, `woken`) rather than in read(). Only a reader
+        the ring's creator gave a named-pipe doorbell (RingSegment.create's fifo_readers) has one."""
+        fileno = getattr(self._bell, "fileno", None)
+        if fileno is None:
+            raise ValueError(f"ring {self._seg.name!r}: reader {self._index}'s doorbell is a semaphore, "
+                             "not a descriptor (create the ring with fifo_readers)")
+        return fileno()
+
+    def arm(self) -> bool:
+        """Announce that this reader sleeps until fileno() is readable; True if it may, False if a
+        record (or the writer's close) is there already: read it now instead. Releases the
+        record held, if any. After fileno() turns readable, call woken() before reading."""
+        self.release()
+        slots = self._slots
+        slots[self._sleeping_slot] = 1
+        heavy_fence()  # the writer sees our flag, or we see its cursor (shm/fence.py)
+        if slots[WRITE_CURSOR] == self._r and not slots[WRITER_CLOSED]:
+            return True
+        slots[self._sleeping_slot] = 0
+        return False
+
+    def woken(self) -> None:
+        """The doorbell rang (or may have): no longer asleep, and fileno() quiet until the next ring."""
+        self._slots[self._sleeping_slot] = 0
+        self._bell.drain()
+
     def release(self) -> None:
         """Give the last record's space back to the writer; its payload view becomes invalid."""
         end = self._held_end

@@ -11,7 +11,7 @@ issue, so the segments refuse to map there.
 
 A ring's layout (each 64-byte line written by exactly one process):
 
-    line 0      magic, version, capacity_bytes, num_readers, creator_pid   (written once)
+    line 0      magic, version, capacity_bytes, num_readers, creator_pid, fifo bells  (written once)
     line 1      write cursor, writer sleeping, writer pid, writer closed, writer replaceable
     line 2 + i  read cursor, reader sleeping, reader pid, reader closed, reader replaceable
 
@@ -21,29 +21,34 @@ PeerDied, for as long as the creator lives. The creator's own ends are told (it 
     data        capacity_bytes of records [u32 length | u32 kind | payload | pad to 8]
 
 Cursors are monotonic byte counts; a record starts at `cursor % capacity_bytes`.
+
+Each doorbell is a named semaphore, except the data doorbells of the readers the creator names
+in `fifo_readers` (the header's bit mask): those are named pipes (shm/doorbell.py), for a reader
+that waits in an event loop.
 """
 from __future__ import annotations
 
 import mmap
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import posix_ipc
 
-from shm.doorbell import Doorbell
+from shm.doorbell import Doorbell, FifoDoorbell
 from shm.fence import full_fence, register_process
 from shm.naming import pid_alive, ring_name
 
 MAGIC = 0x31474E5245504950  # b"PIPERNG1" little-endian
-VERSION = 1
+VERSION = 2
 LINE_SLOTS = 8  # int64 slots per 64-byte cache line
 MAX_READERS = 64
 MIN_CAPACITY_BYTES = 64
 MAX_CAPACITY_BYTES = 1 << 31  # so every payload length fits in a u32 below the wrap marker
 
 # Slot indices into the int64 view of the header.
-MAGIC_SLOT, VERSION_SLOT, CAPACITY_SLOT, NUM_READERS_SLOT, CREATOR_PID_SLOT = range(5)
+MAGIC_SLOT, VERSION_SLOT, CAPACITY_SLOT, NUM_READERS_SLOT, CREATOR_PID_SLOT, FIFO_READERS_SLOT = range(6)
+MAX_FIFO_READER = 62  # fifo_readers is a bit mask in one int64 slot
 WRITE_CURSOR = LINE_SLOTS
 WRITER_SLEEPING = LINE_SLOTS + 1
 WRITER_PID = LINE_SLOTS + 2
@@ -173,7 +178,8 @@ class RingSegment:
     __slots__ = ("segment", "name", "capacity_bytes", "num_readers", "data_offset", "mm", "slots", "data",
                  "space_bell", "data_bells")
 
-    def __init__(self, segment: SharedSegment, space_bell: Doorbell, data_bells: list[Doorbell]) -> None:
+    def __init__(self, segment: SharedSegment, space_bell: Doorbell,
+                 data_bells: list[Doorbell | FifoDoorbell]) -> None:
         self.segment = segment
         self.name = segment.name
         self.mm = segment.mm
@@ -186,30 +192,43 @@ class RingSegment:
         self.data_bells = data_bells
 
     @staticmethod
-    def _bell_names(name: str, num_readers: int) -> tuple[str, list[str]]:
-        return f"{name}.space", [f"{name}.data{i}" for i in range(num_readers)]
+    def _bells(name: str, num_readers: int, fifo_mask: int, *, create: bool) -> list[Doorbell | FifoDoorbell]:
+        """The space doorbell, then each reader's data doorbell (made, or opened by name)."""
+        bells: list[Doorbell | FifoDoorbell] = []
+        try:
+            bells.append(Doorbell(f"{name}.space", create=create))
+            for index in range(num_readers):
+                kind = FifoDoorbell if fifo_mask >> index & 1 else Doorbell
+                bells.append(kind(f"{name}.data{index}", create=create))
+        except BaseException:
+            for bell in bells:
+                if create:
+                    bell.unlink()
+                bell.close()
+            raise
+        return bells
 
     @classmethod
-    def create(cls, instance: str, link: str, capacity_bytes: int, num_readers: int = 1) -> RingSegment:
+    def create(cls, instance: str, link: str, capacity_bytes: int, num_readers: int = 1,
+               fifo_readers: Collection[int] = ()) -> RingSegment:
         """Make the segment (mode 0600) and doorbells of link `link` of `instance`. The names
-        stay until every end has attached; pass `segment.name` to the processes that attach."""
+        stay until every end has attached; pass `segment.name` to the processes that attach.
+        The readers in `fifo_readers` get a named pipe for a data doorbell (their fileno())."""
         name = ring_name(instance, link)
         _check_geometry(capacity_bytes, num_readers)
+        if not all(isinstance(i, int) and 0 <= i < min(num_readers, MAX_FIFO_READER + 1) for i in fifo_readers):
+            raise ValueError(f"fifo_readers must be reader indexes in [0, {min(num_readers, MAX_FIFO_READER + 1)}), "
+                             f"got {list(fifo_readers)!r}")
+        fifo_mask = sum(1 << index for index in set(fifo_readers))
         try:
             segment = SharedSegment.create(name, data_offset(num_readers) + capacity_bytes, MAGIC, {
                 VERSION_SLOT: VERSION, CAPACITY_SLOT: capacity_bytes, NUM_READERS_SLOT: num_readers,
-                CREATOR_PID_SLOT: os.getpid()})
+                CREATOR_PID_SLOT: os.getpid(), FIFO_READERS_SLOT: fifo_mask})
         except FileExistsError:
             raise FileExistsError(f"ring {name!r} already exists: each link of an instance is created once") from None
-        made: list[Doorbell] = []
         try:
-            space_name, data_names = cls._bell_names(name, num_readers)
-            for bell_name in [space_name, *data_names]:
-                made.append(Doorbell(bell_name, create=True))
+            made = cls._bells(name, num_readers, fifo_mask, create=True)
         except BaseException:
-            for bell in made:
-                bell.unlink()
-                bell.close()
             segment.unlink()
             segment.close()
             raise
@@ -235,8 +254,12 @@ class RingSegment:
         if problem is not None:
             segment.close()
             raise ValueError(problem)
-        space_name, data_names = cls._bell_names(name, num_readers)
-        return cls(segment, Doorbell(space_name, create=False), [Doorbell(n, create=False) for n in data_names])
+        try:
+            bells = cls._bells(name, num_readers, segment.slots[FIFO_READERS_SLOT], create=False)
+        except BaseException:
+            segment.close()
+            raise
+        return cls(segment, bells[0], bells[1:])
 
     @property
     def creator_pid(self) -> int:

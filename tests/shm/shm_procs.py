@@ -136,3 +136,10 @@ def echo_sleeping(name_in: str, name_out: str, num_records: int, wake_s: float) 
         for _ in range(num_records):
             record = reader.read(timeout=None)
             writer.write(record.kind, record.payload, timeout=None)
+
+
+def write_numbers(name: str, num_records: int) -> None:
+    """Writes records 0..num_records-1 (4-byte little-endian, padded to 20 bytes) without spinning."""
+    with RingWriter.attach(name, spin_s=0.0) as writer:
+        for i in range(num_records):
+            writer.write(0, i.to_bytes(4, "little") * 5, timeout=None)
