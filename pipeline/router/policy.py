@@ -3,7 +3,7 @@
 `prefix`: a request whose prompt has a full leading block goes where its key's KV most likely
 is: the replica that served the key last, else the key's replica on the consistent-hash ring;
 either only while it holds no more than ceil((1 + epsilon) x the mean) outstanding requests, this
-one counted (else the next on the ring). Remembering where a key went keeps a conversation whose
+one counted, or fewer than MIN_LOAD_BOUND (ring.py) (else the next on the ring). Remembering where a key went keeps a conversation whose
 turn once spilled over on the replica that now holds its history. A prompt with no full block
 goes to the replica with the fewest outstanding requests. `round-robin` and `least-load` ignore the prompt; they exist to
 compare against.

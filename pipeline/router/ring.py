@@ -1,5 +1,5 @@
 """Consistent hashing with bounded loads: a key's replica is the first one clockwise on the ring
-whose outstanding requests are within (1 + epsilon) times the mean.
+whose outstanding requests are within (1 + epsilon) times the mean (or below MIN_LOAD_BOUND).
 
 Each replica holds `VNODES` points on a 64-bit ring, so a replica that leaves or joins moves only
 its own share of the keys, and every router that knows the same replicas maps a key alike.
@@ -12,6 +12,10 @@ import math
 from collections.abc import Callable, Iterable
 
 VNODES = 64  # points per replica: keeps the shares within a few percent of each other
+# A member holding fewer requests than this is never passed over for load: near idle, the mean
+# bound alone is 1 until the fleet holds two requests, so a key's second concurrent request
+# would leave the replica that has its prefix (a lost cache hit, and no balance worth having).
+MIN_LOAD_BOUND = 2
 
 
 def point(data: bytes) -> int:
@@ -80,5 +84,5 @@ class HashRing:
 
 def load_bound(loads: list[int], epsilon: float) -> int:
     """The most requests a member may hold with one more request placed: ceil((1 + epsilon) x the
-    mean, this request counted)."""
-    return math.ceil((1 + epsilon) * (sum(loads) + 1) / len(loads))
+    mean, this request counted), and never fewer than MIN_LOAD_BOUND."""
+    return max(MIN_LOAD_BOUND, math.ceil((1 + epsilon) * (sum(loads) + 1) / len(loads)))

@@ -20,7 +20,7 @@ from pipeline.router.metrics import RouterMetrics
 from pipeline.router.policy import Policy, Route, Router
 from pipeline.router.prefix import PrefixKeyer
 from pipeline.router.replicas import Replicas, health_verdict
-from pipeline.router.ring import HashRing
+from pipeline.router.ring import MIN_LOAD_BOUND, HashRing
 from pipeline.serve.http import HttpListener, bind
 from pipeline.serve.openai.params import derive_seed
 from stages.scheduler.block_manager import hash_block
@@ -40,14 +40,20 @@ def test_the_ring_moves_only_a_leaving_members_keys_and_bounds_load() -> None:
     assert all(ring.walk(key)[0] == owner for key, owner in owners.items() if owner != "b")
     ring.add("b")
     assert {key: ring.walk(key)[0] for key in keys} == owners
-    load = {"a": 0, "b": 0, "c": 0}
     key = keys[0]
     owner = owners[key]
-    load[owner] = 5  # mean with this request: (5 + 1) / 3 = 2, bound ceil(1.25 * 2) = 3
+    others = 3 * MIN_LOAD_BOUND
+    load = {"a": others, "b": others, "c": others}
+    load[owner] = 5 * MIN_LOAD_BOUND  # mean with this request: (11 x 2 + 1) / 3 = 7.7, bound 10
     chosen = ring.choose(key, load.__getitem__, 0.25)
     assert chosen != owner and chosen == next(name for name in ring.walk(key) if name != owner)
-    load = {"a": 1, "b": 1, "c": 1}  # bound ceil(1.25 * 4 / 3) = 2: the owner may take one more
+    load[owner] = others  # bound ceil(1.25 * 19 / 3) = 8: the owner may take one more
     assert ring.choose(key, load.__getitem__, 0.25) == owner
+    load = {"a": 0, "b": 0, "c": 0}
+    load[owner] = MIN_LOAD_BOUND - 1  # far over the mean, but near idle: it still takes the key
+    assert ring.choose(key, load.__getitem__, 0.25) == owner
+    load[owner] = MIN_LOAD_BOUND
+    assert ring.choose(key, load.__getitem__, 0.25) != owner
 
 
 def test_the_prefix_key_is_the_engines_chained_block_hash(tmp_path: Path) -> None:
@@ -86,7 +92,9 @@ def test_policies_choose_among_healthy_replicas_only() -> None:
     for url in replicas.by_url:
         replicas.mark(url, True, "ok")
     owner, _ = router.choose(b"conversation")
-    owner.outstanding = 5
+    owner.outstanding = 1
+    assert router.choose(b"conversation") == (owner, Route.PREFIX_OWNER)  # near idle: no spill for balance
+    owner.outstanding = MIN_LOAD_BOUND
     spill, route = router.choose(b"conversation")
     assert route is Route.PREFIX_SPILL and spill.url != owner.url
     owner.outstanding = 0
