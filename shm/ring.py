@@ -396,6 +396,11 @@ class RingReader:
         slots[self._sleeping_slot] = 0
         return False
 
+    def check_writer(self) -> None:
+        """Raises PeerDied if the writer died (what a read() that waits finds out by itself); any
+        thread may ask."""
+        self._seg.check_peer(WRITER_PID, "writer")
+
     def woken(self) -> None:
         """The doorbell rang (or may have): no longer asleep, and fileno() quiet until the next ring."""
         self._slots[self._sleeping_slot] = 0

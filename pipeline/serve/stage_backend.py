@@ -36,7 +36,7 @@ from pipeline.engine.backend import BackendStats, StageHealth
 from pipeline.serve.nsys import SESSION_ENV
 from pipeline.serve.profile_control import ProfileControl
 from shm.naming import pid_alive, ring_name, sweep_stale, unlink_instance
-from shm.ring import RingReader, RingTimeout, RingWriter
+from shm.ring import Record, RingReader, RingTimeout, RingWriter
 from shm.segment import PeerDied, RingSegment
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent, TokenTexts
@@ -72,8 +72,9 @@ PRELOAD_MODULES = sorted({stage.module for stage in STAGES} | {"torch._dynamo"})
 class StageBackend:
     """The stage processes of one engine instance and the daemon's ends of their rings.
 
-    Threads: `read_events` is meant for one thread; `submit`, `abort`, `health`, `stats` may be
-    called from another (the ring ends they write are guarded by one lock). `close` from any.
+    Threads: `read_events` (or `poll_outputs`) is meant for one thread; `submit`, `abort`,
+    `health`, `stats` may be called from another (the ring ends they write are guarded by one
+    lock), `check_stages` from another. `close` from any.
     """
 
     def __init__(self, config: EngineConfig, instance: str) -> None:
@@ -123,8 +124,10 @@ class StageBackend:
         process's ends of them; returns each link's segment name, for the stages."""
         names: dict[str, str] = {}
         for link in table:
+            # The daemon reads its links on its event loop: their doorbells are descriptors it waits on.
+            fifo_readers = [link.reader_index(DAEMON)] if DAEMON in link.readers else []
             segment = RingSegment.create(self.instance, segment_link(link.name, generation), link.capacity_bytes,
-                                         len(link.readers))
+                                         len(link.readers), fifo_readers)
             names[link.name] = segment.name
             if link.writer == DAEMON:
                 self._ends[link.name] = RingWriter(segment)
@@ -325,27 +328,64 @@ class StageBackend:
         """As `read_events`, but each step's plain events come as one `TokenTexts`, in order with
         the others: what the daemon routes without an object per token."""
         deadline = time.monotonic() + timeout_s
-        self._rate.update(self._board.counters().tokens_generated)
-        if self._pending_aborts:
-            with self._lock:
-                self._send_pending_aborts()
+        self._between_reads()
         while True:
             # Asking each process whether it has exited costs a system call or more per stage:
             # once per LIVENESS_CHECK_S, not once per step.
             if time.monotonic() >= self._next_liveness_check_s:
-                self._watch_forkserver()
-                failed = self._failed_stage()
-                if failed is not None:
-                    raise failed
+                self.check_stages()
                 self._next_liveness_check_s = time.monotonic() + LIVENESS_CHECK_S
             try:
                 record = self._events.read(timeout=min(LIVENESS_CHECK_S, max(0.0, deadline - time.monotonic())))
             except PeerDied:
                 raise self._dead_peer_failure("stage 'detokenizer' died", "detokenizer") from None
             if record is not None:
-                break
+                return self._outputs_from(record)
             if time.monotonic() >= deadline:
                 return []
+
+    # ---- reading the events on an event loop, without a thread (the daemon's StageSupervisor)
+
+    def events_fd(self) -> int:
+        """Readable once the events ring has a record for a reader that `arm_events`ed; changes
+        when the frontend restarts (restart_stage makes fresh links)."""
+        return self._events.fileno()
+
+    def arm_events(self) -> bool:
+        """The reader sleeps until events_fd() is readable: True; False when there are events
+        already (poll_outputs them first)."""
+        return self._events.arm()
+
+    def poll_outputs(self) -> list[OutputEvent | TokenTexts]:
+        """`read_outputs` without waiting (after events_fd() turned readable, or arm_events said
+        False): what the ring holds, maybe nothing. The stages' liveness is not looked at here:
+        call check_stages (from any thread) every LIVENESS_CHECK_S."""
+        self._events.woken()
+        self._between_reads()
+        record = self._events.try_read()
+        return [] if record is None else self._outputs_from(record)
+
+    def check_stages(self) -> None:
+        """Raises StageFailed naming a dead stage, if one died; starts a fresh forkserver where
+        the old one died under running stages. A dead detokenizer is seen by its pid too, as a
+        read that waits sees it: the exit status of a stage whose forkserver is stopped never comes."""
+        self._watch_forkserver()
+        failed = self._failed_stage()
+        if failed is not None:
+            raise failed
+        try:
+            self._events.check_writer()
+        except PeerDied:
+            raise self._dead_peer_failure("stage 'detokenizer' died", "detokenizer") from None
+
+    def _between_reads(self) -> None:
+        self._rate.update(self._board.counters().tokens_generated)
+        if self._pending_aborts:
+            with self._lock:
+                self._send_pending_aborts()
+
+    def _outputs_from(self, record: Record) -> list[OutputEvent | TokenTexts]:
+        """`record`'s events and those of the records after it, up to MAX_RECORDS_PER_READ."""
         events: list[OutputEvent | TokenTexts] = []
         for _ in range(MAX_RECORDS_PER_READ):
             if record.kind == Kind.TOKEN_TEXTS:
@@ -356,7 +396,7 @@ class StageBackend:
             if record is None:
                 break
         self._events.release()
-        events = coalesce_outputs(events)  # several records: this thread fell behind, so one delta per request
+        events = coalesce_outputs(events)  # several records: the reader fell behind, so one delta per request
         finished = [e.req_id for e in events if isinstance(e, OutputEvent) and e.is_last]
         if finished:
             with self._lock:

@@ -1,6 +1,11 @@
-"""Keeps the daemon's stages serving: pumps their output to the event loop, restarts them when one dies.
+"""Keeps the daemon's stages serving: gets their output to the event loop, restarts them when one dies.
 
-One thread does it all, in order: read events from the backend until a stage fails; hand the
+A backend whose events ring wakes a descriptor (StageBackend: `events_fd`) is read on the event
+loop itself (`LoopReader`): the loop waits on that descriptor with everything else, so a step's
+events reach the connections with no thread in between. Other backends are read by the
+supervisor's thread, which hands each batch to the loop.
+
+One thread does the rest, in order: watch the stages (or read events) until one fails; hand the
 failure to the event loop, which parks the requests in flight and lets go of the backend; where
 the backend can restart the dead stage's group alone (`restart_stage`: the frontend, whose crash
 leaves the engine and its prefix cache running), do that and hand the same backend back;
@@ -31,6 +36,8 @@ log = logging.getLogger("pipeline.serve.supervisor")
 
 EVENT_POLL_S = 0.1  # how long one read_events call blocks: bounds how late the thread sees a stop
 LOOP_CALL_POLL_S = 0.1
+LOOP_CALL_STOP_S = 1.0  # how long a stopping supervisor waits for the loop to stop reading
+LIVENESS_CHECK_S = 0.1  # how often the thread looks at the stages while the loop reads their events
 FIRST_RETRY_S = 0.1  # after a restart that failed; doubled after each further failure
 MAX_RETRY_S = 5.0
 
@@ -89,6 +96,57 @@ class RestartBudget:
         return None
 
 
+class LoopReader:
+    """Reads a backend's events on the event loop, woken by its events descriptor: each wake-up
+    routes what the ring holds, then arms the ring again (or, when more came meanwhile, reads on
+    in the next turn of the loop, so connections are written between batches). `start` and
+    `stop` run on the loop; a failure to read sets `failed` for the supervisor's thread."""
+
+    def __init__(self, backend: Backend, server: BackendEvents, loop: asyncio.AbstractEventLoop) -> None:
+        self._backend = backend
+        self._server = server
+        self._loop = loop
+        self._fd: int | None = None
+        self.failed = threading.Event()
+        self.failure: StageFailed | None = None
+
+    def start(self) -> None:
+        self._fd = self._backend.events_fd()  # type: ignore[attr-defined]
+        self._loop.add_reader(self._fd, self._read)
+        self._read()  # what came before the ring was armed
+
+    def stop(self) -> None:
+        if self._fd is not None:
+            self._loop.remove_reader(self._fd)
+            self._fd = None
+
+    def _read(self) -> None:
+        if self._fd is None:
+            return  # stopped: a turn scheduled before that finds nothing to do
+        backend = self._backend
+        try:
+            events = backend.poll_outputs()  # type: ignore[attr-defined]
+        except StageFailed as exc:
+            self._fail(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - any reader failure leaves the requests unserved
+            log.exception("reading backend events failed")
+            self._fail(StageFailed(f"{type(exc).__name__}: {exc}"))
+            return
+        if events:
+            try:
+                self._server.on_events(events)
+            except Exception:  # noqa: BLE001 - as the loop's handler would: the next events still come
+                log.exception("routing backend events failed")
+        if not backend.arm_events():  # type: ignore[attr-defined]
+            self._loop.call_soon(self._read)
+
+    def _fail(self, failure: StageFailed) -> None:
+        self.stop()
+        self.failure = failure
+        self.failed.set()
+
+
 class StageSupervisor:
     """Owns the daemon's backends from the first one on: pumps, restarts, and finally closes them."""
 
@@ -142,7 +200,9 @@ class StageSupervisor:
             self._backend = self._restart(failure.message)
 
     def _pump(self, backend: Backend) -> StageFailed | None:
-        """Hands events to the loop until a stage fails (returns the failure) or the daemon stops (None)."""
+        """Gets events to the loop until a stage fails (returns the failure) or the daemon stops (None)."""
+        if hasattr(backend, "events_fd"):
+            return self._watch(backend)
         read = getattr(backend, "read_outputs", backend.read_events)  # see Backend.read_events
         while not self._stopping.is_set():
             try:
@@ -155,6 +215,24 @@ class StageSupervisor:
             if events:
                 self._loop.call_soon_threadsafe(self._server.on_events, events)
         return None
+
+    def _watch(self, backend: Backend) -> StageFailed | None:
+        """The loop reads `backend`'s events while this thread looks at its stages every
+        LIVENESS_CHECK_S, until a stage fails or the loop's reading does (returns the failure),
+        or the daemon stops (None). The loop has stopped reading when this returns."""
+        reader = LoopReader(backend, self._server, self._loop)
+        self._call_on_loop(reader.start)
+        try:
+            while not self._stopping.is_set():
+                try:
+                    backend.check_stages()  # type: ignore[attr-defined]
+                except StageFailed as exc:
+                    return exc
+                if reader.failed.wait(LIVENESS_CHECK_S):
+                    return reader.failure
+            return None
+        finally:
+            self._call_on_loop(reader.stop, even_when_stopping=True)
 
     def _restart_alone(self, backend: Backend, failure: StageFailed) -> bool:
         """Restarts only the dead stage's group, where the backend can (StageBackend.restart_stage)
@@ -215,8 +293,9 @@ class StageSupervisor:
         log.error("stages stay down: %s", reason)
         self._call_on_loop(self._server.on_restarts_stopped, reason)
 
-    def _call_on_loop(self, function: Callable[..., None], *args: object) -> None:
-        """Runs `function(*args)` on the event loop and waits until it has run (or a stop)."""
+    def _call_on_loop(self, function: Callable[..., None], *args: object, even_when_stopping: bool = False) -> None:
+        """Runs `function(*args)` on the event loop and waits until it has run (or a stop; with
+        `even_when_stopping`, up to LOOP_CALL_STOP_S more)."""
         done = threading.Event()
 
         def call() -> None:
@@ -231,4 +310,6 @@ class StageSupervisor:
             return
         while not done.wait(LOOP_CALL_POLL_S):
             if self._stopping.is_set():
+                if even_when_stopping:
+                    done.wait(LOOP_CALL_STOP_S)
                 return
