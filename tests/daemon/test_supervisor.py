@@ -3,18 +3,23 @@ bounds, requests parked while stages restart and resumed on the fresh ones, the 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 from fake_stage_backend import FakeBackend, FakeFactory, RecordingConnection
 
+from pipeline.errors import StageFailed
 from pipeline.protocol import Abort, Aborted, Accepted, Error, Generate
 from pipeline.serve.config import DaemonConfig
 from pipeline.serve.server import BackendState, DaemonServer
 from pipeline.serve.supervisor import RestartBudget, RestartPolicy, StageSupervisor
 from stages.contracts.config import EngineConfig
+from shm.naming import new_instance_id, unlink_instance
+from shm.ring import RingReader, RingWriter
+from shm.segment import RingSegment
 from stages.contracts.outputs import OutputEvent
 
 
@@ -209,3 +214,93 @@ def test_aborts_in_the_restart_gap_and_resubmissions_that_find_the_ring_full() -
     server.on_events([])
     assert second.submitted == [0, 2] and server.num_in_flight == 2
     assert server.stats().num_resumed_requests == 2
+
+
+@pytest.fixture
+def instance() -> Iterator[str]:
+    instance_id = new_instance_id()
+    yield instance_id
+    unlink_instance(instance_id)
+
+
+class LoopReadBackend(FakeBackend):
+    """A fake backend whose events come through a real ring with a named-pipe doorbell, read on
+    the event loop as StageBackend's are (events_fd, arm_events, poll_outputs, check_stages).
+    A record's payload is the request id of an event with one token."""
+
+    def __init__(self, config: EngineConfig, instance: str) -> None:
+        super().__init__(config, instance)
+        segment = RingSegment.create(instance, f"events{id(self)}", 4096, fifo_readers=[0])
+        self.reader = RingReader(segment)
+        self.writer = RingWriter(RingSegment.open(segment.name))
+        self.polled_on: set[int] = set()  # the threads poll_outputs ran on
+
+    def emit(self, req_id: int) -> None:
+        self.writer.write(0, req_id.to_bytes(8, "little"), timeout=1.0)
+
+    def events_fd(self) -> int:
+        return self.reader.fileno()
+
+    def arm_events(self) -> bool:
+        return self.reader.arm()
+
+    def poll_outputs(self) -> list[OutputEvent]:
+        self.polled_on.add(threading.get_ident())
+        self.reader.woken()
+        events = []
+        while (record := self.reader.try_read()) is not None:
+            events.append(OutputEvent(int.from_bytes(record.payload, "little"), "x", np.array([7], np.int32)))
+        return events
+
+    def check_stages(self) -> None:
+        if self._failed.is_set():
+            raise StageFailed(str(self._failure), stage=self._failed_stage)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if not self.closed:
+            self.reader.close()
+            self.writer.close()
+        super().close(timeout_s)
+
+
+class LoopReadFactory(FakeFactory):
+    def __call__(self, config: EngineConfig, instance: str) -> FakeBackend:
+        backend = LoopReadBackend(config, instance)
+        self.made.append(backend)
+        return backend
+
+
+@pytest.mark.timeout(30)
+def test_a_backend_with_an_events_descriptor_is_read_on_the_loop_and_let_go_of_when_it_fails(instance: str) -> None:
+    config = EngineConfig(model="unused")
+    routed: list[tuple[int, int]] = []  # (req_id, thread)
+
+    async def main() -> None:
+        factory = LoopReadFactory()
+        first = factory(config, instance)
+        server = DaemonServer(first, max_num_seqs=4, config=DaemonConfig(max_restarts=2))
+        server.on_events = lambda events: routed.extend((e.req_id, threading.get_ident()) for e in events)
+        loop = asyncio.get_running_loop()
+        supervisor = StageSupervisor(first, factory, config, server.config.restart_policy(), server, loop)
+        supervisor.start()
+        try:
+            for req_id in range(50):
+                first.emit(req_id)
+                if req_id % 7 == 0:
+                    await asyncio.sleep(0.001)  # let the loop arm and sleep between some records
+            await _until(lambda: len(routed) == 50)
+            assert [r for r, _ in routed] == list(range(50))
+            assert {thread for _, thread in routed} == first.polled_on == {threading.get_ident()}  # the loop's
+            first.fail("stage 'detokenizer' was killed by signal 9", "detokenizer")
+            await _until(lambda: len(factory.made) == 2 and server.state is BackendState.SERVING)
+            assert first.closed  # after the loop let go of its descriptor: the fresh ring may reuse its number
+            second = factory.made[1]
+            second.emit(100)
+            await _until(lambda: routed[-1][0] == 100)
+            await asyncio.sleep(0.05)
+            assert [r for r, _ in routed[50:]] == [100]
+        finally:
+            await loop.run_in_executor(None, supervisor.stop, 5.0)
+        assert all(backend.closed for backend in factory.made)
+
+    asyncio.run(main())
