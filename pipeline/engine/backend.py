@@ -56,7 +56,9 @@ class Backend(Protocol):
         """Output events, waiting up to timeout_s for some; StageFailed (its `stage` naming the
         stage, where one died) when the engine died. A backend may also offer `read_outputs`,
         the same with each step's plain events as one `TokenTexts` (StageBackend does): the
-        supervisor reads that where it exists."""
+        supervisor reads that where it exists. A backend that offers `events_fd`, `arm_events`,
+        `poll_outputs` and `check_stages` (StageBackend does) is read on the event loop instead,
+        as its events descriptor turns readable, and its stages watched by the supervisor's thread."""
 
     def health(self) -> list[StageHealth]: ...
 

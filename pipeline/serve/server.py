@@ -3,9 +3,9 @@
 Each request gets a small integer `req_id` (the backend's name for it) and a public request id
 nobody can guess (what clients see). A connection is anything that takes replies without
 waiting: a Unix-socket client (socket_connection.py) or one HTTP call (openai/call.py). The
-stage supervisor's thread (supervisor.py) blocks in `backend.read_events` and hands each batch
-of events to the event loop, which fans them out to the connections; when a stage dies it
-restarts the stages, and the requests in flight resume on the fresh ones where they were
+event loop reads the stages' events as their ring's doorbell wakes it (supervisor.py, LoopReader)
+and fans them out to the connections; the stage supervisor's thread watches the stages, and
+when one dies it restarts them, and the requests in flight resume on the fresh ones where they were
 (recovery.py). Nothing on the event loop waits: a write to a connection only grows that client's buffer, and a request that finds no
 room (`max_num_seqs + max_waiting` requests in flight, or a full request ring) is refused with
 `overloaded` at once. Every request's life is recorded in the daemon's metrics (metrics.py).
