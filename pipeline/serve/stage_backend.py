@@ -361,7 +361,9 @@ class StageBackend:
         False): what the ring holds, maybe nothing. The stages' liveness is not looked at here:
         call check_stages (from any thread) every LIVENESS_CHECK_S."""
         self._events.woken()
-        self._between_reads()
+        if self._pending_aborts:
+            with self._lock:
+                self._send_pending_aborts()
         record = self._events.try_read()
         return [] if record is None else self._outputs_from(record)
 
@@ -373,12 +375,15 @@ class StageBackend:
         failed = self._failed_stage()
         if failed is not None:
             raise failed
+        self._between_reads()  # while the loop reads events only when there are some
         try:
             self._events.check_writer()
         except PeerDied:
             raise self._dead_peer_failure("stage 'detokenizer' died", "detokenizer") from None
 
     def _between_reads(self) -> None:
+        """The token rate and the aborts that found the abort ring full: looked at on each read,
+        and by check_stages every LIVENESS_CHECK_S, with events or without."""
         self._rate.update(self._board.counters().tokens_generated)
         if self._pending_aborts:
             with self._lock:
@@ -463,7 +468,8 @@ class StageBackend:
 
 class _TokenRate:
     """Tokens per second over the last window of at least MIN_RATE_WINDOW_S. `update` is called by
-    the thread in read_events (at least every call's timeout); `tokens_per_s` may be read by any."""
+    one thread (read_events' at least every call's timeout, or check_stages'); `tokens_per_s` may
+    be read by any."""
 
     def __init__(self) -> None:
         self._last = (time.monotonic(), 0)
