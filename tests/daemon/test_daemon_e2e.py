@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -262,6 +263,21 @@ def test_a_repeated_prompt_raises_the_prefix_cache_hit_rate(live_daemon: LiveDae
     status = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--socket", str(live_daemon.socket_path)],
                             capture_output=True, text=True, timeout=30)
     assert f"prefix cache hits {after_second:.1%} of admitted tokens" in status.stdout, status.stdout
+
+
+def test_the_token_rate_shows_a_stream_and_falls_to_zero_once_idle(live_daemon: LiveDaemon) -> None:
+    params = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+    with Client(live_daemon.socket_path) as client:
+        rates = []
+        with client.stream("the rate", params) as stream:  # type: ignore[arg-type]
+            for i, _ in enumerate(stream):
+                if i % 40 == 39:
+                    rates.append(client.stats().generated_tokens_per_s)
+        assert max(rates) > 0, rates  # measured over windows of at least 0.5 s while tokens came
+        deadline = time.monotonic() + 5.0
+        while client.stats().generated_tokens_per_s != 0.0:  # no events read now: the watch updates it
+            assert time.monotonic() < deadline, "the token rate stayed up while the daemon was idle"
+            time.sleep(0.1)
 
 
 def test_only_the_detokenizer_yields_the_cpu_to_the_stages_the_device_waits_on(live_daemon: LiveDaemon) -> None:
