@@ -16,7 +16,7 @@ import msgspec
 
 from pipeline.router.metrics import RouterMetrics
 from pipeline.router.policy import Router
-from pipeline.router.prefix import PrefixKeyer
+from pipeline.router.prefix import PrefixKeyer, RouteKey
 from pipeline.router.relay import MAX_REPLICA_DEATHS, ChoiceState, StreamRelay
 from pipeline.router.upstream import UNREACHABLE, Refused, Sender, error_json
 from pipeline.serve.config import version
@@ -101,7 +101,7 @@ class RouterApi:
 
         return await self._stream(sender, msgspec.json.decode(raw), states, body, max_tokens, count_prompt_tokens)
 
-    def _sender(self, request: HttpRequest, path: str, key: bytes | None) -> Sender:
+    def _sender(self, request: HttpRequest, path: str, key: RouteKey | None) -> Sender:
         headers = {"content-type": "application/json"}
         headers.update({name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers})
         return Sender(self.session, self.router, self.metrics, path, headers, key, self.stall_timeout_s)

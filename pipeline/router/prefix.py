@@ -1,12 +1,16 @@
-"""A request's routing key: the hash of its prompt's leading full token blocks, chained as the
-engine's prefix cache chains them, so the router and the replicas agree on what a prefix is.
+"""A request's routing key: its prompt's full token blocks, each hashed chained as the engine's
+prefix cache chains them, so the router and the replicas agree on what a prefix is.
 
-The prompt is tokenized (and a chat rendered with the checkpoint's template) as the daemon does;
-the key is the hash of the first `num_blocks` full blocks (fewer when the prompt is shorter),
-None for a prompt with no full block: nothing of it can be a cache hit anywhere.
+The prompt is tokenized (and a chat rendered with the checkpoint's template) as the daemon does.
+`RouteKey.ring`, the hash of the first `num_blocks` full blocks (fewer when the prompt is
+shorter), places the prompt on the hash ring; `RouteKey.blocks`, the hash of every full block up
+to MAX_KEY_BLOCKS, lets the router find where the longest prefix of it went (policy.py), so that
+conversations which share their first blocks (a long system prompt) still each find their own
+history. None for a prompt with no full block: nothing of it can be a cache hit anywhere.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +20,21 @@ from pipeline.serve.openai.chat import ChatTemplate
 from pipeline.serve.openai.schemas import ChatMessage
 from stages.contracts.config import TOKENIZER_FILE
 from stages.scheduler.block_manager import hash_block
+
+
+MAX_KEY_BLOCKS = 128  # the leading full blocks a key holds (2048 tokens at block size 16)
+CHARS_PER_TOKEN_AT_MOST = 16  # so a prompt's first blocks tokenize from its first characters
+
+
+@dataclass(frozen=True, slots=True)
+class RouteKey:
+    ring: bytes  # the hash of the first num_blocks blocks: the prompt's place on the ring
+    blocks: tuple[bytes, ...]  # the chained hash of each leading full block, the last ring's or beyond
+
+    @classmethod
+    def of(cls, key: bytes) -> RouteKey:
+        """A key of one block (tests, and prompts no longer than num_blocks blocks)."""
+        return cls(key, (key,))
 
 
 class PrefixKeyer:
@@ -32,9 +51,11 @@ class PrefixKeyer:
         self.block_size = block_size
         self.num_blocks = num_blocks
 
-    def key_of_tokens(self, token_ids: list[int]) -> bytes | None:
-        hashes = self.block_hashes(token_ids[:self.num_blocks * self.block_size])
-        return hashes[-1] if hashes else None
+    def key_of_tokens(self, token_ids: list[int]) -> RouteKey | None:
+        hashes = self.block_hashes(token_ids[:MAX_KEY_BLOCKS * self.block_size])
+        if not hashes:
+            return None
+        return RouteKey(hashes[min(self.num_blocks, len(hashes)) - 1], tuple(hashes))
 
     def block_hashes(self, token_ids: list[int]) -> list[bytes]:
         """The chained hash of each full block of `token_ids`, as the prefix cache makes them."""
@@ -44,14 +65,14 @@ class PrefixKeyer:
             hashes.append(hash_block(hashes[-1] if hashes else None, ids[start:start + self.block_size]))
         return hashes
 
-    def key_of_text(self, text: str) -> bytes | None:
+    def key_of_text(self, text: str) -> RouteKey | None:
         # Only the leading blocks matter: a prompt's first characters give at least as many tokens.
-        head = text[:self.num_blocks * self.block_size * 16]
+        head = text[:MAX_KEY_BLOCKS * self.block_size * CHARS_PER_TOKEN_AT_MOST]
         return self.key_of_tokens(self.tokenizer.encode(head, add_special_tokens=False).ids)
 
-    def key_of_prompt(self, prompt: str | list[int]) -> bytes | None:
+    def key_of_prompt(self, prompt: str | list[int]) -> RouteKey | None:
         return self.key_of_text(prompt) if isinstance(prompt, str) else self.key_of_tokens(prompt)
 
-    def key_of_chat(self, messages: list[ChatMessage]) -> bytes | None:
+    def key_of_chat(self, messages: list[ChatMessage]) -> RouteKey | None:
         """Raises the daemon's 400 OpenAIError when the messages do not render."""
         return self.key_of_text(self.chat_template.render(messages))

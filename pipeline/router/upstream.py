@@ -16,6 +16,7 @@ import aiohttp
 
 from pipeline.router.metrics import RouterMetrics
 from pipeline.router.policy import Router
+from pipeline.router.prefix import RouteKey
 from pipeline.router.replicas import Replica
 from pipeline.serve.openai.errors import OpenAIError, error_body
 
@@ -46,7 +47,7 @@ class Sender:
     metrics: RouterMetrics
     path: str
     headers: dict[str, str]
-    key: bytes | None
+    key: RouteKey | None
     stall_timeout_s: float | None = None  # a stream silent this long (opening or mid-way) is broken; None: never
     tried: set[str] = field(default_factory=set)
     num_attempts: int = 0

@@ -18,7 +18,7 @@ from pipeline.models.tiny_model import make_tiny_model
 from pipeline.router.app import RouterApi
 from pipeline.router.metrics import RouterMetrics
 from pipeline.router.policy import Policy, Route, Router
-from pipeline.router.prefix import PrefixKeyer
+from pipeline.router.prefix import PrefixKeyer, RouteKey
 from pipeline.router.replicas import Replicas, health_verdict
 from pipeline.router.ring import MIN_LOAD_BOUND, HashRing
 from pipeline.serve.http import HttpListener, bind
@@ -60,9 +60,13 @@ def test_the_prefix_key_is_the_engines_chained_block_hash(tmp_path: Path) -> Non
     model = make_tiny_model(tmp_path / "m", "llama", seed=3)
     keyer = PrefixKeyer(model, block_size=4, num_blocks=2)
     ids = list(range(10, 30))
-    want = hash_block(hash_block(None, np.array(ids[:4])), np.array(ids[4:8]))
-    assert keyer.key_of_tokens(ids) == want
-    assert keyer.key_of_tokens(ids[:8] + [99]) == want  # only the leading blocks count
+    first = hash_block(None, np.array(ids[:4]))
+    want = hash_block(first, np.array(ids[4:8]))
+    key = keyer.key_of_tokens(ids)
+    assert key.ring == want  # the ring places a prompt by its leading blocks only
+    assert key.blocks[:2] == (first, want) and len(key.blocks) == 5  # every full block, to find the longest prefix
+    assert keyer.key_of_tokens(ids[:8] + [99]) == RouteKey(want, (first, want))
+    assert keyer.key_of_tokens(ids[:6]) == RouteKey(first, (first,))  # one full block: the ring uses it
     assert keyer.key_of_tokens(ids[:3]) is None  # no full block: no key
     text = "The same system prompt, then a question of its own"
     assert keyer.key_of_text(text) == keyer.key_of_tokens(keyer.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -80,27 +84,27 @@ def _replicas(urls: list[str]) -> tuple[Replicas, Router]:
 
 def test_policies_choose_among_healthy_replicas_only() -> None:
     replicas, router = _replicas(["http://a:1", "http://b:1", "http://c:1"])
-    assert router.choose(b"k") is None  # none checked healthy yet
+    assert router.choose(RouteKey.of(b"k")) is None  # none checked healthy yet
     for url in replicas.by_url:
         replicas.mark(url, True, "ok")
-    replica, route = router.choose(b"k")
+    replica, route = router.choose(RouteKey.of(b"k"))
     assert route is Route.PREFIX_OWNER
     replicas.mark(replica.url, False, "gone")
-    other, _ = router.choose(b"k")
+    other, _ = router.choose(RouteKey.of(b"k"))
     assert other.url != replica.url
     # A key passed over for load goes on to where it went, which now holds its KV.
     for url in replicas.by_url:
         replicas.mark(url, True, "ok")
-    owner, _ = router.choose(b"conversation")
+    owner, _ = router.choose(RouteKey.of(b"conversation"))
     owner.outstanding = 1
-    assert router.choose(b"conversation") == (owner, Route.PREFIX_OWNER)  # near idle: no spill for balance
+    assert router.choose(RouteKey.of(b"conversation")) == (owner, Route.PREFIX_OWNER)  # near idle: no spill for balance
     owner.outstanding = MIN_LOAD_BOUND
-    spill, route = router.choose(b"conversation")
+    spill, route = router.choose(RouteKey.of(b"conversation"))
     assert route is Route.PREFIX_SPILL and spill.url != owner.url
     owner.outstanding = 0
-    assert router.choose(b"conversation") == (spill, Route.PREFIX_OWNER)
+    assert router.choose(RouteKey.of(b"conversation")) == (spill, Route.PREFIX_OWNER)
     replicas.mark(spill.url, False, "gone")
-    assert router.choose(b"conversation") == (owner, Route.PREFIX_OWNER)
+    assert router.choose(RouteKey.of(b"conversation")) == (owner, Route.PREFIX_OWNER)
     replicas.mark(spill.url, True, "ok")
     for replica in replicas.by_url.values():
         replica.outstanding = 0
@@ -108,9 +112,26 @@ def test_policies_choose_among_healthy_replicas_only() -> None:
     replicas.by_url["http://a:1"].outstanding = 3
     assert router.choose(None)[1] is Route.LEAST_LOAD and router.choose(None)[0].url != "http://a:1"
     router.policy = Policy.ROUND_ROBIN
-    assert len({router.choose(b"k")[0].url for _ in range(4)}) == 2  # the two healthy ones, in turn
+    assert len({router.choose(RouteKey.of(b"k"))[0].url for _ in range(4)}) == 2  # the two healthy ones, in turn
     with pytest.raises(ValueError, match="http://host:port"):
         Replicas(["ftp://x"], lambda u, h: None, interval_s=1, timeout_s=1)
+
+
+def test_conversations_that_share_their_first_blocks_each_go_where_their_own_history_went() -> None:
+    replicas, router = _replicas(["http://a:1", "http://b:1", "http://c:1"])
+    for url in replicas.by_url:
+        replicas.mark(url, True, "ok")
+    system = [b"system-1", b"system-2"]  # a long shared system prompt: the same ring key for both
+    one, two = RouteKey(system[1], (*system, b"one-1")), RouteKey(system[1], (*system, b"two-1"))
+    first, _ = router.choose(one)
+    first.outstanding = MIN_LOAD_BOUND  # busy: the second conversation spills elsewhere
+    spilled, route = router.choose(two)
+    assert route is Route.PREFIX_SPILL and spilled is not first
+    first.outstanding = 0
+    # Each one's next turn (its prompt grown by a turn) goes back to its own history, not to where
+    # the shared blocks went last.
+    assert router.choose(RouteKey(system[1], (*system, b"one-1", b"one-2")))[0] is first
+    assert router.choose(RouteKey(system[1], (*system, b"two-1", b"two-2")))[0] is spilled
 
 
 @pytest.mark.parametrize(("status", "body", "healthy"), [
