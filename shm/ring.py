@@ -388,6 +388,12 @@ class RingReader:
         record (or the writer's close) is there already: read it now instead. Releases the
         record held, if any. After fileno() turns readable, call woken() before reading."""
         self.release()
+        return self._announce_sleep()
+
+    def _announce_sleep(self) -> bool:
+        """The sleep handshake: raise this reader's sleeping flag, then look at the writer's
+        cursor. True: nothing new, so sleep (the writer rings for its next record); False: the
+        flag is down again, read now."""
         slots = self._slots
         slots[self._sleeping_slot] = 1
         heavy_fence()  # the writer sees our flag, or we see its cursor (shm/fence.py)
@@ -442,17 +448,15 @@ class RingReader:
                     return record
                 r = self._r  # it was a wrap record
         while True:
-            slots[self._sleeping_slot] = 1
-            heavy_fence()  # the writer sees our flag, or we see its cursor (shm/fence.py)
-            if slots[WRITE_CURSOR] == r and not slots[WRITER_CLOSED]:
+            if self._announce_sleep():
                 left = deadline - _now()
                 if left <= 0:
                     slots[self._sleeping_slot] = 0
                     return None
                 rung = self._bell.wait(min(WAKE_S, left))
+                slots[self._sleeping_slot] = 0
             else:
                 rung = True
-            slots[self._sleeping_slot] = 0
             record = self.try_read()
             if record is not None:
                 return record
