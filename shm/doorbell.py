@@ -11,6 +11,7 @@ so its file descriptor becomes readable, and a sleeper can wait for it in an eve
 """
 from __future__ import annotations
 
+import math
 import os
 import select
 
@@ -57,7 +58,7 @@ class FifoDoorbell:
     """One named pipe in /dev/shm (mode 0600), made or opened by name; both ends open it for
     reading and writing, which never blocks and never fails for want of a peer."""
 
-    __slots__ = ("name", "path", "_fd")
+    __slots__ = ("name", "path", "_fd", "_poll")
 
     def __init__(self, name: str, *, create: bool) -> None:
         self.name = name
@@ -65,6 +66,8 @@ class FifoDoorbell:
         if create:
             os.mkfifo(self.path, 0o600)
         self._fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poll = select.poll()  # not select(): a daemon with many connections has descriptors past 1024
+        self._poll.register(self._fd, select.POLLIN)
 
     def fileno(self) -> int:
         """Readable from a ring until `drain`."""
@@ -78,7 +81,7 @@ class FifoDoorbell:
 
     def wait(self, timeout_s: float) -> bool:
         """Sleep until rung or `timeout_s` passes; True if rung."""
-        if not select.select([self._fd], [], [], max(0.0, timeout_s))[0]:
+        if not self._poll.poll(max(0, math.ceil(timeout_s * 1000))):
             return False
         self.drain()
         return True
