@@ -361,9 +361,7 @@ class StageBackend:
         False): what the ring holds, maybe nothing. The stages' liveness is not looked at here:
         call check_stages (from any thread) every LIVENESS_CHECK_S."""
         self._events.woken()
-        if self._pending_aborts:
-            with self._lock:
-                self._send_pending_aborts()
+        self._retry_aborts()
         record = self._events.try_read()
         return [] if record is None else self._outputs_from(record)
 
@@ -385,6 +383,9 @@ class StageBackend:
         """The token rate and the aborts that found the abort ring full: looked at on each read,
         and by check_stages every LIVENESS_CHECK_S, with events or without."""
         self._rate.update(self._board.counters().tokens_generated)
+        self._retry_aborts()
+
+    def _retry_aborts(self) -> None:
         if self._pending_aborts:
             with self._lock:
                 self._send_pending_aborts()
