@@ -183,8 +183,8 @@ class DaemonServer:
         self.http_url: str | None = None  # where the HTTP API listens, once it does
         self._requests: dict[int, Request] = {}  # by backend req_id: accepted and not finished
         self._idle = asyncio.Event()  # no request in flight
-        self.flush_later = FlushLater()  # flush_later(connection): its flush() at the end of this turn
         self._idle.set()
+        self.flush_later = FlushLater()  # flush_later(connection): its flush() at the end of this turn
         self._next_req_id = 0
         self.num_finished = 0
         self.num_overloaded = 0

@@ -161,9 +161,7 @@ class HttpCall:
                 if choice.framed and choice.held_tokens < self.stream_interval:
                     return
                 text = self._take_held(choice)
-            frame = self.text_frame(choice.index, text)
-            if frame:
-                self.queue_frame(frame)
+            self._queue_text_frame(choice, text)
             return
         self._queue(Reply(choice, text, token_ids=token_ids))
         self._changed.set()
@@ -178,9 +176,12 @@ class HttpCall:
     def _release_held(self, choice: Choice) -> None:
         """The frame of a choice's held text, before whatever ends it."""
         if choice.held:
-            frame = self.text_frame(choice.index, self._take_held(choice))  # type: ignore[misc]
-            if frame:
-                self.queue_frame(frame)
+            self._queue_text_frame(choice, self._take_held(choice))
+
+    def _queue_text_frame(self, choice: Choice, text: str) -> None:
+        frame = self.text_frame(choice.index, text)  # type: ignore[misc]  # set: the caller checked
+        if frame:
+            self.queue_frame(frame)
 
     def _took_tokens(self, choice: Choice, text: str, token_ids: list[int]) -> None:
         choice.text.append(text)
