@@ -35,11 +35,6 @@ class RouteKey:
     ring: bytes  # the hash of the first num_blocks blocks: the prompt's place on the ring
     blocks: tuple[bytes, ...]  # the chained hash of each leading full block, the last ring's or beyond
 
-    @classmethod
-    def of(cls, key: bytes) -> RouteKey:
-        """A key of one block (tests, and prompts no longer than num_blocks blocks)."""
-        return cls(key, (key,))
-
 
 class PrefixKeyer:
     def __init__(self, model_dir: str | Path, block_size: int, num_blocks: int) -> None:

@@ -74,6 +74,11 @@ def test_the_prefix_key_is_the_engines_chained_block_hash(tmp_path: Path) -> Non
         PrefixKeyer(model, block_size=0, num_blocks=2)
 
 
+def one_block(block: bytes) -> RouteKey:
+    """The key of a prompt of one full block."""
+    return RouteKey(block, (block,))
+
+
 def _replicas(urls: list[str]) -> tuple[Replicas, Router]:
     holder: list[Router] = []
     replicas = Replicas(urls, lambda url, healthy: holder[0].on_change(url, healthy), interval_s=0.1, timeout_s=1)
@@ -84,27 +89,27 @@ def _replicas(urls: list[str]) -> tuple[Replicas, Router]:
 
 def test_policies_choose_among_healthy_replicas_only() -> None:
     replicas, router = _replicas(["http://a:1", "http://b:1", "http://c:1"])
-    assert router.choose(RouteKey.of(b"k")) is None  # none checked healthy yet
+    assert router.choose(one_block(b"k")) is None  # none checked healthy yet
     for url in replicas.by_url:
         replicas.mark(url, True, "ok")
-    replica, route = router.choose(RouteKey.of(b"k"))
+    replica, route = router.choose(one_block(b"k"))
     assert route is Route.PREFIX_OWNER
     replicas.mark(replica.url, False, "gone")
-    other, _ = router.choose(RouteKey.of(b"k"))
+    other, _ = router.choose(one_block(b"k"))
     assert other.url != replica.url
     # A key passed over for load goes on to where it went, which now holds its KV.
     for url in replicas.by_url:
         replicas.mark(url, True, "ok")
-    owner, _ = router.choose(RouteKey.of(b"conversation"))
+    owner, _ = router.choose(one_block(b"conversation"))
     owner.outstanding = 1
-    assert router.choose(RouteKey.of(b"conversation")) == (owner, Route.PREFIX_OWNER)  # near idle: no spill for balance
+    assert router.choose(one_block(b"conversation")) == (owner, Route.PREFIX_OWNER)  # near idle: no spill for balance
     owner.outstanding = MIN_LOAD_BOUND
-    spill, route = router.choose(RouteKey.of(b"conversation"))
+    spill, route = router.choose(one_block(b"conversation"))
     assert route is Route.PREFIX_SPILL and spill.url != owner.url
     owner.outstanding = 0
-    assert router.choose(RouteKey.of(b"conversation")) == (spill, Route.PREFIX_OWNER)
+    assert router.choose(one_block(b"conversation")) == (spill, Route.PREFIX_OWNER)
     replicas.mark(spill.url, False, "gone")
-    assert router.choose(RouteKey.of(b"conversation")) == (owner, Route.PREFIX_OWNER)
+    assert router.choose(one_block(b"conversation")) == (owner, Route.PREFIX_OWNER)
     replicas.mark(spill.url, True, "ok")
     for replica in replicas.by_url.values():
         replica.outstanding = 0
@@ -112,7 +117,7 @@ def test_policies_choose_among_healthy_replicas_only() -> None:
     replicas.by_url["http://a:1"].outstanding = 3
     assert router.choose(None)[1] is Route.LEAST_LOAD and router.choose(None)[0].url != "http://a:1"
     router.policy = Policy.ROUND_ROBIN
-    assert len({router.choose(RouteKey.of(b"k"))[0].url for _ in range(4)}) == 2  # the two healthy ones, in turn
+    assert len({router.choose(one_block(b"k"))[0].url for _ in range(4)}) == 2  # the two healthy ones, in turn
     with pytest.raises(ValueError, match="http://host:port"):
         Replicas(["ftp://x"], lambda u, h: None, interval_s=1, timeout_s=1)
 
