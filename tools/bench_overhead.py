@@ -253,15 +253,15 @@ async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int,
 
 
 class SseStream(asyncio.Protocol):
-    """One streamed `/v1/completions` request on a connection of its own, read as bytes: each
-    read's time and how many `data: {` frames it held. Nothing is parsed but the status line."""
+    """One streamed `/v1/completions` request on a connection of its own, read as bytes: how many
+    `data: {` frames came. Nothing is parsed but the status line."""
 
     FRAME = b"data: {"
     END = b"data: [DONE]"
 
-    def __init__(self, request: bytes, index: int, received_ns: array, received_req: array) -> None:
+    def __init__(self, request: bytes, index: int) -> None:
         self.request, self.index = request, index
-        self.received_ns, self.received_req = received_ns, received_req
+        self.num_frames = 0
         self.ended: asyncio.Future = asyncio.get_running_loop().create_future()
         self._head = b""  # the response's first bytes, until the status line is checked
         self._tail = b""  # the last bytes of the previous read: a frame's mark may straddle two reads
@@ -270,7 +270,6 @@ class SseStream(asyncio.Protocol):
         transport.write(self.request)  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
-        now_ns = time.monotonic_ns()
         if self._head is not None:
             self._head += data
             if b"\r\n" not in self._head:
@@ -280,10 +279,7 @@ class SseStream(asyncio.Protocol):
                 return
             data, self._head = self._head, None
         seen = self._tail + data
-        frames = seen.count(self.FRAME)
-        if frames:
-            self.received_ns.extend([now_ns] * frames)
-            self.received_req.extend([self.index] * frames)
+        self.num_frames += seen.count(self.FRAME)
         self._tail = seen[-len(self.END):]
         if self.END in seen and not self.ended.done():
             self.ended.set_result(None)
@@ -293,13 +289,11 @@ class SseStream(asyncio.Protocol):
             self.ended.set_exception(RuntimeError(f"stream {self.index}: the connection closed before [DONE] ({exc})"))
 
 
-async def stream_http(daemon: Daemon, prompts: list[list[int]], num_steps: int
-                      ) -> tuple[np.ndarray, np.ndarray, list[CpuSample]]:
+async def stream_http(daemon: Daemon, prompts: list[list[int]], num_steps: int) -> list[CpuSample]:
     """--http: streams one request per prompt at once from the daemon's /v1/completions, each on
-    its own connection; returns every frame's receive time and request index, and the CPU samples
-    taken meanwhile."""
+    its own connection, until every one has ended with [DONE]; returns the CPU samples taken
+    meanwhile. RuntimeError if a stream failed or sent no frame."""
     host, port = daemon.http_url.removeprefix("http://").rsplit(":", 1)
-    received_ns, received_req = array("q"), array("q")
     samples: list[CpuSample] = []
     sampler = asyncio.ensure_future(sample_cpu(daemon, samples))
     streams, transports = [], []
@@ -310,7 +304,7 @@ async def stream_http(daemon: Daemon, prompts: list[list[int]], num_steps: int
             request = (b"POST /v1/completions HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
                        b"Content-Length: %d\r\n\r\n%b" % (host.encode(), len(body), body))
             transport, stream = await asyncio.get_running_loop().create_connection(
-                lambda: SseStream(request, index, received_ns, received_req), host, int(port))
+                lambda: SseStream(request, index), host, int(port))
             streams.append(stream)
             transports.append(transport)
         await asyncio.gather(*(stream.ended for stream in streams))
@@ -318,7 +312,10 @@ async def stream_http(daemon: Daemon, prompts: list[list[int]], num_steps: int
         sampler.cancel()
         for transport in transports:
             transport.close()
-    return np.frombuffer(received_ns, np.int64), np.frombuffer(received_req, np.int64), samples
+    silent = [stream.index for stream in streams if not stream.num_frames]
+    if silent:
+        raise RuntimeError(f"{daemon.label}: streams {silent} ended without a frame")
+    return samples
 
 
 def measure(daemon: Daemon, batch: int, num_steps: int, device_ms: float, rng: np.random.Generator,
@@ -329,7 +326,7 @@ def measure(daemon: Daemon, batch: int, num_steps: int, device_ms: float, rng: n
     num_constrained = round(structured * batch)
     since_ns = time.monotonic_ns()
     if http:
-        times, requests, samples = uvloop.run(stream_http(daemon, prompts, num_steps))
+        samples = uvloop.run(stream_http(daemon, prompts, num_steps))
         tokens = None
     else:
         times, tokens, requests, samples = uvloop.run(stream_batch(daemon, prompts, num_steps, multiplex,

@@ -99,6 +99,16 @@ def test_bench_overhead_structured_reports_each_fraction_and_the_mask_time() -> 
     assert report["grammar_mask_us"]["p50"] > 0
 
 
+@pytest.mark.timeout(150)
+def test_bench_overhead_http_measures_the_daemons_cpu_of_sse_streams_without_delivery() -> None:
+    report = quick_json_report("bench_overhead.py", 140, "--batches", "64", "--http", "--stream-interval", "2")
+    assert report["http"] is True and report["stream_interval"] == 2
+    for mode in ("async", "sync"):
+        batch = report[mode]["64"]
+        assert batch["step_ms"] >= 5.0 and batch["cpu_us_per_token"]["daemon"] > 0
+        assert batch["deliver_p50_ms"] is None and batch["deliver_p99_ms"] is None  # frames do not name tokens
+
+
 def test_bench_grammar_quick_measures_llguidance_on_the_tiny_vocabulary() -> None:
     report = quick_json_report("bench_grammar.py", 120, "--library", "llguidance")
     tiny = report["llguidance"]["tiny_1024"]
