@@ -6,19 +6,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from device_choice import engine_device
+from small_engine import small_llm as llm
 
-from pipeline import LLM, RequestOutput, SamplingParams
+from pipeline import RequestOutput, SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def llm(model: Path, **options: object) -> LLM:
-    options.setdefault("device", engine_device())
-    options.setdefault("max_model_len", 256)
-    options.setdefault("num_kv_blocks", 128)
-    options.setdefault("block_size", 4)
-    return LLM(model=model, **options)
 
 
 def prompts() -> list[list[int]]:

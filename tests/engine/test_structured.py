@@ -9,7 +9,7 @@ import llguidance
 import numpy as np
 import pytest
 import torch
-from device_choice import engine_device
+from small_engine import small_llm
 from structured_cases import CASES, CHOICES, MAX_TOKENS, REGEX, check_json_schema, closing_bias
 from tokenizers import Tokenizer
 
@@ -23,11 +23,8 @@ NUM_SYNC_SAMPLES = 10  # of them, also run with sync scheduling
 
 
 def llm(model: Path, **options: object) -> LLM:
-    options.setdefault("device", engine_device())
-    options.setdefault("max_model_len", 256)
     options.setdefault("num_kv_blocks", 512)
-    options.setdefault("block_size", 4)
-    return LLM(model=model, **options)
+    return small_llm(model, **options)
 
 
 def case_params(model: Path, kind: str, **values: object) -> dict:
