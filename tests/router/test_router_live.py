@@ -105,14 +105,12 @@ def test_prefix_routing_raises_the_fleets_hit_rate_within_the_load_bound(fleet, 
     urls = [r.url for r in replicas]
     hit_rates, requests_per_replica, affinity = {}, {}, {}
     for seed, policy in enumerate(("round-robin", "prefix")):
-        # Keys of 8 blocks place each conversation on the ring by its own first message: the
-        # workload's 3 system prompts fill the tiny tokenizer's first 4 blocks, and 3 keys on 3
-        # replicas often hash two to one.
-        router = start_router(daemon_model, urls, tmp_path / f"{policy}.log", "--policy", policy,
-                              "--prefix-blocks", "8")
+        router = start_router(daemon_model, urls, tmp_path / f"{policy}.log", "--policy", policy)
         try:
             hits_before, total_before = fleet_prefix_hit_tokens(urls)
-            result = asyncio.run(run_workload(router.url, seed=seed))
+            # 18 conversations (72 turns): with 9, one replica's luck in the hash and the order of
+            # a wave of turns moved every figure below by a tenth from run to run.
+            result = asyncio.run(run_workload(router.url, num_conversations=18, seed=seed))
             hits, total = fleet_prefix_hit_tokens(urls)
             hit_rates[policy] = (hits - hits_before) / (total - total_before)
             affinity[policy] = affinity_hit_rate(result.turns, PrefixKeyer(daemon_model, 16, 1))
@@ -124,16 +122,14 @@ def test_prefix_routing_raises_the_fleets_hit_rate_within_the_load_bound(fleet, 
           f"with prefix routing: {requests_per_replica['prefix']}")
     # What perfect routing would get on the same turns (one replica, a cache that never evicts):
     # prefix routing comes near it; round-robin gets about half. Near: a turn that spills within
-    # the load bound leaves its history behind once (runs measured 0.90 to 1.01 of perfect).
+    # the load bound leaves its history behind once (runs measured 0.92 to 0.99 of perfect).
     assert hit_rates["prefix"] >= 0.85 * affinity["prefix"], (hit_rates, affinity)
     # Three replicas bound the gain: round-robin finds a conversation's history on its replica one
     # time in three, and the shared system prompts everywhere. Runs on this workload measured
-    # 1.81 to 2.15 (round-robin's rate varies with how the conversations interleave).
+    # 1.76 to 2.24 (round-robin's rate varies with how the conversations interleave).
     assert hit_rates["prefix"] >= 1.5 * hit_rates["round-robin"], hit_rates
-    # The bound holds each replica's outstanding requests; the totals follow where 9 conversations
-    # hash onto 3 replicas (runs measured up to 1.5 x the mean).
     counts = requests_per_replica["prefix"]
-    assert max(counts) <= 1.6 * sum(counts) / len(counts), counts
+    assert max(counts) <= 1.5 * sum(counts) / len(counts), counts  # runs measured up to 1.33
 
 
 async def stream_completion(client: httpx.AsyncClient, url: str, request: dict, started: asyncio.Event,
