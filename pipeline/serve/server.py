@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -148,6 +149,10 @@ class Request:
     # Text and logprobs, kept only for requests that are not streamed (Done carries them).
     texts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Set by a connection that frames a streamed request's plain deltas itself (HttpCall): each
+    # goes here at once, as its text and number of tokens. The sink may leave (write, data) in
+    # the list it is given: the server makes those writes back to back once the batch is routed.
+    text_sink: Callable[[str, int, list[tuple[Callable[[bytes], object], bytes]]], None] | None = None
 
 
 def _token_logprobs(event: OutputEvent) -> list[TokenLogprobs] | None:
@@ -329,6 +334,7 @@ class DaemonServer:
         text_ends = text_ends.tolist()
         get, reached, now = self._requests.get, self.metrics.tokens_reached, time.monotonic()
         frames: dict[Connection, DeltaFrame] = {}  # per connection that reads `Deltas`
+        writes: list[tuple[Callable[[bytes], object], bytes]] = []  # the text sinks'
         num_tokens = 0
         start = first = 0
         for row, (req_id, end, last) in enumerate(zip(batch.req_ids.tolist(), text_ends, token_ends)):
@@ -336,24 +342,37 @@ class DaemonServer:
             if request is None:  # aborted or dropped meanwhile: its last tokens go nowhere
                 start, first = end, last
                 continue
-            tokens = token_ids[first:last]
+            count = last - first
             request.resume.answered = True
-            request.token_ids += tokens
-            num_tokens += last - first
-            reached(request.timeline, last - first, now)
-            if request.delta_frames:
+            if count == 1:
+                request.token_ids.append(token_ids[first])
+            else:
+                request.token_ids += token_ids[first:last]
+            num_tokens += count
+            reached(request.timeline, count, now)
+            sink = request.text_sink
+            if sink is not None:
+                sink(text[start:end], count, writes)
+            elif request.delta_frames:
                 frame = frames.get(request.connection)
                 if frame is None:
                     frame = frames[request.connection] = DeltaFrame()
                 frame.rows.append(row)
                 frame.request_ids.append(request.request_id)
             elif request.stream:
-                request.connection.send_text(request.request_id, text[start:end], tokens)
+                request.connection.send_text(request.request_id, text[start:end], token_ids[first:last])
             else:
                 request.texts.append(text[start:end])
             start, first = end, last
         for connection, frame in frames.items():
             connection.send(frame.message(text, text_ends, token_ids, token_ends))
+        # Back to back: a reader woken by one write finds the next ones there too, and the writes
+        # cost the kernel less close together than spread over the routing.
+        for write, data in writes:
+            try:
+                write(data)
+            except Exception:  # one connection's failure must not keep the others' text back
+                log.exception("writing to a connection failed")
         self.num_generated_tokens += num_tokens
         self.metrics.tokens_counted(num_tokens)
 

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from pipeline.protocol import Delta, Done, Error, TokenLogprobs, Usage
+from pipeline.serve.openai.asgi import chunk
 from pipeline.serve.openai.call import HttpCall, Reply
 from pipeline.serve.openai.params import ChoiceRequest
 from pipeline.serve.openai.sse import ChatStream, CompletionStream
@@ -35,6 +36,19 @@ def test_text_frames_equal_full_chunks_byte_for_byte(kind: type, include_usage: 
     # Where the text reached is kept alike: later logprobs' offsets agree.
     logprobs = [TokenLogprobs(5, -0.5, [6], [-1.0])]
     assert fast.chunk(0, "<5>", logprobs=logprobs) == full.chunk(0, "<5>", logprobs=logprobs)
+
+
+@pytest.mark.parametrize("kind", [CompletionStream, ChatStream])
+def test_text_chunks_are_text_frames_framed_as_http_chunks(kind: type) -> None:
+    plain = kind("id-1", "tiny/model", CREATED, token_text, include_usage=False)
+    chunked = kind("id-1", "tiny/model", CREATED, token_text, include_usage=False)
+    for index in (0, 3):
+        assert chunked.text_chunk(index, "") == chunk(plain.text_frame(index, ""))  # a choice's first frame
+        for text in [*TEXTS, "long " * 1000]:  # the last is past the chunk heads made ahead
+            frame = plain.text_frame(index, text)
+            assert chunked.text_chunk(index, text) == (chunk(frame) if frame else b"")
+    logprobs = [TokenLogprobs(5, -0.5, [6], [-1.0])]
+    assert chunked.chunk(0, "<5>", logprobs=logprobs) == plain.chunk(0, "<5>", logprobs=logprobs)
 
 
 class FakeServer:

@@ -185,7 +185,7 @@ class OpenAIApi:
             raise
         tool_streams = {} if tools is None else {choice.index: ToolStream(tools) for choice in call.choices}
         if tools is None and not with_ids and all(choice.request.params.logprobs is None for choice in call.choices):
-            call.text_frame = stream.text_frame  # plain text deltas: their frames are made at once
+            call.frame_text(stream)  # plain text deltas: their frames are made at once
 
         async def frames() -> AsyncIterator[bytes]:
             try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -89,7 +90,7 @@ class StreamResponse:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     # Called once the head is sent, with `direct_body_writer(send)`: body bytes may go that way
     # too, as long as they never overtake the frames still to come from `frames`.
-    on_started: Callable[[Callable[[bytes], bool] | None], None] | None = None
+    on_started: Callable[[DirectWriter | None], None] | None = None
 
     async def __call__(self, send: Send, receive: Receive) -> None:
         watcher = asyncio.ensure_future(until_disconnect(receive, self.on_disconnect))
@@ -106,23 +107,43 @@ class StreamResponse:
             await self.frames.aclose()
 
 
-def direct_body_writer(send: Send) -> Callable[[bytes], bool] | None:
-    """For a chunked response on uvicorn's httptools server: a function that writes body bytes
-    to the connection as `send` would, framed as one chunk, without a coroutine. It writes nothing
+class DirectWriter:
+    """For a chunked response on uvicorn's httptools server: writes body bytes to the connection
+    as `send` would, framed as one chunk, without a coroutine (`writer(body)`). It writes nothing
     and returns False when the client is gone, the response has ended, or the connection's buffer
-    is full (`send` would wait): the caller then goes through `send`. None on any other server."""
+    is full (`send` would wait): the caller then goes through `send`. A caller that writes many
+    connections at once may ask `ready()` first, then write `chunk(body)` with `write_chunk`."""
+
+    __slots__ = ("_cycle", "_flow", "write_chunk")
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+        self._flow = cycle.flow
+        self.write_chunk: Callable[[bytes], object] = cycle.transport.write
+
+    def ready(self) -> bool:
+        cycle = self._cycle
+        return not (cycle.disconnected or cycle.response_complete or self._flow.write_paused)
+
+    def __call__(self, body: bytes) -> bool:
+        if not self.ready():
+            return False
+        self.write_chunk(chunk(body))
+        return True
+
+
+def chunk(body: bytes) -> bytes:
+    """`body` framed as one chunk of a chunked HTTP/1.1 body."""
+    return b"%x\r\n%b\r\n" % (len(body), body)
+
+
+def direct_body_writer(send: Send) -> DirectWriter | None:
+    """The connection's DirectWriter when `send` is uvicorn's httptools server's for a chunked
+    response; None on any other server."""
     cycle = getattr(send, "__self__", None)
     if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl" or cycle.chunked_encoding is not True:
         return None
-    transport, flow = cycle.transport, cycle.flow
-
-    def write(body: bytes) -> bool:
-        if cycle.disconnected or cycle.response_complete or flow.write_paused:
-            return False
-        transport.write(b"%x\r\n%b\r\n" % (len(body), body))
-        return True
-
-    return write
+    return DirectWriter(cycle)
 
 
 Handler = Callable[[HttpRequest], Awaitable[Response | StreamResponse]]

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 
 from pipeline.errors import PipelineError, error_from_wire
 from pipeline.protocol import Delta, Done, Error, ServerMessage, TokenLogprobs
+from pipeline.serve.openai.asgi import DirectWriter
 from pipeline.serve.openai.params import ChoiceRequest
+from pipeline.serve.openai.sse import ChatStream, CompletionStream
 from pipeline.serve.server import DaemonServer, Request
 
 
@@ -87,11 +89,12 @@ class HttpCall:
         self._num_unmade = 0  # Reply objects in _replies: frames the response's task has to make
         self._taken = False  # the task holds replies it has not written yet
         self._flush_due = False
-        self._write: Callable[[bytes], bool] | None = None
+        self._write: DirectWriter | None = None
         self._changed = asyncio.Event()
         self._closed = False
         # Set by a streamed response: the frame of a choice's plain text delta (b"" for none).
         self.text_frame: Callable[[int, str], bytes] | None = None
+        self._text_chunk: Callable[[int, str], bytes] | None = None  # the same frame as an HTTP chunk
 
     # ---- starting
 
@@ -204,6 +207,36 @@ class HttpCall:
 
     # ---- frames written straight to the connection
 
+    def frame_text(self, stream: CompletionStream | ChatStream) -> None:
+        """From now on a plain text delta is framed at once, by the stream's `text_frame`. A call
+        of one choice that frames every token takes its deltas from the server's batch loop
+        itself (`_text_sink`)."""
+        self.text_frame = stream.text_frame
+        self._text_chunk = stream.text_chunk
+        if len(self.choices) == 1 and self.stream_interval == 1:
+            request = self.requests.get(self.choices[0].request_id)  # type: ignore[arg-type]
+            if request is not None:
+                request.text_sink = self._text_sink
+
+    def _text_sink(self, text: str, num_tokens: int, writes: list[tuple[Callable[[bytes], object], bytes]]) -> None:
+        """`send_text` for the one choice of a call that frames every token, from the server's
+        batch loop: when nothing waits before its frame and the connection takes it, the frame
+        goes in `writes` as an HTTP chunk (the server writes them back to back once the batch is
+        routed); else it queues."""
+        choice = self.choices[0]
+        choice.num_tokens += num_tokens
+        if self._closed:
+            return
+        writer = self._write
+        if self._replies or self._taken or writer is None or not writer.ready():
+            frame = self.text_frame(choice.index, text)  # type: ignore[misc]  # set with the sink
+            if frame:
+                self.queue_frame(frame)
+            return
+        chunk = self._text_chunk(choice.index, text)
+        if chunk:
+            writes.append((writer.write_chunk, chunk))
+
     def queue_frame(self, frame: bytes) -> None:
         """Queues a ready frame; it is written at the end of this turn of the event loop."""
         self._replies.append(frame)
@@ -211,10 +244,10 @@ class HttpCall:
             self._flush_due = True
             self.server.flush_later(self)
 
-    def attach_writer(self, write: Callable[[bytes], bool] | None) -> None:
-        """`write(body)` puts bytes on the response's connection at once, or returns False
+    def attach_writer(self, writer: DirectWriter | None) -> None:
+        """`writer(body)` puts bytes on the response's connection at once, or returns False
         (when the connection is gone or its buffer is full): then the task writes them."""
-        self._write = write
+        self._write = writer
 
     def flush(self) -> None:
         self._flush_due = False

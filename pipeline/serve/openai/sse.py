@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from msgspec import UNSET, UnsetType
 
 from pipeline.protocol import TokenLogprobs
+from pipeline.serve.openai.asgi import chunk
 from pipeline.serve.openai.responses import TokenText, chat_logprobs, completion_logprobs, count_usage, encoder
 from pipeline.serve.openai.schemas import (
     ChatChunkChoice,
@@ -32,6 +33,7 @@ _DATA = b"data: "
 _END = b"\n\n"
 # Stands for the text in a template frame; no response id or model name holds it.
 _TEXT_MARK = "\x00text-of-the-chunk\x00"
+_CHUNK_HEADS = [b"%x\r\n" % size for size in range(4096)]  # an HTTP chunk's head by its size, made once
 
 
 class _Stream:
@@ -47,7 +49,9 @@ class _Stream:
         self._token_text = token_text
         self._usage = None if include_usage else UNSET
         self._chars_streamed: dict[int, int] = {}  # choice index -> characters of text sent so far
-        self._text_templates: dict[int, tuple[bytes, bytes]] = {}  # choice index -> frame before, after its text
+        # choice index -> its text frame's bytes before and after the text; the latter with the
+        # end of an HTTP chunk; the two's length
+        self._text_templates: dict[int, tuple[bytes, bytes, bytes, int]] = {}
 
     def is_open(self, index: int) -> bool:
         """Whether choice `index` has had a frame."""
@@ -78,12 +82,28 @@ class _Stream:
         template = self._text_templates.get(index)
         if template is None:
             frame = self._frame([self._choice(index, _TEXT_MARK, None, None, offset)], self._usage)
-            template = self._text_templates[index] = tuple(frame.split(encoder.encode(_TEXT_MARK)))
-            if len(template) != 2:  # cannot happen unless the mark shows elsewhere: encode in full then
-                self._text_templates.pop(index)
+            parts = frame.split(encoder.encode(_TEXT_MARK))
+            if len(parts) != 2:  # cannot happen unless the mark shows elsewhere: encode in full then
                 return self.chunk(index, text)
+            before, after = parts
+            template = self._text_templates[index] = (before, after, after + b"\r\n", len(before) + len(after))
         self._chars_streamed[index] = offset + len(text)
         return template[0] + encoder.encode(text) + template[1]
+
+    def text_chunk(self, index: int, text: str) -> bytes:
+        """`text_frame(index, text)` as one chunk of a chunked HTTP/1.1 body (`asgi.chunk`), made
+        in one step for a writer that puts it straight on the connection; b"" for no frame."""
+        template = self._text_templates.get(index)
+        if template is None or not text:
+            frame = self.text_frame(index, text)
+            return chunk(frame) if frame else b""
+        before, after, chunk_end, size = template
+        self._chars_streamed[index] += len(text)
+        body = encoder.encode(text)
+        size += len(body)
+        if size < len(_CHUNK_HEADS):
+            return b"".join((_CHUNK_HEADS[size], before, body, chunk_end))
+        return chunk(before + body + after)
 
     def _next_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprobs] | None,
                      finish_reason: str | None, token_ids: list[int] | None) -> CompletionChoice | ChatChunkChoice:
