@@ -43,10 +43,11 @@ def test_text_chunks_are_text_frames_framed_as_http_chunks(kind: type) -> None:
     plain = kind("id-1", "tiny/model", CREATED, token_text, include_usage=False)
     chunked = kind("id-1", "tiny/model", CREATED, token_text, include_usage=False)
     for index in (0, 3):
-        assert chunked.text_chunk(index, "") == chunk(plain.text_frame(index, ""))  # a choice's first frame
+        text_chunk = chunked.text_chunker(index)
+        assert text_chunk("") == chunk(plain.text_frame(index, ""))  # a choice's first frame
         for text in [*TEXTS, "long " * 1000]:  # the last is past the chunk heads made ahead
             frame = plain.text_frame(index, text)
-            assert chunked.text_chunk(index, text) == (chunk(frame) if frame else b"")
+            assert text_chunk(text) == (chunk(frame) if frame else b"")
     logprobs = [TokenLogprobs(5, -0.5, [6], [-1.0])]
     assert chunked.chunk(0, "<5>", logprobs=logprobs) == plain.chunk(0, "<5>", logprobs=logprobs)
 

@@ -94,7 +94,6 @@ class HttpCall:
         self._closed = False
         # Set by a streamed response: the frame of a choice's plain text delta (b"" for none).
         self.text_frame: Callable[[int, str], bytes] | None = None
-        self._text_chunk: Callable[[int, str], bytes] | None = None  # the same frame as an HTTP chunk
 
     # ---- starting
 
@@ -212,30 +211,30 @@ class HttpCall:
         of one choice that frames every token takes its deltas from the server's batch loop
         itself (`_text_sink`)."""
         self.text_frame = stream.text_frame
-        self._text_chunk = stream.text_chunk
         if len(self.choices) == 1 and self.stream_interval == 1:
             request = self.requests.get(self.choices[0].request_id)  # type: ignore[arg-type]
             if request is not None:
-                request.text_sink = self._text_sink
+                request.text_sink = self._text_sink(stream.text_chunker(self.choices[0].index))
 
-    def _text_sink(self, text: str, num_tokens: int, writes: list[tuple[Callable[[bytes], object], bytes]]) -> None:
+    def _text_sink(self, text_chunk: Callable[[str], bytes]) -> Callable[[str, int, list], None]:
         """`send_text` for the one choice of a call that frames every token, from the server's
         batch loop: when nothing waits before its frame and the connection takes it, the frame
         goes in `writes` as an HTTP chunk (the server writes them back to back once the batch is
         routed); else it queues."""
         choice = self.choices[0]
-        choice.num_tokens += num_tokens
-        if self._closed:
-            return
-        writer = self._write
-        if self._replies or self._taken or writer is None or not writer.ready():
-            frame = self.text_frame(choice.index, text)  # type: ignore[misc]  # set with the sink
-            if frame:
-                self.queue_frame(frame)
-            return
-        chunk = self._text_chunk(choice.index, text)
-        if chunk:
-            writes.append((writer.write_chunk, chunk))
+
+        def sink(text: str, num_tokens: int, writes: list[tuple[Callable[[bytes], object], bytes]]) -> None:
+            choice.num_tokens += num_tokens
+            writer = self._write
+            if self._replies or self._taken or self._closed or writer is None or not writer.ready():
+                if not self._closed:
+                    self._queue_text_frame(choice, text)
+                return
+            chunk = text_chunk(text)
+            if chunk:
+                writes.append((writer.write_chunk, chunk))
+
+        return sink
 
     def queue_frame(self, frame: bytes) -> None:
         """Queues a ready frame; it is written at the end of this turn of the event loop."""

@@ -10,7 +10,7 @@ stream) is a per-choice byte template around the JSON-escaped text.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from msgspec import UNSET, UnsetType
 
@@ -33,7 +33,8 @@ _DATA = b"data: "
 _END = b"\n\n"
 # Stands for the text in a template frame; no response id or model name holds it.
 _TEXT_MARK = "\x00text-of-the-chunk\x00"
-_CHUNK_HEADS = [b"%x\r\n" % size for size in range(4096)]  # an HTTP chunk's head by its size, made once
+_NUM_CHUNK_HEADS = 4096
+_CHUNK_HEADS = [b"%x\r\n" % size for size in range(_NUM_CHUNK_HEADS)]  # an HTTP chunk's head by its size, made once
 
 
 class _Stream:
@@ -90,20 +91,26 @@ class _Stream:
         self._chars_streamed[index] = offset + len(text)
         return template[0] + encoder.encode(text) + template[1]
 
-    def text_chunk(self, index: int, text: str) -> bytes:
-        """`text_frame(index, text)` as one chunk of a chunked HTTP/1.1 body (`asgi.chunk`), made
-        in one step for a writer that puts it straight on the connection; b"" for no frame."""
-        template = self._text_templates.get(index)
-        if template is None or not text:
-            frame = self.text_frame(index, text)
-            return chunk(frame) if frame else b""
-        before, after, chunk_end, size = template
-        self._chars_streamed[index] += len(text)
-        body = encoder.encode(text)
-        size += len(body)
-        if size < len(_CHUNK_HEADS):
-            return b"".join((_CHUNK_HEADS[size], before, body, chunk_end))
-        return chunk(before + body + after)
+    def text_chunker(self, index: int) -> Callable[[str], bytes]:
+        """`text_chunk(text)`: `text_frame(index, text)` as one chunk of a chunked HTTP/1.1 body
+        (`asgi.chunk`), b"" for no frame; for a writer that puts it straight on the connection.
+        Once the choice's template is made, a chunk takes an encode and a join."""
+        templates, chars, heads, encode, join = self._text_templates, self._chars_streamed, _CHUNK_HEADS, encoder.encode, b"".join
+
+        def text_chunk(text: str) -> bytes:
+            template = templates.get(index)
+            if template is None or not text:
+                frame = self.text_frame(index, text)
+                return chunk(frame) if frame else b""
+            before, after, chunk_end, size = template
+            chars[index] += len(text)
+            body = encode(text)
+            size += len(body)
+            if size < _NUM_CHUNK_HEADS:
+                return join((heads[size], before, body, chunk_end))
+            return chunk(before + body + after)
+
+        return text_chunk
 
     def _next_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprobs] | None,
                      finish_reason: str | None, token_ids: list[int] | None) -> CompletionChoice | ChatChunkChoice:
