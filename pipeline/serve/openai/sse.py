@@ -94,21 +94,26 @@ class _Stream:
     def text_chunker(self, index: int) -> Callable[[str], bytes]:
         """`text_chunk(text)`: `text_frame(index, text)` as one chunk of a chunked HTTP/1.1 body
         (`asgi.chunk`), b"" for no frame; for a writer that puts it straight on the connection.
-        Once the choice's template is made, a chunk takes an encode and a join."""
-        templates, chars, heads, encode, join = self._text_templates, self._chars_streamed, _CHUNK_HEADS, encoder.encode, b"".join
+        Once the choice's template is made, a chunk takes an encode and a join. These chunks do
+        not move where the choice's text has reached, which only logprobs' offsets need: a
+        stream framed this way sends none."""
+        heads, encode, join = _CHUNK_HEADS, encoder.encode, b"".join
+        before = chunk_end = b""
+        size = -1  # of the template without the text; -1 until it is made
 
         def text_chunk(text: str) -> bytes:
-            template = templates.get(index)
-            if template is None or not text:
+            nonlocal before, chunk_end, size
+            if size < 0 or not text:
                 frame = self.text_frame(index, text)
+                template = self._text_templates.get(index)
+                if template is not None:
+                    before, _, chunk_end, size = template
                 return chunk(frame) if frame else b""
-            before, after, chunk_end, size = template
-            chars[index] += len(text)
             body = encode(text)
-            size += len(body)
-            if size < _NUM_CHUNK_HEADS:
-                return join((heads[size], before, body, chunk_end))
-            return chunk(before + body + after)
+            length = size + len(body)
+            if length < _NUM_CHUNK_HEADS:
+                return join((heads[length], before, body, chunk_end))
+            return chunk(before + body + chunk_end[:-2])
 
         return text_chunk
 
