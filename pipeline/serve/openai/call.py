@@ -76,6 +76,9 @@ class Reply:
 class HttpCall:
     """Implements the server's Connection protocol for one HTTP call."""
 
+    __slots__ = ("server", "stream_interval", "requests", "choices", "text_frame", "_keep_logprobs", "_by_request_id",
+                 "_waiting", "_replies", "_num_unmade", "_taken", "_flush_due", "_write", "_changed", "_closed")
+
     def __init__(self, server: DaemonServer, choices: list[ChoiceRequest], *, keep_logprobs: bool,
                  stream_interval: int = 1) -> None:
         self.server = server
