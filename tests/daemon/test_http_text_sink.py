@@ -90,7 +90,7 @@ def test_a_batchs_text_chunks_leave_back_to_back_once_every_row_is_routed() -> N
         both, _ = http_call(server, wire, "both", num_choices=2)  # req_id 3; its second choice waits for the first
         requests = server._requests
         assert requests[0].text_sink is not None and requests[1].text_sink is not None
-        assert requests[2].text_sink is None and requests[3].text_sink is None  # socket; two choices
+        assert requests[2].text_sink is None and requests[3].text_sink is None  # a socket; two choices
         server.on_events(first_tokens([0, 1, 2, 3]))
         await asyncio.sleep(0)  # the first frames, made by the calls, go at the end of the turn
         wire.log.clear()
@@ -152,5 +152,25 @@ def test_a_write_that_fails_keeps_no_other_streams_text_back() -> None:
         wire.fail.add("gone")
         server.on_events([texts([0, 1], [8, 9], [" x", " y"])])
         assert wire.of("here") == sse("here", "a", " y")
+
+    asyncio.run(run())
+
+
+def test_a_stream_interval_frames_every_nth_token_from_the_batch_loop_and_the_rest_before_the_end() -> None:
+    async def run() -> None:
+        wire = Wire()
+        server = DaemonServer(FakeBackend(EngineConfig(model="unused"), "1_a"), max_num_seqs=8)
+        call, _ = http_call(server, wire, "c", stream_interval=3)  # req_id 0
+        assert server._requests[0].text_sink is not None
+        server.on_events(first_tokens([0]))  # a choice's first token goes at once
+        await asyncio.sleep(0)
+        for token, piece in enumerate([" b", "", "c", " d"]):  # the third held token frames " b" + "" + "c"
+            server.on_events([texts([0], [8 + token], [piece])])
+        assert wire.of("c") == sse("c", "a", " bc")
+        server.on_events([OutputEvent(0, "", np.zeros(0, np.int32), finish_reason="length")])
+        replies = await asyncio.wait_for(call.next_replies(), 1.0)  # the held " d" before the finish
+        assert replies[0] == frames("c", "a", " bc", " d")[2]
+        assert isinstance(replies[1], Reply) and replies[1].finish_reason == "length"
+        assert call.choices[0].num_tokens == 5
 
     asyncio.run(run())

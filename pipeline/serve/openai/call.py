@@ -211,23 +211,27 @@ class HttpCall:
 
     def frame_text(self, stream: CompletionStream | ChatStream) -> None:
         """From now on a plain text delta is framed at once, by the stream's `text_frame`. A call
-        of one choice that frames every token takes its deltas from the server's batch loop
-        itself (`_text_sink`)."""
+        of one choice takes its deltas from the server's batch loop itself (`_text_sink`)."""
         self.text_frame = stream.text_frame
-        if len(self.choices) == 1 and self.stream_interval == 1:
+        if len(self.choices) == 1:
             request = self.requests.get(self.choices[0].request_id)  # type: ignore[arg-type]
             if request is not None:
                 request.text_sink = self._text_sink(stream.text_chunker(self.choices[0].index))
 
     def _text_sink(self, text_chunk: Callable[[str], bytes]) -> Callable[[str, int, list], None]:
-        """`send_text` for the one choice of a call that frames every token, from the server's
-        batch loop: when nothing waits before its frame and the connection takes it, the frame
-        goes in `writes` as an HTTP chunk (the server writes them back to back once the batch is
-        routed); else it queues."""
-        choice = self.choices[0]
+        """`send_text` for the one choice of a call, from the server's batch loop: when nothing
+        waits before its frame and the connection takes it, the frame goes in `writes` as an HTTP
+        chunk (the server writes them back to back once the batch is routed); else it queues."""
+        choice, interval = self.choices[0], self.stream_interval
 
         def sink(text: str, num_tokens: int, writes: list[tuple[Callable[[bytes], object], bytes]]) -> None:
             choice.num_tokens += num_tokens
+            if interval > 1:
+                choice.held.append(text)
+                choice.held_tokens += num_tokens
+                if choice.framed and choice.held_tokens < interval:
+                    return
+                text = self._take_held(choice)
             writer = self._write
             if self._replies or self._taken or self._closed or writer is None or not writer.ready():
                 if not self._closed:
