@@ -14,7 +14,7 @@ from pipeline.protocol import Done, Generate
 from pipeline.serve.openai.asgi import DirectWriter, chunk
 from pipeline.serve.openai.call import HttpCall, Reply
 from pipeline.serve.openai.params import ChoiceRequest
-from pipeline.serve.openai.sse import CompletionStream
+from pipeline.serve.openai.sse import ChatStream, CompletionStream
 from pipeline.serve.server import DaemonServer
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent, TokenTexts
@@ -57,26 +57,45 @@ class Wire:
         return [data for who, data in self.log if who == name]
 
 
-def http_call(server: DaemonServer, wire: Wire, name: str, num_choices: int = 1,
-              stream_interval: int = 1) -> tuple[HttpCall, SimpleNamespace]:
+def http_call(server: DaemonServer, wire: Wire, name: str, num_choices: int = 1, stream_interval: int = 1,
+              kind: type = CompletionStream) -> tuple[HttpCall, SimpleNamespace]:
     choices = [ChoiceRequest(i, [5, 6], SamplingParams(max_tokens=100)) for i in range(num_choices)]
     call = HttpCall(server, choices, keep_logprobs=False, stream_interval=stream_interval)
     call.start()
-    call.frame_text(CompletionStream(f"cmpl-{name}", "tiny", CREATED, str, include_usage=False))
+    call.frame_text(kind(f"cmpl-{name}", "tiny", CREATED, str, include_usage=False))
     writer, cycle = wire.writer(name)
     call.attach_writer(writer)
     return call, cycle
 
 
-def frames(name: str, *texts: str) -> list[bytes]:
+def frames(name: str, *texts: str, kind: type = CompletionStream) -> list[bytes]:
     """A fresh stream's frames of `texts`, one each."""
-    reference = CompletionStream(f"cmpl-{name}", "tiny", CREATED, str, include_usage=False)
+    reference = kind(f"cmpl-{name}", "tiny", CREATED, str, include_usage=False)
     return [reference.chunk(0, text) for text in texts]
 
 
-def sse(name: str, *texts: str) -> list[bytes]:
+def sse(name: str, *texts: str, kind: type = CompletionStream) -> list[bytes]:
     """`frames`, each as the HTTP chunk that goes on the wire."""
-    return [chunk(frame) for frame in frames(name, *texts)]
+    return [chunk(frame) for frame in frames(name, *texts, kind=kind)]
+
+
+@pytest.mark.parametrize("kind", [CompletionStream, ChatStream])
+def test_the_chunks_made_from_the_template_are_the_streams_frames_byte_for_byte(kind: type) -> None:
+    pieces = [" Hello", "", 'say "hi"', "back\\slash", "new\nline\ttab\x01", "é ü", "日本語", "🙂", "</script>",
+              "\u2028", "long " * 1000]  # the last is past the chunk heads made ahead
+
+    async def run() -> None:
+        wire = Wire()
+        server = DaemonServer(FakeBackend(EngineConfig(model="unused"), "1_a"), max_num_seqs=8)
+        http_call(server, wire, "c", kind=kind)
+        server.on_events(first_tokens([0]))
+        await asyncio.sleep(0)
+        for token, piece in enumerate(pieces):
+            server.on_events([texts([0], [8 + token], [piece])])
+        shown = ["a", *(piece for piece in pieces if piece)]  # an open choice's empty text shows nothing
+        assert wire.of("c") == sse("c", *shown, kind=kind)
+
+    asyncio.run(run())
 
 
 def test_a_batchs_text_chunks_leave_back_to_back_once_every_row_is_routed() -> None:
