@@ -133,8 +133,12 @@ class DirectWriter:
 
 
 def chunk(body: bytes) -> bytes:
-    """`body` framed as one chunk of a chunked HTTP/1.1 body."""
+    """`body` framed as one chunk of a chunked HTTP/1.1 body: its head, itself, CHUNK_END."""
     return b"%x\r\n%b\r\n" % (len(body), body)
+
+
+CHUNK_END = b"\r\n"
+CHUNK_HEADS = [b"%x\r\n" % size for size in range(4096)]  # a chunk's head by its body's size, made once
 
 
 def direct_body_writer(send: Send) -> DirectWriter | None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from msgspec import UNSET, UnsetType
 
 from pipeline.protocol import TokenLogprobs
-from pipeline.serve.openai.asgi import chunk
+from pipeline.serve.openai.asgi import CHUNK_END, CHUNK_HEADS, chunk
 from pipeline.serve.openai.responses import TokenText, chat_logprobs, completion_logprobs, count_usage, encoder
 from pipeline.serve.openai.schemas import (
     ChatChunkChoice,
@@ -33,8 +33,6 @@ _DATA = b"data: "
 _END = b"\n\n"
 # Stands for the text in a template frame; no response id or model name holds it.
 _TEXT_MARK = "\x00text-of-the-chunk\x00"
-_NUM_CHUNK_HEADS = 4096
-_CHUNK_HEADS = [b"%x\r\n" % size for size in range(_NUM_CHUNK_HEADS)]  # an HTTP chunk's head by its size, made once
 
 
 class _Stream:
@@ -50,8 +48,8 @@ class _Stream:
         self._token_text = token_text
         self._usage = None if include_usage else UNSET
         self._chars_streamed: dict[int, int] = {}  # choice index -> characters of text sent so far
-        # choice index -> its text frame's bytes before and after the text; the latter with the
-        # end of an HTTP chunk; the two's length
+        # choice index -> its text frame's bytes before and after the text, the latter again with
+        # an HTTP chunk's end, and the frame's size without the text
         self._text_templates: dict[int, tuple[bytes, bytes, bytes, int]] = {}
 
     def is_open(self, index: int) -> bool:
@@ -87,7 +85,7 @@ class _Stream:
             if len(parts) != 2:  # cannot happen unless the mark shows elsewhere: encode in full then
                 return self.chunk(index, text)
             before, after = parts
-            template = self._text_templates[index] = (before, after, after + b"\r\n", len(before) + len(after))
+            template = self._text_templates[index] = (before, after, after + CHUNK_END, len(before) + len(after))
         self._chars_streamed[index] = offset + len(text)
         return template[0] + encoder.encode(text) + template[1]
 
@@ -97,23 +95,23 @@ class _Stream:
         Once the choice's template is made, a chunk takes an encode and a join. These chunks do
         not move where the choice's text has reached, which only logprobs' offsets need: a
         stream framed this way sends none."""
-        heads, encode, join = _CHUNK_HEADS, encoder.encode, b"".join
-        before = chunk_end = b""
-        size = -1  # of the template without the text; -1 until it is made
+        heads, num_heads, encode, join = CHUNK_HEADS, len(CHUNK_HEADS), encoder.encode, b"".join
+        before = after = b""
+        size = -1  # of the frame without the text; -1 until the template is made
 
         def text_chunk(text: str) -> bytes:
-            nonlocal before, chunk_end, size
+            nonlocal before, after, size
             if size < 0 or not text:
                 frame = self.text_frame(index, text)
                 template = self._text_templates.get(index)
                 if template is not None:
-                    before, _, chunk_end, size = template
+                    before, _, after, size = template
                 return chunk(frame) if frame else b""
             body = encode(text)
             length = size + len(body)
-            if length < _NUM_CHUNK_HEADS:
-                return join((heads[length], before, body, chunk_end))
-            return chunk(before + body + chunk_end[:-2])
+            if length < num_heads:
+                return join((heads[length], before, body, after))
+            return chunk(self.text_frame(index, text))  # past the heads made ahead
 
         return text_chunk
 
