@@ -14,6 +14,10 @@ from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
 
+# How often a backend's stages are looked at (exit codes, a stage that died): by read_events
+# while it waits, or by the supervisor's thread calling check_stages while the loop reads.
+LIVENESS_CHECK_S = 0.1
+
 
 @dataclass(slots=True)
 class StageHealth:

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from pipeline.errors import Overloaded, StageFailed
-from pipeline.engine.backend import BackendStats, StageHealth
+from pipeline.engine.backend import LIVENESS_CHECK_S, BackendStats, StageHealth
 from pipeline.serve.nsys import SESSION_ENV
 from pipeline.serve.profile_control import ProfileControl
 from shm.naming import pid_alive, ring_name, sweep_stale, unlink_instance
@@ -54,7 +54,6 @@ log = logging.getLogger("pipeline.serve.stage_backend")
 # per device step, so a spin before sleeping is CPU spent for nothing on every step (about a
 # tenth of the daemon's CPU at batch 256) and the wake-up costs tens of µs of delivery.
 EVENTS_SPIN_S = 0.0
-LIVENESS_CHECK_S = 0.1  # read_events looks at the stage processes this often while it reads
 MAX_RECORDS_PER_READ = 64  # event batches one read_events call returns at most
 READY_POLL_S = 0.01
 KILL_GRACE_S = 1.0

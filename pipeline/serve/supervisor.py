@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pipeline.errors import StageFailed
-from pipeline.engine.backend import Backend, BackendFactory
+from pipeline.engine.backend import LIVENESS_CHECK_S, Backend, BackendFactory
 from shm.naming import new_instance_id
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent, TokenTexts
@@ -37,7 +37,6 @@ log = logging.getLogger("pipeline.serve.supervisor")
 EVENT_POLL_S = 0.1  # how long one read_events call blocks: bounds how late the thread sees a stop
 LOOP_CALL_POLL_S = 0.1
 LOOP_CALL_STOP_S = 1.0  # how long a stopping supervisor waits for the loop to stop reading
-LIVENESS_CHECK_S = 0.1  # how often the thread looks at the stages while the loop reads their events
 FIRST_RETRY_S = 0.1  # after a restart that failed; doubled after each further failure
 MAX_RETRY_S = 5.0
 
