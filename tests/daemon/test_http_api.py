@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -235,6 +236,35 @@ def test_a_client_that_disconnects_frees_its_request(daemon: LiveDaemon, url: st
     start = time.monotonic()
     wait_idle(daemon.socket_path, timeout_s=5.0)  # the request ended and gave its KV blocks back
     assert time.monotonic() - start < 5.0
+
+
+def test_an_sse_client_that_stops_reading_stalls_no_one_and_later_gets_its_whole_stream(
+        daemon: LiveDaemon, url: str, sdk: openai.OpenAI) -> None:
+    parts = urlparse(url)
+    params = {"model": MODEL, "prompt": "a slow reader", "max_tokens": 1500, "temperature": 0.0, "ignore_eos": True}
+    expected = sdk.completions.create(model=MODEL, prompt="a slow reader", max_tokens=1500, temperature=0.0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    body = json.dumps({**params, "stream": True}).encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the daemon's writes back up
+        sock.settimeout(60)
+        sock.connect((parts.hostname, parts.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        # Unread, its 1500 frames (about 300 KB) back up behind a small window: the batch loop
+        # that writes every stream's frames must not wait for this one.
+        for i in range(4):
+            other = sdk.completions.create(model=MODEL, prompt=f"another {i}", max_tokens=8, temperature=0.0,
+                                           stream=True)
+            assert [chunk.choices[0].finish_reason for chunk in other][-1] in ("stop", "length")
+        received = b""
+        while not received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+            data = sock.recv(65536)
+            assert data, "the stream ended early"
+            received += data
+    frames = [json.loads(frame) for frame in re.findall(rb"data: (\{.*?\})\n\n", received)]
+    assert "".join(frame["choices"][0]["text"] for frame in frames) == expected
+    assert frames[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_pipeline_bench_drives_the_http_api_with_either_endpoint(url: str) -> None:
