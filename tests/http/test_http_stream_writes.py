@@ -10,6 +10,7 @@ from pipeline.protocol import Delta, Done, Error, TokenLogprobs, Usage
 from pipeline.serve.openai.asgi import chunk
 from pipeline.serve.openai.call import HttpCall, Reply
 from pipeline.serve.openai.params import ChoiceRequest
+from pipeline.serve.openai.responses import encoder
 from pipeline.serve.openai.sse import ChatStream, CompletionStream
 from pipeline.serve.config import DaemonConfig
 from pipeline.serve.server import FlushLater
@@ -39,16 +40,18 @@ def test_text_frames_equal_full_chunks_byte_for_byte(kind: type, include_usage: 
 
 
 @pytest.mark.parametrize("kind", [CompletionStream, ChatStream])
-def test_text_chunks_are_text_frames_framed_as_http_chunks(kind: type) -> None:
-    plain = kind("id-1", "tiny/model", CREATED, token_text, include_usage=False)
-    chunked = kind("id-1", "tiny/model", CREATED, token_text, include_usage=False)
+def test_a_chunk_template_around_the_encoded_text_is_the_text_frame_as_an_http_chunk(kind: type) -> None:
+    stream = kind("id-1", "tiny/model", CREATED, token_text, include_usage=False)
     for index in (0, 3):
-        text_chunk = chunked.text_chunker(index)
-        assert text_chunk("") == chunk(plain.text_frame(index, ""))  # a choice's first frame
-        for text in [*TEXTS, "long " * 1000]:  # the last is past the chunk heads made ahead
-            frame = plain.text_frame(index, text)
-            assert text_chunk(text) == (chunk(frame) if frame else b"")
-    assert chunked.chunk(3, "", finish_reason="length") == plain.chunk(3, "", finish_reason="length")
+        stream.text_frame(index, "")  # opens the choice
+        assert stream.chunk_template(index) is None  # made with the first frame of an open choice's text
+        stream.text_frame(index, "x")
+        template = stream.chunk_template(index)
+        assert template is not None
+        before, after, size = template
+        for text in filter(None, TEXTS):
+            body = encoder.encode(text)
+            assert b"%x\r\n" % (size + len(body)) + before + body + after == chunk(stream.text_frame(index, text))
 
 
 class FakeServer:

@@ -138,7 +138,8 @@ def chunk(body: bytes) -> bytes:
 
 
 CHUNK_END = b"\r\n"
-CHUNK_HEADS = [b"%x\r\n" % size for size in range(4096)]  # a chunk's head by its body's size, made once
+NUM_CHUNK_HEADS = 4096
+CHUNK_HEADS = [b"%x\r\n" % size for size in range(NUM_CHUNK_HEADS)]  # a chunk's head by its body's size, made once
 
 
 def direct_body_writer(send: Send) -> DirectWriter | None:

@@ -28,10 +28,13 @@ from dataclasses import dataclass, field
 
 from pipeline.errors import PipelineError, error_from_wire
 from pipeline.protocol import Delta, Done, Error, ServerMessage, TokenLogprobs
-from pipeline.serve.openai.asgi import DirectWriter
+from pipeline.serve.openai.asgi import CHUNK_HEADS, NUM_CHUNK_HEADS, DirectWriter, chunk
 from pipeline.serve.openai.params import ChoiceRequest
+from pipeline.serve.openai.responses import encoder
 from pipeline.serve.openai.sse import ChatStream, CompletionStream
 from pipeline.serve.server import DaemonServer, Request
+
+_encode, _join = encoder.encode, b"".join  # bound once: the batch loop calls them per token
 
 
 @dataclass(slots=True)
@@ -77,7 +80,8 @@ class HttpCall:
     """Implements the server's Connection protocol for one HTTP call."""
 
     __slots__ = ("server", "stream_interval", "requests", "choices", "text_frame", "_keep_logprobs", "_by_request_id",
-                 "_waiting", "_replies", "_num_unmade", "_taken", "_flush_due", "_write", "_changed", "_closed")
+                 "_waiting", "_replies", "_num_unmade", "_taken", "_flush_due", "_write", "_changed", "_closed", "_stream",
+                 "_chunk_before", "_chunk_after", "_chunk_size")
 
     def __init__(self, server: DaemonServer, choices: list[ChoiceRequest], *, keep_logprobs: bool,
                  stream_interval: int = 1) -> None:
@@ -97,6 +101,11 @@ class HttpCall:
         self._closed = False
         # Set by a streamed response: the frame of a choice's plain text delta (b"" for none).
         self.text_frame: Callable[[int, str], bytes] | None = None
+        self._stream: CompletionStream | ChatStream | None = None
+        # The one choice's text chunk template, once the stream has made it (sse chunk_template):
+        # the bytes before its text and after it; the size without the text, -1 before.
+        self._chunk_before = self._chunk_after = b""
+        self._chunk_size = -1
 
     # ---- starting
 
@@ -211,37 +220,46 @@ class HttpCall:
 
     def frame_text(self, stream: CompletionStream | ChatStream) -> None:
         """From now on a plain text delta is framed at once, by the stream's `text_frame`. A call
-        of one choice takes its deltas from the server's batch loop itself (`_text_sink`)."""
+        of one choice takes its deltas from the server's batch loop itself (`_take_text`)."""
         self.text_frame = stream.text_frame
+        self._stream = stream
         if len(self.choices) == 1:
             request = self.requests.get(self.choices[0].request_id)  # type: ignore[arg-type]
             if request is not None:
-                request.text_sink = self._text_sink(stream.text_chunker(self.choices[0].index))
+                request.text_sink = self._take_text
 
-    def _text_sink(self, text_chunk: Callable[[str], bytes]) -> Callable[[str, int, list], None]:
-        """`send_text` for the one choice of a call, from the server's batch loop: when nothing
-        waits before its frame and the connection takes it, the frame goes in `writes` as an HTTP
-        chunk (the server writes them back to back once the batch is routed); else it queues."""
-        choice, interval = self.choices[0], self.stream_interval
-
-        def sink(text: str, num_tokens: int, writes: list[tuple[Callable[[bytes], object], bytes]]) -> None:
-            choice.num_tokens += num_tokens
-            if interval > 1:
-                choice.held.append(text)
-                choice.held_tokens += num_tokens
-                if choice.framed and choice.held_tokens < interval:
-                    return
-                text = self._take_held(choice)
-            writer = self._write
-            if self._replies or self._taken or self._closed or writer is None or not writer.ready():
-                if not self._closed:
-                    self._queue_text_frame(choice, text)
+    def _take_text(self, text: str, num_tokens: int, writes: list[tuple[Callable[[bytes], object], bytes]]) -> None:
+        """`send_text` for the call's one choice, from the server's batch loop: when nothing
+        waits before its frame and the connection takes it, the frame goes in `writes` as an
+        HTTP chunk made from the stream's template (the server writes them back to back once
+        the batch is routed); else it queues. What a row needs sits in this call and its
+        choice, so a row touches few objects."""
+        choice = self.choices[0]
+        choice.num_tokens += num_tokens
+        if self.stream_interval > 1:
+            choice.held.append(text)
+            choice.held_tokens += num_tokens
+            if choice.framed and choice.held_tokens < self.stream_interval:
                 return
-            chunk = text_chunk(text)
-            if chunk:
-                writes.append((writer.write_chunk, chunk))
-
-        return sink
+            text = self._take_held(choice)
+        writer = self._write
+        if self._replies or self._taken or self._closed or writer is None or not writer.ready():
+            if not self._closed:
+                self._queue_text_frame(choice, text)
+            return
+        size = self._chunk_size
+        if size < 0 or not text:  # the template is not made yet, or the text shows nothing
+            frame = self.text_frame(choice.index, text)  # type: ignore[misc]  # set with the sink
+            if frame:
+                writes.append((writer.write_chunk, chunk(frame)))
+            template = self._stream.chunk_template(choice.index)  # type: ignore[union-attr]
+            if template is not None:
+                self._chunk_before, self._chunk_after, self._chunk_size = template
+            return
+        body = _encode(text)
+        size += len(body)
+        writes.append((writer.write_chunk, _join((CHUNK_HEADS[size], self._chunk_before, body, self._chunk_after))
+                       if size < NUM_CHUNK_HEADS else chunk(self.text_frame(choice.index, text))))  # type: ignore[misc]
 
     def queue_frame(self, frame: bytes) -> None:
         """Queues a ready frame; it is written at the end of this turn of the event loop."""

@@ -10,12 +10,12 @@ stream) is a per-choice byte template around the JSON-escaped text.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from msgspec import UNSET, UnsetType
 
 from pipeline.protocol import TokenLogprobs
-from pipeline.serve.openai.asgi import CHUNK_END, CHUNK_HEADS, chunk
+from pipeline.serve.openai.asgi import CHUNK_END
 from pipeline.serve.openai.responses import TokenText, chat_logprobs, completion_logprobs, count_usage, encoder
 from pipeline.serve.openai.schemas import (
     ChatChunkChoice,
@@ -89,31 +89,14 @@ class _Stream:
         self._chars_streamed[index] = offset + len(text)
         return template[0] + encoder.encode(text) + template[1]
 
-    def text_chunker(self, index: int) -> Callable[[str], bytes]:
-        """`text_chunk(text)`: `text_frame(index, text)` as one chunk of a chunked HTTP/1.1 body
-        (`asgi.chunk`), b"" for no frame; for a writer that puts it straight on the connection.
-        Once the choice's template is made, a chunk takes an encode and a join. These chunks do
-        not move where the choice's text has reached, which only logprobs' offsets need: a
-        stream framed this way sends none."""
-        heads, num_heads, encode, join = CHUNK_HEADS, len(CHUNK_HEADS), encoder.encode, b"".join
-        before = after = b""
-        size = -1  # of the frame without the text; -1 until the template is made
-
-        def text_chunk(text: str) -> bytes:
-            nonlocal before, after, size
-            if size < 0 or not text:
-                frame = self.text_frame(index, text)
-                template = self._text_templates.get(index)
-                if template is not None:
-                    before, _, after, size = template
-                return chunk(frame) if frame else b""
-            body = encode(text)
-            length = size + len(body)
-            if length < num_heads:
-                return join((heads[length], before, body, after))
-            return chunk(self.text_frame(index, text))  # past the heads made ahead
-
-        return text_chunk
+    def chunk_template(self, index: int) -> tuple[bytes, bytes, int] | None:
+        """Choice `index`'s text frame as one chunk of a chunked HTTP/1.1 body around its
+        JSON-encoded text, once `text_frame` has made its template (None before): the bytes
+        before the text (not the chunk's head, which holds the size), the bytes after it with
+        the chunk's end, and the frame's size without the text. A chunk made from it does not
+        move where the choice's text has reached, which only logprobs' offsets need."""
+        template = self._text_templates.get(index)
+        return None if template is None else (template[0], template[2], template[3])
 
     def _next_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprobs] | None,
                      finish_reason: str | None, token_ids: list[int] | None) -> CompletionChoice | ChatChunkChoice:
