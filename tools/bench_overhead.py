@@ -217,7 +217,10 @@ async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int,
     `multiplex`), the first `num_constrained` with STRUCTURED_SCHEMA; returns every token's receive
     time, id and request index, and the CPU samples taken meanwhile."""
     # Flat arrays, not a list of tuples: objects the collector must walk make its pauses grow.
-    received_ns, received_ids, received_req = array("q"), array("q"), array("q")
+    # Per delta its request and token count, per read its time and token count: the clients'
+    # own work, not this recording, should be what the client column measures.
+    received_ids, delta_req, delta_len = array("q"), array("q"), array("q")
+    read_ns, read_len = array("q"), array("q")
     samples: list[CpuSample] = []
     params = SamplingParams(max_tokens=num_steps, temperature=0.0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=num_steps, temperature=0.0, ignore_eos=True, json_schema=STRUCTURED_SCHEMA)
@@ -226,18 +229,22 @@ async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int,
 
     async def one(index: int, prompt: list[int]) -> None:
         async for delta in client.stream(prompt, params_of[index]):
-            received_ns.extend([time.monotonic_ns()] * len(delta.token_ids))
             received_ids.extend(delta.token_ids)
-            received_req.extend([index] * len(delta.token_ids))
+            delta_req.append(index)
+            delta_len.append(len(delta.token_ids))
+            read_ns.append(time.monotonic_ns())
+            read_len.append(len(delta.token_ids))
 
     async def all_in_batches() -> None:
         async with client.stream_batches(prompts, params_of) as batches:
             async for batch in batches:
-                now_ns = time.monotonic_ns()
+                read_ns.append(time.monotonic_ns())
+                before = len(received_ids)
                 for index, delta in batch:
-                    received_ns.extend([now_ns] * len(delta.token_ids))
                     received_ids.extend(delta.token_ids)
-                    received_req.extend([index] * len(delta.token_ids))
+                    delta_req.append(index)
+                    delta_len.append(len(delta.token_ids))
+                read_len.append(len(received_ids) - before)
 
     sampler = asyncio.ensure_future(sample_cpu(daemon, samples))
     try:
@@ -248,8 +255,9 @@ async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int,
     finally:
         sampler.cancel()
         await client.close()
-    return (np.frombuffer(received_ns, np.int64), np.frombuffer(received_ids, np.int64),
-            np.frombuffer(received_req, np.int64), samples)
+    return (np.repeat(np.frombuffer(read_ns, np.int64), np.frombuffer(read_len, np.int64)),
+            np.frombuffer(received_ids, np.int64),
+            np.repeat(np.frombuffer(delta_req, np.int64), np.frombuffer(delta_len, np.int64)), samples)
 
 
 class SseStream(asyncio.Protocol):
