@@ -170,15 +170,23 @@ class HttpCall:
         self._took_tokens(choice, text, token_ids)
         if self.text_frame is not None:
             if self.stream_interval > 1:
-                choice.held.append(text)
-                choice.held_tokens += len(token_ids)
-                if choice.framed and choice.held_tokens < self.stream_interval:
+                due = self._hold(choice, text, len(token_ids))
+                if due is None:
                     return
-                text = self._take_held(choice)
+                text = due
             self._queue_text_frame(choice, text)
             return
         self._queue(Reply(choice, text, token_ids=token_ids))
         self._changed.set()
+
+    def _hold(self, choice: Choice, text: str, num_tokens: int) -> str | None:
+        """With a stream interval above 1: the text to frame now (what is held, with `text`),
+        or None while `text` waits for the interval's tokens (a choice's first text goes at once)."""
+        choice.held.append(text)
+        choice.held_tokens += num_tokens
+        if choice.framed and choice.held_tokens < self.stream_interval:
+            return None
+        return self._take_held(choice)
 
     def _take_held(self, choice: Choice) -> str:
         text = "".join(choice.held)
@@ -237,11 +245,10 @@ class HttpCall:
         choice = self.choices[0]
         choice.num_tokens += num_tokens
         if self.stream_interval > 1:
-            choice.held.append(text)
-            choice.held_tokens += num_tokens
-            if choice.framed and choice.held_tokens < self.stream_interval:
+            due = self._hold(choice, text, num_tokens)
+            if due is None:
                 return
-            text = self._take_held(choice)
+            text = due
         writer = self._write
         if self._replies or self._taken or self._closed or writer is None or not writer.ready():
             if not self._closed:
