@@ -57,6 +57,10 @@ class Wire:
         return [data for who, data in self.log if who == name]
 
 
+def daemon_server() -> DaemonServer:
+    return DaemonServer(FakeBackend(EngineConfig(model="unused"), "1_a"), max_num_seqs=8)
+
+
 def http_call(server: DaemonServer, wire: Wire, name: str, num_choices: int = 1, stream_interval: int = 1,
               kind: type = CompletionStream) -> tuple[HttpCall, SimpleNamespace]:
     choices = [ChoiceRequest(i, [5, 6], SamplingParams(max_tokens=100)) for i in range(num_choices)]
@@ -86,7 +90,7 @@ def test_the_chunks_made_from_the_template_are_the_streams_frames_byte_for_byte(
 
     async def run() -> None:
         wire = Wire()
-        server = DaemonServer(FakeBackend(EngineConfig(model="unused"), "1_a"), max_num_seqs=8)
+        server = daemon_server()
         http_call(server, wire, "c", kind=kind)
         server.on_events(first_tokens([0]))
         await asyncio.sleep(0)
@@ -101,7 +105,7 @@ def test_the_chunks_made_from_the_template_are_the_streams_frames_byte_for_byte(
 def test_a_batchs_text_chunks_leave_back_to_back_once_every_row_is_routed() -> None:
     async def run() -> None:
         wire = Wire()
-        server = DaemonServer(FakeBackend(EngineConfig(model="unused"), "1_a"), max_num_seqs=8)
+        server = daemon_server()
         one, _ = http_call(server, wire, "one")  # req_id 0
         two, _ = http_call(server, wire, "two")  # req_id 1
         socket = RecordingConnection()
@@ -136,7 +140,7 @@ def test_a_batchs_text_chunks_leave_back_to_back_once_every_row_is_routed() -> N
 def test_text_waits_behind_what_the_task_has_to_write_and_for_a_full_connection() -> None:
     async def run() -> None:
         wire = Wire()
-        server = DaemonServer(FakeBackend(EngineConfig(model="unused"), "1_a"), max_num_seqs=8)
+        server = daemon_server()
         call, cycle = http_call(server, wire, "c")  # req_id 0
         expected = frames("c", "a", " b", " c")
         server.on_events(first_tokens([0]))
@@ -163,7 +167,7 @@ def test_text_waits_behind_what_the_task_has_to_write_and_for_a_full_connection(
 def test_a_write_that_fails_keeps_no_other_streams_text_back() -> None:
     async def run() -> None:
         wire = Wire()
-        server = DaemonServer(FakeBackend(EngineConfig(model="unused"), "1_a"), max_num_seqs=8)
+        server = daemon_server()
         http_call(server, wire, "gone")  # req_id 0
         http_call(server, wire, "here")  # req_id 1
         server.on_events(first_tokens([0, 1]))
@@ -178,7 +182,7 @@ def test_a_write_that_fails_keeps_no_other_streams_text_back() -> None:
 def test_a_stream_interval_frames_every_nth_token_from_the_batch_loop_and_the_rest_before_the_end() -> None:
     async def run() -> None:
         wire = Wire()
-        server = DaemonServer(FakeBackend(EngineConfig(model="unused"), "1_a"), max_num_seqs=8)
+        server = daemon_server()
         call, _ = http_call(server, wire, "c", stream_interval=3)  # req_id 0
         assert server._requests[0].text_sink is not None
         server.on_events(first_tokens([0]))  # a choice's first token goes at once
