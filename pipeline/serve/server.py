@@ -366,8 +366,8 @@ class DaemonServer:
             start, first = end, last
         for connection, frame in frames.items():
             connection.send(frame.message(text, text_ends, token_ids, token_ends))
-        # Back to back: a reader woken by one write finds the next ones there too, and the writes
-        # cost the kernel less close together than spread over the routing.
+        # Back to back: a reader woken by one write finds the next ones there too, so the clients
+        # wake a few times a step rather than at every write spread over the routing.
         for write, data in writes:
             try:
                 write(data)
