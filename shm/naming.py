@@ -97,7 +97,16 @@ def _unlink_entry(entry: str) -> bool:
             posix_ipc.unlink_shared_memory("/" + entry)
     except posix_ipc.ExistentialError:
         return False  # someone else unlinked it first
+    except posix_ipc.PermissionsError:
+        return False  # not ours to remove
     return True
+
+
+def _owned_by_me(entry: str, shm_dir: str) -> bool:
+    try:
+        return os.stat(os.path.join(shm_dir, entry)).st_uid == os.geteuid()
+    except FileNotFoundError:
+        return False  # someone else unlinked it first
 
 
 def unlink_instance(instance: str, shm_dir: str = SHM_DIR) -> list[str]:
@@ -107,15 +116,19 @@ def unlink_instance(instance: str, shm_dir: str = SHM_DIR) -> list[str]:
     return sorted(e for e in list_entries(shm_dir) if instance_of(e) == instance and _unlink_entry(e))
 
 
-def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove the entries of every instance whose creator process is dead (or a zombie).
-    Returns the entry names removed. Live instances, this one's included, are left alone."""
+def sweep_stale(shm_dir: str = SHM_DIR, creator_pid: int | None = None) -> list[str]:
+    """Remove this user's entries of every instance whose creator process is dead (or a zombie),
+    or only of the instances `creator_pid` created. Returns the entry names removed. Live
+    instances, this one's included, and other users' entries are left alone."""
     removed = []
     alive: dict[str, bool] = {}
     for entry in sorted(list_entries(shm_dir)):
         instance = instance_of(entry)
+        pid = check_instance_id(instance)
+        if creator_pid is not None and pid != creator_pid:
+            continue
         if instance not in alive:
-            alive[instance] = pid_alive(check_instance_id(instance))
-        if not alive[instance] and _unlink_entry(entry):
+            alive[instance] = pid_alive(pid)
+        if not alive[instance] and _owned_by_me(entry, shm_dir) and _unlink_entry(entry):
             removed.append(entry)
     return removed

@@ -1,4 +1,4 @@
-"""What every stage process shares: its spec, links, heartbeat, stop and parent watch, exit codes.
+"""What every stage process shares: its spec, links, heartbeat, stop and daemon watch, exit codes.
 
 A stage's process target is `run_stage(spec_json, serve)`. The spec is JSON (names of rings and
 segments, the engine config as plain values), so nothing but strings crosses the spawn. The
@@ -7,13 +7,14 @@ process takes the title `pipeline: <stage>`, so ps, top and nvidia-smi tell the 
 builds the stage, calls `ctx.ready()`, and loops calling `ctx.tick()` at least every
 TICK_S while it works and every IDLE_TICK_S once it has had no input for IDLE_AFTER_S (input
 wakes it at once either way: `ctx.read_input`); tick raises StageStop when the daemon asked to
-stop or is gone, so a stage outlives its parent by at most about IDLE_TICK_S. The parent is the
-daemon, or the server the daemon forks its stages from, which exits with it: either way a new
-parent means the daemon is gone. Tick also answers the daemon's profile requests, and
+stop or is gone (seen by its pid, at most every DAEMON_CHECK_S), so a stage outlives the daemon
+by at most about IDLE_TICK_S. Tick also answers the daemon's profile requests, and
 `ctx.range(name)` marks a loop phase (stages/profiling.py).
 
 Exit codes: 0 stopped when asked, EXIT_ERROR its own failure (message on the status board),
-EXIT_PEER_DIED another stage died under it, EXIT_PARENT_GONE the daemon died.
+EXIT_PEER_DIED another stage died under it, EXIT_PARENT_GONE the daemon died. A stage that
+exits after the daemon died removes the daemon's /dev/shm names (each stage does, whichever
+goes last finds them gone): a daemon killed outright never could.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shm.mailbox import MailboxReader
-from shm.naming import pid_alive, ring_name
+from shm.naming import check_instance_id, pid_alive, ring_name, sweep_stale
 from shm.ring import Record, RingReader, RingTimeout, RingWriter
 from shm.segment import PeerDied
 from stages.contracts.config import EngineConfig, ModelLimits
@@ -40,7 +41,7 @@ from stages.status import StatusBoard
 EXIT_ERROR = 1
 EXIT_PEER_DIED = 3
 EXIT_PARENT_GONE = 4
-# How often a stage whose forkserver died (its parent is no longer the daemon's) checks the daemon by pid.
+# How often a ticking stage checks, by its pid, that the daemon lives.
 DAEMON_CHECK_S = 0.1
 TICK_S = 0.05  # the longest a working stage loop blocks between ticks
 # An idle stage wakes this often only: to beat, and to see a stop or the daemon's death. The
@@ -83,10 +84,7 @@ class StageContext:
         self._replaceable = next((s.group for s in table if s.name == self.name), None) in RESTARTS_ALONE
         self._frontend = [s.name for s in table if s.group == FRONTEND]
         self._daemon_pid: int = spec["parent_pid"]
-        # The parent to watch; none if the daemon went before this process could watch it (the
-        # first tick then stops).
-        self._parent_pid = os.getppid() if pid_alive(self._daemon_pid) else -1
-        self._next_daemon_check_s = 0.0
+        self._next_daemon_check_s = 0.0  # the first tick checks
         self.board = StatusBoard.open(spec["status"])
         self.board.mark_started(self.index, os.getpid())
         self.profiler = StageProfiler(self.name)
@@ -148,7 +146,7 @@ class StageContext:
         board.beat(self.index)
         if board.stop_requested:
             raise StageStop(0, "stop requested")
-        if os.getppid() != self._parent_pid:
+        if time.monotonic() >= self._next_daemon_check_s:
             self._check_daemon()
         if board.profile_generation() != self._profile_generation:
             request = board.profile_request()
@@ -157,14 +155,11 @@ class StageContext:
             board.beat(self.index)  # starting or writing a capture may take a while
 
     def _check_daemon(self) -> None:
-        """The parent changed: the daemon died, or only the forkserver this stage was forked
-        from (then the daemon is watched by its pid, at most every DAEMON_CHECK_S)."""
-        now = time.monotonic()
-        if now < self._next_daemon_check_s:
-            return
-        if self._parent_pid == -1 or not pid_alive(self._daemon_pid):
+        """By pid, not by parent: the forkserver this stage was forked from outlives the daemon for
+        as long as a stage it forked lives (each holds the server's end of its pipe to the daemon)."""
+        if not pid_alive(self._daemon_pid):
             raise StageStop(EXIT_PARENT_GONE, f"the daemon (pid {self._daemon_pid}) is gone")
-        self._next_daemon_check_s = now + DAEMON_CHECK_S
+        self._next_daemon_check_s = time.monotonic() + DAEMON_CHECK_S
 
     def read_input(self, reader: RingReader, share: int = 1) -> Record | None:
         """The next record of an input ring, or None after a while without one: TICK_S while
@@ -183,7 +178,7 @@ class StageContext:
 
     def write(self, writer: RingWriter, kind: int, *parts: object, give_up: Callable[[], bool] | None = None) -> bool:
         """Write one record, ticking while the ring stays full (a stalled reader never keeps
-        this stage from seeing a stop request or its parent's death). With `give_up`, a record
+        this stage from seeing a stop request or the daemon's death). With `give_up`, a record
         still waiting for room once it holds is dropped: False."""
         while True:
             try:
@@ -225,21 +220,30 @@ def run_stage(spec_json: str, serve: Callable[[StageContext], None]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = json.loads(spec_json)
     set_process_title(f"pipeline: {spec['name']}")
-    ctx = StageContext(spec)
-    code = 0
+    try:
+        code = _serve(StageContext(spec), serve)
+    finally:
+        # The status board and the mailbox keep their names for restarted stages while the daemon
+        # lives; a daemon killed outright cannot remove them, so its stages do as they exit.
+        sweep_stale(creator_pid=check_instance_id(spec["instance"]))
+    sys.stdout.flush()
+    sys.exit(code)
+
+
+def _serve(ctx: StageContext, serve: Callable[[StageContext], None]) -> int:
+    """Runs the stage loop; its exit code."""
     try:
         serve(ctx)
     except StageStop as stop:
-        code = stop.exit_code
+        return stop.exit_code
     except PeerDied as exc:
         if not ctx.board.stop_requested:  # else the peer stopped as asked, before this stage saw the request
             ctx.board.set_error(ctx.index, f"{ctx.name}: {exc}")
-            code = EXIT_PEER_DIED
+            return EXIT_PEER_DIED
     except BaseException as exc:  # noqa: BLE001 - reported to the daemon, then the process ends
         ctx.board.set_error(ctx.index, f"{ctx.name}: {type(exc).__name__}: {exc}")
-        code = EXIT_ERROR
-    sys.stdout.flush()
-    sys.exit(code)
+        return EXIT_ERROR
+    return 0
 
 
 def set_process_title(title: str) -> None:

@@ -95,7 +95,7 @@ class StageBackend:
         self._frontend_generation = 0
         swept = sweep_stale()
         if swept:
-            log.info("removed %d /dev/shm entries left by dead instances", len(swept))
+            log.info("removed %d /dev/shm entries left by dead daemons: %s", len(swept), " ".join(swept))
         atexit.register(self.close)
         try:
             self._start()
@@ -116,7 +116,8 @@ class StageBackend:
         self._wait_ready(range(len(self._procs)))
         self.limits = self._board.limits()
         # The status board and the mailbox keep their names while the instance lives, so that a
-        # restarted frontend stage can open them; close() (or the sweep after a crash) removes them.
+        # restarted frontend stage can open them; close() removes them, or, once the daemon is
+        # dead, its stages as they exit (stages/process.py), or else the sweep of the next start.
 
     def _make_links(self, table: list[Link], generation: int) -> dict[str, str]:
         """Creates the segments of `table`'s links in frontend generation `generation` and this

@@ -29,7 +29,7 @@ from pipeline.client import Client
 from pipeline.errors import DaemonNotRunning, PipelineError
 from pipeline.protocol import Done, Error, FrameDecoder, HealthReply, ServerMessage, StatsReply, encode_frame
 from pipeline.models.tiny_model import make_tiny_model
-from shm.naming import instance_of, list_entries
+from shm.naming import instance_of, list_entries, pid_alive
 
 HERE = Path(__file__).resolve().parent
 BACKEND = os.environ.get("PIPELINE_TEST_BACKEND", "real")  # "real", or a test double of serve_engine_thread.py
@@ -63,6 +63,45 @@ class LiveDaemon:
         """/dev/shm entries whose instance id names this daemon's pid."""
         prefix = f"{self.process.pid}_"
         return sorted(e for e in list_entries() if (instance_of(e) or "").startswith(prefix))
+
+
+def parent_pids() -> dict[int, int]:
+    """Every process's parent pid, by pid, as /proc shows them now."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                parents[int(entry)] = int(stat.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # it exited meanwhile
+    return parents
+
+
+def process_tree(pid: int) -> set[int]:
+    """`pid` and every process descended from it: a daemon's are its forkserver, its resource
+    tracker and the stages."""
+    parents = parent_pids()
+    tree = {pid}
+    while grown := {child for child, parent in parents.items() if parent in tree} - tree:
+        tree |= grown
+    return tree
+
+
+def wait_nothing_left(daemon: LiveDaemon, tree: set[int], since_s: float, within_s: float = 5.0) -> float:
+    """Waits until no process of `tree` (a killed daemon's, taken before the kill) runs and none of
+    the daemon's /dev/shm names remain; fails the test if that takes more than within_s after
+    since_s (time.monotonic()). Returns when it was so, in seconds after since_s."""
+    while True:
+        running = sorted(pid for pid in tree if pid_alive(pid))
+        names = daemon.shm_entries()
+        if not running and not names:
+            return time.monotonic() - since_s
+        if time.monotonic() - since_s > within_s:
+            pytest.fail(f"{within_s:g} s after the daemon died, processes {running} of its tree run and its names "
+                        f"{names} remain in /dev/shm")
+        time.sleep(0.02)
 
 
 def daemon_command(model: Path, socket_path: Path, extra: list[str], backend: str = BACKEND) -> list[str]:

@@ -3,7 +3,8 @@ SIGKILLed under load (the stages restart and every request resumes where it was,
 of an uninterrupted run), once with a second kill during the recovery; a frontend stage killed
 (it restarts alone: the engine's stages run on, and the resumed requests hit the prefix cache); a request that crashes a
 stage every time it meets it (the poison guard fails it, the others resume); the daemon SIGKILLed
-(its stages follow it, the next start sweeps what it left); SIGTERM with a grace period.
+under streams (its stages follow it and remove its /dev/shm names; the next start sweeps what
+other dead daemons left, and nothing of a live one); SIGTERM with a grace period.
 
 The daemon runs the stage processes with one change, whose tokenizer workers die on a marked
 prompt (poisoned_tokenizer.py), so that one daemon serves every test here. The supervisor's
@@ -25,18 +26,19 @@ from pathlib import Path
 import posix_ipc
 import pytest
 from device_choice import engine_device
-from live_daemon import (REAL_BACKEND, AsyncRawConnection, LiveDaemon, short_dir, start_daemon, wait_for_health,
-                         wait_idle)
+from live_daemon import (REAL_BACKEND, AsyncRawConnection, LiveDaemon, parent_pids, process_tree, short_dir,
+                         start_daemon, wait_for_health, wait_idle, wait_nothing_left)
 from poisoned_tokenizer import POISON_PROMPT
 
 from pipeline import LLM, RequestOutput, SamplingParams
 from pipeline.bench.workload import mixed_params
 from pipeline.client import AsyncClient, AsyncStream, Client, Completion, StreamDelta
 from pipeline.serve.daemon import pid_file_for
-from pipeline.errors import DaemonNotRunning, PipelineError, RequestAborted, StageFailed
+from pipeline.errors import ConnectionLost, DaemonNotRunning, PipelineError, RequestAborted, StageFailed
 from pipeline.protocol import Error, Generate, Health, HealthReply, ServerMessage
 from pipeline.models.tiny_model import make_tiny_model
-from shm.naming import list_entries, pid_alive, ring_name
+from shm.naming import list_entries, new_instance_id, pid_alive, ring_name
+from shm.segment import unlink_segment
 
 GRACE_S = 3.0
 # A long context, so that a long request outlasts the grace period and the faults on any CPU: a
@@ -390,17 +392,16 @@ def _forkserver_pid(daemon_pid: int, timeout_s: float = 60.0, other_than: int = 
     """The pid of the daemon's forkserver (the process its stages fork from), once there is one."""
     deadline = time.monotonic() + timeout_s
     while True:
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == other_than:
+        for pid, ppid in parent_pids().items():
+            if ppid != daemon_pid or pid == other_than:
                 continue
             try:
-                with open(f"/proc/{entry}/stat", "rb") as stat, open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                    ppid = int(stat.read().rsplit(b")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
                     command = cmdline.read()
-            except (OSError, ValueError, IndexError):
+            except OSError:
                 continue
-            if ppid == daemon_pid and b"multiprocessing.forkserver" in command:
-                return int(entry)
+            if b"multiprocessing.forkserver" in command:
+                return pid
         assert time.monotonic() < deadline, f"the daemon {daemon_pid} has no forkserver after {timeout_s} s"
         time.sleep(0.05)
 
@@ -470,32 +471,63 @@ def test_requests_that_come_during_a_restart_wait_for_it_and_complete_exactly(sl
     wait_for_health(socket_path, lambda h: h.status == "ok" and h.num_restarts == before.num_restarts + 1, 30)
 
 
+def _dead_pid() -> int:
+    """The pid of a process that ran and was reaped."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+async def _kill_under_streams(daemon: LiveDaemon, num_streams: int) -> tuple[list[BaseException | None], float]:
+    """SIGKILLs the daemon once `num_streams` long streams run; how each stream ended, and when
+    the daemon was killed (time.monotonic())."""
+    client = AsyncClient(daemon.socket_path)
+    try:
+        streams = [client.stream(f"{i}: {PROMPT}", LONG) for i in range(num_streams)]
+        running = await asyncio.wait_for(asyncio.gather(*(_running(stream) for stream in streams)), 30)
+        daemon.process.kill()
+        killed_at = time.monotonic()
+        ended = await asyncio.wait_for(asyncio.gather(*(_finish(deltas) for deltas in running)), 10)
+    finally:
+        await client.close()
+    return [error for error, _ in ended], killed_at
+
+
 @live
 @pytest.mark.timeout(60)
-def test_a_killed_daemon_takes_its_stages_along_and_the_next_start_sweeps(slot: DaemonSlot, reference: str) -> None:
+def test_a_daemon_killed_under_streams_leaves_nothing_and_the_next_start_sweeps_only_the_dead(
+        slot: DaemonSlot, reference: str) -> None:
     daemon = slot.daemon
     stage_pids = wait_for_health(daemon.socket_path, lambda h: h.status == "ok", 10).stage_pids.values()
-    # What a daemon killed while its stages start leaves: a segment named after its instance.
-    leftover = ring_name(f"{daemon.process.pid}_dead01", "leftover")
-    posix_ipc.SharedMemory(leftover, posix_ipc.O_CREX, mode=0o600, size=4096).close_fd()
-    killed_at = time.monotonic()
-    daemon.process.kill()
-    daemon.process.wait()
-    while any(pid_alive(pid) for pid in stage_pids):
-        assert time.monotonic() - killed_at < 2.0, "stages outlived their daemon by 2 s"
-        time.sleep(0.01)
-    print(f"stages exited {(time.monotonic() - killed_at) * 1000:.0f} ms after the daemon was killed")
-    assert daemon.socket_path.exists() and pid_file_for(daemon.socket_path).exists()  # left behind
-    with pytest.raises(DaemonNotRunning):
-        _health(daemon.socket_path)
+    alive = ring_name(new_instance_id(), "mailbox")  # a live daemon's name (this process's)
+    dead = ring_name(f"{_dead_pid()}_dead01", "mailbox")  # what a daemon killed with its stages left
+    posix_ipc.SharedMemory(alive, posix_ipc.O_CREX, mode=0o600, size=4096).close_fd()
+    try:
+        tree = process_tree(daemon.process.pid)
+        assert set(stage_pids) < tree  # with the daemon, its forkserver and its resource tracker
+        errors, killed_at = asyncio.run(_kill_under_streams(daemon, 4))
+        assert all(isinstance(error, ConnectionLost) for error in errors), errors
+        daemon.process.wait(5)
+        gone_after_s = wait_nothing_left(daemon, tree, killed_at, within_s=5.0)
+        print(f"the killed daemon's processes and /dev/shm names were gone {gone_after_s * 1000:.0f} ms after the kill")
+        assert alive.lstrip("/") in list_entries()
+        assert daemon.socket_path.exists() and pid_file_for(daemon.socket_path).exists()  # left behind
+        with pytest.raises(DaemonNotRunning):
+            _health(daemon.socket_path)
 
-    slot.daemon = start_daemon(slot.model, slot.directory, DAEMON_OPTIONS, BACKEND)
-    assert slot.daemon.socket_path == daemon.socket_path
-    assert leftover.lstrip("/") not in list_entries()
-    assert int(pid_file_for(daemon.socket_path).read_text()) == slot.daemon.process.pid
-    with Client(daemon.socket_path) as client:
-        assert client.health().status == "ok"
-        assert client.generate(PROMPT, SHORT).text == reference
+        posix_ipc.SharedMemory(dead, posix_ipc.O_CREX, mode=0o600, size=4096).close_fd()
+        slot.daemon = start_daemon(slot.model, slot.directory, DAEMON_OPTIONS, BACKEND)
+        assert slot.daemon.socket_path == daemon.socket_path
+        entries = list_entries()
+        assert dead.lstrip("/") not in entries and alive.lstrip("/") in entries
+        assert dead.lstrip("/") in slot.daemon.log_path.read_text()  # it says what it removed
+        assert int(pid_file_for(daemon.socket_path).read_text()) == slot.daemon.process.pid
+        with Client(daemon.socket_path) as client:
+            assert client.health().status == "ok"
+            assert client.generate(PROMPT, SHORT).text == reference
+    finally:
+        for name in (dead, alive):
+            unlink_segment(name)
 
 
 @live

@@ -45,7 +45,7 @@ def start_replica(model: Path, port: int | None = None, extra: list[str] | None 
 
 
 def restart_replica(replica: Replica) -> Replica:
-    """A fresh daemon on a killed one's socket (which sweeps what it left in /dev/shm) and port."""
+    """A fresh daemon on a killed one's socket and port."""
     if replica.daemon.process.poll() is None:
         raise RuntimeError("the replica's daemon still runs")
     daemon = start_daemon(replica.daemon.model, replica.directory,

@@ -1,13 +1,15 @@
 """Three daemons on the tiny model behind `pipeline router`: outputs through the router equal a
 direct request's (greedy and seeded, streamed or not, n, stop strings), errors pass through as a
 daemon gives them, prefix routing comes near perfect routing's hit rate, and a replica SIGKILLed
-or SIGSTOPped under live streams costs no stream a token."""
+or SIGSTOPped under live streams costs no stream a token (a killed one leaves no process and no
+/dev/shm name behind)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import httpx
 import openai
 import pytest
 from fleet import RouterProcess, restart_replica, start_replica, start_router, stop_replica, wait_healthy
-from live_daemon import REAL_BACKEND, daemon_model  # noqa: F401 - a fixture
+from live_daemon import REAL_BACKEND, daemon_model, process_tree, wait_nothing_left  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not REAL_BACKEND, reason="starts `pipeline start --port` daemons itself")]
@@ -217,9 +219,11 @@ def test_a_replica_killed_under_16_streams_costs_no_stream_a_token(fleet) -> Non
     reference = complete_all(replicas[1].url, requests)
     failovers_before = scrape_metric(router.url, "pipeline:router_failovers_total")
     victim = replicas[0]
+    tree = process_tree(victim.daemon.process.pid)
 
     results = asyncio.run(streams_with_a_signal(router.url, requests, victim.daemon.process.pid, signal.SIGKILL))
     victim.daemon.process.wait(timeout=10)
+    wait_nothing_left(victim.daemon, tree, time.monotonic())  # no start on its socket needed
     for (text, finish, errors), want in zip(results, reference):
         assert errors == []
         assert (text, finish) == (want, "length")

@@ -1,16 +1,19 @@
 """Dead peers and dead instances: a ring end whose peer dies gets PeerDied within a second instead
-of hanging, and the shared-memory names of a killed instance are swept."""
+of hanging, and the shared-memory names of a killed instance are swept (this user's only, and
+only those of one dead creator when asked)."""
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 import shm_procs
 
-from shm.naming import list_entries, pid_alive, sweep_stale
+from shm.naming import check_instance_id, instance_of, list_entries, pid_alive, sweep_stale, unlink_instance
 from shm.ring import RingReader, RingTimeout, RingWriter
 from shm.segment import PeerDied, RingSegment
 
@@ -146,3 +149,43 @@ def test_a_killed_unreaped_child_counts_as_dead() -> None:
         child.kill()
         child.wait()
     assert not pid_alive(child.pid)
+
+
+@pytest.fixture
+def dead_instances() -> Iterator[list[str]]:
+    """Two instances of two dead creators (pids above pid_max, which no process has), each with a
+    ring (a segment and two doorbells)."""
+    with open("/proc/sys/kernel/pid_max") as pid_max:
+        first = int(pid_max.read()) + 1
+    instances = [f"{pid}_{secrets.token_hex(3)}" for pid in (first, first + 1)]
+    segments = [RingSegment.create(instance, "left", 4096) for instance in instances]
+    for segment in segments:
+        segment.close()
+    yield instances
+    for instance in instances:
+        unlink_instance(instance)
+
+
+@pytest.mark.timeout(10)
+def test_a_sweep_of_one_dead_creator_removes_its_instances_only(dead_instances: list[str], instance: str) -> None:
+    mine, other = dead_instances
+    live = RingSegment.create(instance, "live", 4096)
+    try:
+        removed = sweep_stale(creator_pid=check_instance_id(mine))
+        assert len(removed) == 3 and {instance_of(e) for e in removed} == {mine}
+        remaining = {instance_of(e) for e in list_entries()}
+        assert mine not in remaining and {other, instance} <= remaining
+        assert sweep_stale(creator_pid=os.getpid()) == []  # alive: never touched
+    finally:
+        live.close()
+
+
+@pytest.mark.timeout(10)
+def test_a_sweep_leaves_the_entries_of_other_users_alone(dead_instances: list[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    someone_else = os.geteuid() + 1
+    monkeypatch.setattr(os, "geteuid", lambda: someone_else)  # a sweep by another user
+    swept_by_someone_else = sweep_stale()
+    monkeypatch.undo()
+    assert not {instance_of(e) for e in swept_by_someone_else} & set(dead_instances)
+    assert {instance_of(e) for e in sweep_stale()} >= set(dead_instances)  # their owner's sweep removes them

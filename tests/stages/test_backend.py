@@ -244,15 +244,19 @@ def test_stages_exit_when_the_daemon_dies(stage_model: Path) -> None:
     daemon.start()
     try:
         deadline = time.monotonic() + 40
-        while not all(pids[:]):
+        while not all(pids[:]) or not instance.value:
             assert time.monotonic() < deadline and daemon.is_alive(), "the stand-in daemon did not start its stages"
             time.sleep(0.05)
+        names = [e for e in list_entries() if instance.value.decode() in e]
+        assert names  # the status board and the mailbox, kept for restarted stages
         daemon.kill()
         daemon.join(5)
         start = time.monotonic()
         while any(pid_alive(pid) for pid in pids[:]):
             assert time.monotonic() - start < 2.0, "a stage outlived the daemon by 2 s"
             time.sleep(0.02)
+        # The stages removed them on their way out: no one is left to, and no start may come.
+        assert not [e for e in list_entries() if instance.value.decode() in e]
     finally:
         for pid in pids[:]:
             if pid and pid_alive(pid):
@@ -262,8 +266,6 @@ def test_stages_exit_when_the_daemon_dies(stage_model: Path) -> None:
         daemon.join(5)
         if instance.value:
             unlink_instance(instance.value.decode())
-    # Every name was unlinked once all ends attached: nothing of the instance is left.
-    assert not [e for e in list_entries() if instance.value.decode() in e]
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
