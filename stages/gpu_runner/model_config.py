@@ -13,7 +13,10 @@ class ModelLoadError(ValueError):
 
 
 # HF architecture name -> per-family switches (see ModelConfig).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+GEMMA3_FAMILY = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GEMMA3_FAMILY
+_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,6 +55,25 @@ class ModelConfig:
     torch_dtype: torch.dtype
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    # Each layer's attention window (None: global). Gemma 3 alternates local and global layers;
+    # Mistral/Qwen2 with a sliding window use it on every layer.
+    layer_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"  # the gated MLP's activation: silu | gelu_pytorch_tanh (Gemma)
+    attention_scale: float | None = None  # None: head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)
+    norm_unit_offset: bool = False  # RMSNorms scale by (1 + weight) (Gemma)
+    embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden_size) (Gemma)
+    local_rope_theta: float | None = None  # the rotary base of local layers, when it differs (Gemma 3)
+    rope_linear_factor: float = 1.0  # linear rope scaling of the global layers
+    final_logit_softcapping: float | None = None
+    gguf_file: str | None = None  # weights read from this GGUF file instead of safetensors
+
+    @property
+    def family(self) -> str:
+        return "gemma3" if self.architecture in GEMMA3_FAMILY else "llama"
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
 
     @property
     def q_size(self) -> int:
@@ -90,15 +112,23 @@ def _require(cfg: dict, key: str, path: Path) -> int | float:
     return cfg[key]
 
 
-def _rope(cfg: dict, path: Path) -> tuple[float, RopeScaling | None]:
-    # transformers 4 writes rope_theta + rope_scaling; transformers 5 writes rope_parameters.
+def _rope(cfg: dict, path: Path, layer_type: str = "full_attention") -> tuple[float, RopeScaling | float | None]:
+    """(theta, scaling): scaling is None, a llama3 RopeScaling, or a linear factor (float)."""
+    # transformers 4 writes rope_theta + rope_scaling; transformers 5 writes rope_parameters,
+    # keyed by layer type for models that mix them (Gemma 3).
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if layer_type in params and isinstance(params[layer_type], dict):
+        params = dict(params[layer_type])
+    elif any(isinstance(value, dict) for value in params.values()):
+        params = {}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
+    if rope_type == "linear":
+        return theta, float(params["factor"])
     if rope_type != "llama3":
-        raise ModelLoadError(f"{path}: rope scaling type {rope_type!r} is not supported (only 'llama3')")
+        raise ModelLoadError(f"{path}: rope scaling type {rope_type!r} is not supported (only 'llama3' and 'linear')")
     try:
         scaling = RopeScaling(
             factor=float(params["factor"]),
@@ -112,20 +142,44 @@ def _rope(cfg: dict, path: Path) -> tuple[float, RopeScaling | None]:
     return theta, scaling
 
 
+def _layer_windows(cfg: dict, arch: str, num_layers: int, sliding_window: int | None,
+                   path: Path) -> tuple[int | None, ...]:
+    """Each layer's attention window: Gemma 3 by `layer_types` (older configs: a pattern where
+    every n-th layer is global), the others one window for every layer or none."""
+    if arch not in GEMMA3_FAMILY:
+        return (sliding_window,) * num_layers
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers or not set(layer_types) <= {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"{path}: layer_types must name sliding_attention or full_attention for each of "
+                             f"the {num_layers} layers, got {layer_types!r}")
+    if sliding_window is None and "sliding_attention" in layer_types:
+        raise ModelLoadError(f"{path}: layer_types has sliding_attention layers but no sliding_window is set")
+    return tuple(sliding_window if kind == "sliding_attention" else None for kind in layer_types)
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Parse config.json (and generation_config.json for EOS ids) of a local checkpoint."""
     root = Path(model_dir)
     if not root.is_dir():
         raise ModelLoadError(f"model directory not found: {root}")
     path = root / "config.json"
-    cfg = _read_json(path)
-    architectures = cfg.get("architectures") or []
+    top = _read_json(path)
+    architectures = top.get("architectures") or []
     arch = architectures[0] if architectures else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+    # A multimodal Gemma 3 nests its language model's settings; only the text model is served.
+    cfg = {**top, **top["text_config"]} if isinstance(top.get("text_config"), dict) else top
+    is_gemma = arch in GEMMA3_FAMILY
+    activation = cfg.get("hidden_activation" if is_gemma else "hidden_act", "gelu_pytorch_tanh" if is_gemma else "silu")
+    if activation not in _ACTIVATIONS:
+        raise ModelLoadError(f"{path}: activation {activation!r} is not supported (only {', '.join(_ACTIVATIONS)})")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(f"{path}: attn_logit_softcapping is not supported")
 
     hidden = int(_require(cfg, "hidden_size", path))
     num_heads = int(_require(cfg, "num_attention_heads", path))
@@ -133,15 +187,25 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if num_heads % num_kv_heads:
         raise ModelLoadError(f"{path}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
-    theta, scaling = _rope(cfg, path)
+    num_layers = int(_require(cfg, "num_hidden_layers", path))
+    # Gemma 3's global base defaults to 1e6; its local base is rope_local_base_freq, never scaled.
+    theta, scaling = _rope({"rope_theta": 1_000_000.0, **cfg} if is_gemma else cfg, path)
+    local_theta = None
+    if is_gemma:
+        local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
+        if "sliding_attention" in (cfg.get("rope_parameters") or {}):
+            local_theta, local_scaling = _rope({**cfg, "rope_theta": local_theta}, path, "sliding_attention")
+            if local_scaling is not None:
+                raise ModelLoadError(f"{path}: rope scaling of the sliding layers is not supported")
 
-    dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    dtype_name = top.get("torch_dtype") or top.get("dtype") or cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
     if dtype_name not in _DTYPES:
         raise ModelLoadError(f"{path}: torch_dtype {dtype_name!r} is not supported; use one of {sorted(_DTYPES)}")
 
     sliding_window = cfg.get("sliding_window")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
         sliding_window = None
+    sliding_window = None if sliding_window is None else int(sliding_window)
 
     eos = _as_id_list(cfg.get("eos_token_id"))
     gen_path = root / "generation_config.json"
@@ -152,28 +216,38 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 
     attention_bias = bool(cfg.get("attention_bias", False))
     is_qwen2 = arch == "Qwen2ForCausalLM"
+    softcap = cfg.get("final_logit_softcapping")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(_require(cfg, "vocab_size", path)),
         hidden_size=hidden,
         intermediate_size=int(_require(cfg, "intermediate_size", path)),
-        num_layers=int(_require(cfg, "num_hidden_layers", path)),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
-        rope_scaling=scaling,
+        rope_scaling=scaling if isinstance(scaling, RopeScaling) else None,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        sliding_window=None if sliding_window is None else int(sliding_window),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        sliding_window=sliding_window,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma)),
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM" or is_gemma,
         torch_dtype=_DTYPES[dtype_name],
         eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id"),
+        layer_windows=_layer_windows(cfg, arch, num_layers, sliding_window, path),
+        hidden_act=activation,
+        attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if is_gemma else None,
+        norm_unit_offset=is_gemma,
+        embedding_scale=is_gemma,
+        local_rope_theta=local_theta,
+        rope_linear_factor=scaling if isinstance(scaling, float) else 1.0,
+        final_logit_softcapping=None if softcap is None else float(softcap),
+        gguf_file=top.get("gguf_file"),
     )
 
 
@@ -192,11 +266,9 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.d
 
 def served_max_model_len(config: ModelConfig, max_model_len: int | None) -> int:
     """The longest sequence a runner of this model serves: `max_model_len` (None: as long as the
-    model allows). Beyond a sliding window the model attends differently; the runner keeps full
-    attention, so it stays exact by never running past the window. ValueError if it would."""
+    model allows). A sliding window does not limit it: windowed layers attend their window only.
+    ValueError if `max_model_len` exceeds the model's positions."""
     limit = config.max_position_embeddings
-    if config.sliding_window is not None:
-        limit = min(limit, config.sliding_window)
     if max_model_len is None:
         return limit
     if max_model_len > limit:

@@ -4,7 +4,8 @@ RMSNorm and rotary, from `stages/gpu_runner/kernels/` (compiled on CUDA, interpr
 Its metadata is the step's rows' block tables, their context lengths (int32) and, for prefill and
 mixed steps, where each row's queries start; a decode-only step needs no query starts. The static
 decode metadata reads only the static buffers and has bucket-fixed shapes, so it is captured in
-the decode graphs with the forward.
+the decode graphs with the forward. The same metadata serves windowed layers: the kernels take
+the window as a scalar and skip the blocks before it themselves.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import numpy as np
 import torch
 
 from stages.gpu_runner.step_layout import StepLayout
-from stages.gpu_runner.models.rotary import RotaryEmbedding
+from stages.gpu_runner.layers.norm import RMSNorm
+from stages.gpu_runner.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from stages.gpu_runner.input_batch import InputBatch
@@ -78,23 +80,23 @@ class TritonBackend:
         self.kernels.rotary_embedding_(query, key, *rope)
         return query, key
 
-    def qk_norm_rotary(self, query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                       eps: float, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.kernels.qk_norm_rotary_(query, key, q_weight, k_weight, eps, *rope)
+    def qk_norm_rotary(self, query: torch.Tensor, key: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
+                       rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.kernels.qk_norm_rotary_(query, key, q_norm.weight, k_norm.weight, q_norm.eps, *rope,
+                                     unit_offset=q_norm.unit_offset)
         return query, key
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.kernels.rms_norm(x, weight, eps)
+    def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        return self.kernels.rms_norm(x, norm.weight, norm.eps, norm.unit_offset)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kernels.fused_add_rms_norm(x, residual, weight, eps)
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.fused_add_rms_norm(x, residual, norm.weight, norm.eps, norm.unit_offset)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                  meta: TritonMetadata, scale: float) -> torch.Tensor:
+                  meta: TritonMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         self.kernels.store_kv(kv_cache, key, value, meta.slot_mapping)
         if meta.query_start_loc is None:
-            return self.kernels.paged_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale)
+            return self.kernels.paged_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale,
+                                                       window=window)
         return self.kernels.paged_prefill_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
-                                                    meta.query_start_loc, meta.max_query_len, scale)
+                                                    meta.query_start_loc, meta.max_query_len, scale, window=window)

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 
 from stages import messages as msg
 from stages.process import StageContext, run_stage
+from stages.tokenizer.encoding import PromptEncoder
 from stages.tokenizer.prompt_check import check_prompt
 
 MAX_BATCH = 64  # requests encoded in one encode_batch call
@@ -23,7 +24,7 @@ def main(spec_json: str) -> None:
 
 def serve(ctx: StageContext, tokenizer: Tokenizer | None = None) -> None:
     """Serves until stopped; `tokenizer` is the model's own unless one is given (a test double)."""
-    tokenizer = tokenizer or Tokenizer.from_file(str(ctx.config.tokenizer_path))
+    encoder = PromptEncoder(tokenizer or Tokenizer.from_file(str(ctx.config.tokenizer_path)))
     inbox, outbox = ctx.reader("generate{i}"), ctx.writer("tokenized{i}")
     limits = ctx.wait_limits()
     tokenize_range = ctx.range("tokenize")
@@ -38,9 +39,9 @@ def serve(ctx: StageContext, tokenizer: Tokenizer | None = None) -> None:
             batch.append(msg.decode_generate(record.payload))
         texts = [g.prompt for g in batch if isinstance(g.prompt, str)]
         with tokenize_range:
-            encoded = iter(tokenizer.encode_batch(texts, add_special_tokens=False) if texts else ())
+            encoded = iter(encoder.encode_batch(texts))
         for request in batch:
-            token_ids = next(encoded).ids if isinstance(request.prompt, str) else request.prompt
+            token_ids = next(encoded) if isinstance(request.prompt, str) else request.prompt
             outputs = request.output_token_ids
             problem = check_prompt(token_ids, limits.vocab_size, limits.max_model_len, num_output_tokens=len(outputs))
             if problem is not None:

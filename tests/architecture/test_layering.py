@@ -1,6 +1,6 @@
 """The layering holds: read from the source's own imports (AST), not from what happens to be loaded.
 
-Layers, top to bottom: tools/ -> pipeline/ (cli -> router -> serve, bench -> engine, client, models ->
+Layers, top to bottom: tools/ -> pipeline/ (cli -> router -> serve, bench -> engine, client -> models,
 protocol, errors, paths) -> stages/<stage>/ -> the shared stage modules (stages/*.py) ->
 stages/contracts/, shm/. No stage imports another stage or pipeline/; shm/ knows no stage;
 stages/contracts/ imports the standard library and numpy only (anything else under
@@ -22,7 +22,7 @@ PRODUCT_LAYERS = {  # a pipeline/ part may import only the parts listed for it (
     "router": {"serve", "engine", "models", "protocol", "errors", "paths"},
     "serve": {"engine", "models", "protocol", "errors", "paths"},
     "bench": {"client", "protocol", "errors", "paths"},
-    "engine": {"errors"},
+    "engine": {"models", "errors"},  # LLM(model=...) resolves a GGUF file as `start` does
     "client": {"protocol", "errors", "paths"},
     "models": {"errors"},
     "protocol": {"errors"},

@@ -32,3 +32,14 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_llama: Path)
     assert [len(t) for t in expected] == [4, 4]
     assert greedy_tokens(tiny_llama, "triton", static_decode=False) == expected
     assert greedy_tokens(tiny_llama, "triton", static_decode=True) == expected
+
+
+def test_triton_backend_serves_gemma3_local_and_global_layers(tmp_path: Path) -> None:
+    """Gemma 3's sandwich norms, (1 + w) q/k norms and windowed local layers in the kernels: the
+    tiny model's window of 16 tokens is crossed by the 30-token prompt and its decodes."""
+    from pipeline.models.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "gemma3", "gemma3", seed=15)
+    expected = greedy_tokens(model, "torch", static_decode=False)
+    assert greedy_tokens(model, "triton", static_decode=False) == expected
+    assert greedy_tokens(model, "triton", static_decode=True) == expected

@@ -145,10 +145,48 @@ def test_bad_runner_settings_are_named(tiny_checkpoint):
         make_runner(model_dir, num_kv_blocks=8, block_size=0)
 
 
-def test_sliding_window_caps_max_model_len(tiny_checkpoint, tmp_path):
+def test_sliding_window_does_not_cap_max_model_len(tiny_checkpoint, tmp_path):
     model_dir = copy_checkpoint(tiny_checkpoint("mistral"), tmp_path / "m")
     edit_config(model_dir, sliding_window=512)
-    assert make_runner(model_dir, num_kv_blocks=8).max_model_len == 512
+    runner = make_runner(model_dir, num_kv_blocks=8)
+    assert runner.max_model_len == 2048
+    assert {layer.self_attn.window for layer in runner.model.layers} == {512}
+
+
+def test_gemma3_config_reads_its_layers_rope_bases_and_scale(tiny_checkpoint):
+    config = load_model_config(tiny_checkpoint("gemma3"))
+    assert config.layer_windows == (16, None)
+    assert (config.rope_theta, config.local_rope_theta, config.rope_linear_factor) == (10000.0, 1000.0, 2.0)
+    assert config.scale == 16 ** -0.5 and config.hidden_act == "gelu_pytorch_tanh"
+    assert config.norm_unit_offset and config.embedding_scale and config.qk_norm
+
+
+def test_gemma3_transformers5_rope_parameters_by_layer_type(tiny_checkpoint, tmp_path):
+    model_dir = copy_checkpoint(tiny_checkpoint("gemma3"), tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    del config["rope_scaling"], config["rope_local_base_freq"]
+    config["rope_parameters"] = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert load_model_config(model_dir) == load_model_config(tiny_checkpoint("gemma3"))
+
+
+def test_multimodal_gemma3_checkpoint_serves_its_language_model(tiny_checkpoint, tmp_path):
+    """Gemma3ForConditionalGeneration: the text config nested, the language model's tensors under
+    `model.language_model.`, vision tensors beside them (skipped)."""
+    plain = tiny_checkpoint("gemma3")
+    model_dir = copy_checkpoint(plain, tmp_path / "mm")
+    text_config = json.loads((plain / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {**text_config, "architectures": None}, "vision_config": {"hidden_size": 8},
+        "torch_dtype": "float32"}))
+    tensors = {f"model.language_model.{name.removeprefix('model.')}" if name.startswith("model.") else name: t
+               for name, t in load_file(plain / "model.safetensors").items()}
+    tensors["model.vision_tower.patch_embedding.weight"] = torch.zeros(8, 3)
+    tensors["model.multi_modal_projector.mm_input_projection_weight"] = torch.zeros(8, 8)
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    assert greedy_tokens(model_dir) == greedy_tokens(plain)
 
 
 def test_tiny_model_tool_is_deterministic_and_its_tokenizer_fits(tmp_path):

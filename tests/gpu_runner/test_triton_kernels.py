@@ -11,6 +11,7 @@ import sys
 import textwrap
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,12 +19,13 @@ pytest.importorskip("triton")
 
 from stages.gpu_runner import kernels  # noqa: E402
 from stages.gpu_runner.attention import (  # noqa: E402
-    AttentionMetadata, DecodeBatch, PrefillChunk, paged_attention, write_kv)
+    AttentionMetadata, TorchBackend, paged_attention, step_attention_metadata, write_kv)
 from stages.gpu_runner.kernels.attention import decode_num_splits  # noqa: E402
 from stages.gpu_runner.kernels.loading import jit_module  # noqa: E402
 from stages.gpu_runner.model_config import RopeScaling  # noqa: E402
-from stages.gpu_runner.models.llama import RMSNorm  # noqa: E402
-from stages.gpu_runner.models.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+from stages.gpu_runner.layers.norm import RMSNorm  # noqa: E402
+from stages.gpu_runner.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+from stages.gpu_runner.step_layout import StepLayout  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HEAD_DIM = 16
@@ -39,58 +41,33 @@ def _kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, dtype: torch.
 
 
 def _block_table(context_lens: list[int], block_size: int, max_blocks: int, seed: int) -> tuple[torch.Tensor, int]:
-    """Each row's blocks drawn from a shuffled pool (not contiguous, not in order); unused entries -1.
-    -> (int32 [rows, max_blocks], number of blocks in the cache)."""
+    """Each row's blocks drawn from a shuffled pool (not contiguous, not in order); unused entries
+    name a block no row owns. -> (int32 [rows, max_blocks], number of blocks in the cache)."""
     needed = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(needed) + 3  # a few blocks no row owns
     pool = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-    table = torch.full((len(context_lens), max_blocks), -1, dtype=torch.int32)
+    table = torch.full((len(context_lens), max_blocks), pool.pop(), dtype=torch.int32)
     for row, count in enumerate(needed):
         table[row, :count] = torch.tensor(pool[:count], dtype=torch.int32)
         pool = pool[count:]
     return table.to(DEVICE), num_blocks
 
 
-def _key_slots(table: torch.Tensor, row: int, context_len: int, block_size: int) -> torch.Tensor:
-    blocks = table[row, :-(-context_len // block_size)].to(torch.int64)
-    return (blocks.unsqueeze(-1) * block_size + torch.arange(block_size, device=DEVICE)).view(-1)[:context_len]
-
-
 def _torch_metadata(table: torch.Tensor, context_lens: list[int], query_lens: list[int],
                     block_size: int) -> AttentionMetadata:
-    """The metadata step_inputs.build_step_inputs builds for these rows (one-token rows as decodes)."""
-    starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
-    decode_rows = [i for i, q in enumerate(query_lens) if q == 1]
-    decode = None
-    if decode_rows:
-        max_context = max(-(-context_lens[i] // block_size) for i in decode_rows) * block_size
-        key_slots = torch.stack([torch.nn.functional.pad(_key_slots(table, i, context_lens[i], block_size),
-                                                         (0, max_context - context_lens[i])) for i in decode_rows])
-        lens = torch.tensor([context_lens[i] for i in decode_rows], device=DEVICE)
-        mask = torch.arange(max_context, device=DEVICE) < lens.unsqueeze(1)
-        token_idx = None if len(decode_rows) == len(query_lens) else torch.tensor(
-            [starts[i] for i in decode_rows], device=DEVICE)
-        decode = DecodeBatch(token_idx=token_idx, key_slots=key_slots, mask=mask.view(-1, 1, 1, max_context))
-    prefills = []
-    for i, q_len in enumerate(query_lens):
-        if q_len == 1:
-            continue
-        ctx, start = context_lens[i], context_lens[i] - q_len
-        mask = None
-        if start:
-            query_pos = torch.arange(start, ctx, device=DEVICE)
-            mask = torch.arange(ctx, device=DEVICE).unsqueeze(0) <= query_pos.unsqueeze(1)
-        prefills.append(PrefillChunk(token_start=starts[i], token_end=starts[i] + q_len,
-                                     key_slots=_key_slots(table, i, ctx, block_size), mask=mask))
-    return AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64, device=DEVICE), decode=decode,
-                             prefills=prefills)
+    """The torch backend's metadata for these rows (row i is table row i; one-token rows as decodes)."""
+    layout = StepLayout(rows=np.arange(len(query_lens)), computed=np.subtract(context_lens, query_lens),
+                        scheduled=np.array(query_lens), query_start=np.concatenate(([0], np.cumsum(query_lens))))
+    arrays = [torch.from_numpy(a).to(DEVICE) for a in TorchBackend(block_size).host_arrays(layout)]
+    return step_attention_metadata(layout, arrays, torch.empty(0, dtype=torch.int64, device=DEVICE), table,
+                                   block_size)
 
 
 def _torch_attention(query: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, context_lens: list[int],
-                     query_lens: list[int], block_size: int) -> torch.Tensor:
+                     query_lens: list[int], block_size: int, window: int | None = None) -> torch.Tensor:
     """The engine's torch path, in float32 from the same (possibly bf16-rounded) inputs."""
     meta = _torch_metadata(table, context_lens, query_lens, block_size)
-    return paged_attention(query.float(), cache.float(), meta, SCALE)
+    return paged_attention(query.float(), cache.float(), meta.for_window(window), SCALE)
 
 
 def _int32(values: list[int]) -> torch.Tensor:
@@ -198,6 +175,26 @@ def test_prefill_ragged_batch_bf16_into_out() -> None:
     torch.testing.assert_close(out.float(), expected, **BF16_TOL)
 
 
+def test_sliding_window_bf16_matches_torch_path() -> None:
+    """A window of 20 (not a multiple of the block) in bf16: decodes in the decode kernel, then
+    with a prefix-cached chunk crossing the window's edge in one prefill launch."""
+    block_size, window = 16, 20
+    query_lens, context_lens = [1, 1, 9, 1], [19, 21, 30, 64]
+    table, num_blocks = _block_table(context_lens, block_size, max_blocks=4, seed=24)
+    cache = _kv_cache(num_blocks, block_size, 2, torch.bfloat16, seed=25)
+    query = torch.randn(12, 4, HEAD_DIM, generator=torch.Generator().manual_seed(26)).to(torch.bfloat16).to(DEVICE)
+    decodes = [0, 1, 3]
+    decode_query, decode_table = query[[0, 1, 11]], table[decodes]
+    decode_lens = [context_lens[i] for i in decodes]
+    out = kernels.paged_decode_attention(decode_query, cache, decode_table, _int32(decode_lens), SCALE, window=window)
+    expected = _torch_attention(decode_query, cache, decode_table, decode_lens, [1, 1, 1], block_size, window)
+    torch.testing.assert_close(out.float(), expected, **BF16_TOL)
+    out = kernels.paged_prefill_attention(query, cache, table, _int32(context_lens), _int32([0, 1, 2, 11, 12]), 9,
+                                          SCALE, window=window)
+    expected = _torch_attention(query, cache, table, context_lens, query_lens, block_size, window)
+    torch.testing.assert_close(out.float(), expected, **BF16_TOL)
+
+
 def test_attention_rejects_bad_inputs() -> None:
     cache = _kv_cache(4, 16, 2, torch.float32, seed=0)
     query = torch.zeros(2, 4, HEAD_DIM, device=DEVICE)
@@ -210,6 +207,8 @@ def test_attention_rejects_bad_inputs() -> None:
         kernels.paged_decode_attention(query, cache[:, :, :12], table, lens, SCALE)
     with pytest.raises(ValueError, match=r"query_start_loc must be int32 \[3\]"):
         kernels.paged_prefill_attention(query, cache, table, lens, _int32([0, 2]), 1, SCALE)
+    with pytest.raises(ValueError, match="window must be a positive int or None, got 0"):
+        kernels.paged_prefill_attention(query, cache, table, lens, _int32([0, 1, 2]), 1, SCALE, window=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -360,7 +359,7 @@ _INTERPRETED_PROCESS = textwrap.dedent("""
     import torch
     from stages.gpu_runner import kernels
     from stages.gpu_runner.kernels.loading import jit_module
-    from stages.gpu_runner.models.llama import RMSNorm
+    from stages.gpu_runner.layers.norm import RMSNorm
     x, norm = torch.randn(3, 32), RMSNorm(32, 1e-6)
     assert torch.allclose(kernels.rms_norm(x, norm.weight.detach(), 1e-6), norm(x), atol=1e-5)
     table, lens = torch.arange(4, dtype=torch.int32).view(2, 2), torch.tensor([5, 0], dtype=torch.int32)

@@ -173,7 +173,8 @@ def test_text_parts_are_joined_and_names_are_passed_to_the_template():
     ([], "messages", "at least one message"),
     ([ChatMessage("wizard", "hi")], "messages[0].role", "'wizard'"),
     ([ChatMessage("user", "hi"), ChatMessage("user", None)], "messages[1].content", "required for role 'user'"),
-    ([ChatMessage("user", [ContentPart("image_url")])], "messages[0].content[0].type", "only 'text' parts"),
+    ([ChatMessage("user", [ContentPart("image_url")])], "messages[0].content[0].type", "an image ('image_url') cannot be served"),
+    ([ChatMessage("user", [ContentPart("audio")])], "messages[0].content[0].type", "only 'text' parts"),
     ([ChatMessage("user", [ContentPart("text")])], "messages[0].content[0].text", "required"),
 ])
 def test_malformed_messages_are_400s_naming_the_message(messages, param, words):

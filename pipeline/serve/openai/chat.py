@@ -153,6 +153,9 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return conversation
 
 
+_IMAGE_PARTS = ("image_url", "image", "input_image")
+
+
 def _content_text(message: ChatMessage, i: int) -> str:
     content = message.content
     if content is None:
@@ -164,6 +167,9 @@ def _content_text(message: ChatMessage, i: int) -> str:
     texts = []
     for j, part in enumerate(content):
         param = f"messages[{i}].content[{j}]"
+        if part.type in _IMAGE_PARTS:
+            raise OpenAIError.bad_request(f"{param}.type: an image ({part.type!r}) cannot be served: this engine runs "
+                                          f"the language model alone (text parts only)", f"{param}.type")
         if part.type != "text":
             raise OpenAIError.bad_request(f"{param}.type: only 'text' parts are supported, got {part.type!r}", f"{param}.type")
         if part.text is None:

@@ -5,6 +5,10 @@ num_kv_heads, head_dim], keys at 0, values at 1; this step's K/V already written
 kernels read each row's blocks in place through the block table instead of gathering every
 row's padded context. Launch shapes depend on host-known sizes only, so both launches can be
 captured in a CUDA graph with fixed shapes.
+
+Both attend a sliding window when given one (backend.py: a query at p attends keys
+max(0, p - window + 1)..p), passed to the kernels as a runtime scalar; None passes a window
+longer than any context, which is full causal attention.
 """
 from __future__ import annotations
 
@@ -12,16 +16,20 @@ import math
 
 import torch
 
+from stages.gpu_runner.backend import check_window, window_blocks
 from stages.gpu_runner.kernels.loading import cdiv, kernels_for, next_power_of_2
 
 # Decode splits: enough programs to fill the GPU at small batch, never a split shorter than this.
 _TARGET_PROGRAMS = 256
 _MAX_SPLITS = 32
 _MIN_TOKENS_PER_SPLIT = 256
+# The kernels' window for full attention: longer than any context, small enough for int32 sums.
+_NO_WINDOW = 1 << 30
 
 
 def decode_num_splits(max_blocks_per_row: int, block_size: int, num_rows: int, num_kv_heads: int) -> int:
-    """How many KV splits a decode launch uses, from host-known sizes only (graph-capturable)."""
+    """How many KV splits a decode launch uses, from host-known sizes only (graph-capturable).
+    max_blocks_per_row: the blocks a row may read (for a windowed layer, the most its window spans)."""
     by_length = cdiv(max_blocks_per_row * block_size, _MIN_TOKENS_PER_SPLIT)
     by_parallelism = cdiv(_TARGET_PROGRAMS, max(num_rows * num_kv_heads, 1))
     return max(1, min(by_length, by_parallelism, _MAX_SPLITS))
@@ -68,18 +76,25 @@ def _output(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
+def _window_arg(window: int | None) -> int:
+    """The kernels' runtime window scalar (a fixed value per layer, so graph capture keeps it)."""
+    check_window(window)
+    return _NO_WINDOW if window is None else min(window, _NO_WINDOW)
+
+
 def _dot_fp32(query: torch.Tensor) -> bool:
     """Exact float32 dots for float32 inputs and in the interpreter (its dot cannot read bf16)."""
     return query.dtype == torch.float32 or query.device.type == "cpu"
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float, *, window: int | None = None,
+                           out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
     """One query token per row. query [d, num_heads, head_dim]; block_tables int32 [>= d, max_blocks]
-    (row i reads block_tables[i]); seq_lens int32 [d]: row i attends positions 0..seq_lens[i]-1; a
-    row with seq_lens 0 is padding and gets zeros. Returns [d, num_heads, head_dim] (or fills `out`).
-    num_splits overrides the split count decode_num_splits picks."""
+    (row i reads block_tables[i]); seq_lens int32 [d]: row i attends positions 0..seq_lens[i]-1, or
+    only the last `window` of them; a row with seq_lens 0 is padding and gets zeros. Returns
+    [d, num_heads, head_dim] (or fills `out`). num_splits overrides the split count
+    decode_num_splits picks; the splits share out the blocks a window can span."""
     group, block_size, head_dim = _check_common(query, kv_cache, block_tables, seq_lens)
     num_rows, num_heads = query.shape[0], query.shape[1]
     num_kv_heads, max_blocks = kv_cache.shape[3], block_tables.shape[1]
@@ -87,10 +102,11 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         raise ValueError(f"seq_lens must be [{num_rows}] and block_tables have >= {num_rows} rows, got "
                          f"{tuple(seq_lens.shape)} and {tuple(block_tables.shape)}")
     out = _output(query, out)
+    span_blocks = window_blocks(window, block_size, max_blocks)
     if num_rows == 0:
         return out
     if num_splits is None:
-        num_splits = decode_num_splits(max_blocks, block_size, num_rows, num_kv_heads)
+        num_splits = decode_num_splits(span_blocks, block_size, num_rows, num_kv_heads)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     jit = kernels_for("attention", query)
@@ -102,7 +118,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     jit.decode_partial_kernel[(num_rows, num_kv_heads, num_splits)](
         query, keys, values, block_tables, seq_lens, partial_max, partial_sum, partial_acc,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
-        scale * math.log2(math.e), num_heads, cdiv(max_blocks, num_splits),
+        scale * math.log2(math.e), num_heads, cdiv(span_blocks, num_splits), _window_arg(window),
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, DOT_FP32=_dot_fp32(query),
     )
@@ -115,13 +131,16 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
 
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                            scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                            scale: float, *, window: int | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Ragged causal attention of a step's rows in one launch (grid: rows x query tiles x kv heads). query [T, num_heads, head_dim], rows
     back to back; row r's queries are tokens query_start_loc[r]..query_start_loc[r+1]-1 at positions
-    seq_lens[r]-q_len_r..seq_lens[r]-1, attending its cached prefix and itself causally. Rows of one
-    token (decodes) may share the launch. max_query_len (host int) sizes the grid. Tokens past
-    query_start_loc[-1] (a padded buffer's tail) are left unwritten."""
+    seq_lens[r]-q_len_r..seq_lens[r]-1, attending its cached prefix and itself causally (only the
+    last `window` positions up to each query, when given). Rows of one token (decodes) may share
+    the launch. max_query_len (host int) sizes the grid. Tokens past query_start_loc[-1] (a padded
+    buffer's tail) are left unwritten."""
     group, block_size, head_dim = _check_common(query, kv_cache, block_tables, seq_lens)
+    window_arg = _window_arg(window)
     num_rows, num_heads = seq_lens.shape[0], query.shape[1]
     if query_start_loc.dtype != torch.int32 or query_start_loc.shape != (num_rows + 1,):
         raise ValueError(f"query_start_loc must be int32 [{num_rows + 1}], got {query_start_loc.dtype} "
@@ -144,7 +163,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
         query, keys, values, out, block_tables, seq_lens, query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0), scale * math.log2(math.e),
-        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)),
+        window_arg, GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)),
         BLOCK_Q=block_q, BLOCK_SIZE=block_size, DOT_FP32=_dot_fp32(query),
     )
     return out

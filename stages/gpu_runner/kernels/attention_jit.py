@@ -3,6 +3,11 @@
 Loaded through kernels.loading, never imported directly. Softmax runs in base 2 on scores
 pre-multiplied by scale * log2(e). Masked scores are a large negative finite number, not -inf,
 so a tile or split with nothing to attend yields zero weight instead of NaN.
+
+`window` is a runtime scalar: a query at position p attends keys p - window + 1..p (a window at
+least as long as the context, as the wrappers pass for none, is full causal attention). Loops
+start at the block holding the first key in a window, so windowed layers read O(window) keys;
+the keys before it in that block are masked.
 """
 import triton
 import triton.language as tl
@@ -51,11 +56,12 @@ def attend_block(q, m_i, l_i, acc, k, v, valid, qk_scale, DOT_FP32: tl.constexpr
 def decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, m_ptr, l_ptr, acc_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
-    qk_scale, num_heads, blocks_per_split,
+    qk_scale, num_heads, blocks_per_split, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    """Program (row, kv head, split): every query head of the kv head over the split's blocks."""
+    """Program (row, kv head, split): every query head of the kv head over the split's blocks.
+    The splits divide the row's window, from the block holding its first key on."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -70,13 +76,15 @@ def decode_partial_kernel(
     m_i = tl.full([BLOCK_G], MASKED, tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
-    first = split * blocks_per_split
+    window_start = tl.maximum(seq_len - window, 0)
+    first = window_start // BLOCK_SIZE + split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE)
     block_table = block_tables_ptr + row.to(tl.int64) * stride_bt
     for b in range(first, last):
         k, v, pos, in_context = load_kv_block(k_ptr, v_ptr, block_table, b, seq_len, kv_head,
                                               stride_kb, stride_kt, stride_kh, HEAD_DIM, BLOCK_D, BLOCK_SIZE)
-        m_i, l_i, acc = attend_block(q, m_i, l_i, acc, k, v, in_context[None, :], qk_scale, DOT_FP32)
+        valid = in_context & (pos >= window_start)
+        m_i, l_i, acc = attend_block(q, m_i, l_i, acc, k, v, valid[None, :], qk_scale, DOT_FP32)
     partial = (row.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
     tl.store(m_ptr + partial, m_i, mask=g_mask)
     tl.store(l_ptr + partial, l_i, mask=g_mask)
@@ -109,7 +117,7 @@ def decode_reduce_kernel(
 @triton.jit
 def prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, qk_scale, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
@@ -138,11 +146,14 @@ def prefill_kernel(
     l_i = tl.full([BLOCK_Q * BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_Q * BLOCK_G, BLOCK_D], 0.0, tl.float32)
     kv_end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_Q)  # past the tile's last query: masked
+    # From the tile's first query's window start. A later query's first blocks may be wholly
+    # outside its window: their made-up weight is wiped (alpha = 0) by its first real key.
+    kv_start = tl.maximum(seq_len - q_len + tile * BLOCK_Q - window + 1, 0)
     block_table = block_tables_ptr + row.to(tl.int64) * stride_bt
-    for b in range(0, (kv_end + BLOCK_SIZE - 1) // BLOCK_SIZE):
+    for b in range(kv_start // BLOCK_SIZE, (kv_end + BLOCK_SIZE - 1) // BLOCK_SIZE):
         k, v, pos, in_context = load_kv_block(k_ptr, v_ptr, block_table, b, seq_len, kv_head,
                                               stride_kb, stride_kt, stride_kh, HEAD_DIM, BLOCK_D, BLOCK_SIZE)
-        valid = (pos[None, :] <= q_pos[:, None]) & in_context[None, :]
+        valid = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window) & in_context[None, :]
         m_i, l_i, acc = attend_block(q, m_i, l_i, acc, k, v, valid, qk_scale, DOT_FP32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_offsets = (q_start + token).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]

@@ -1,4 +1,4 @@
-"""Rotary embedding of q and k in place in one Triton kernel, with Qwen3's per-head q/k RMSNorm fused."""
+"""Rotary embedding of q and k in place in one Triton kernel, with the per-head q/k RMSNorm of Qwen3 and Gemma 3 fused."""
 from __future__ import annotations
 
 import torch
@@ -7,7 +7,7 @@ from stages.gpu_runner.kernels.loading import kernels_for, next_power_of_2
 
 
 def _launch(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            weights: tuple[torch.Tensor, torch.Tensor] | None, eps: float) -> None:
+            weights: tuple[torch.Tensor, torch.Tensor] | None, eps: float, unit_offset: bool = False) -> None:
     if query.dim() != 3 or key.dim() != 3 or key.shape[0] != query.shape[0] or key.shape[2] != query.shape[2]:
         raise ValueError(f"query must be [T, H, D] and key [T, KVH, D], got {tuple(query.shape)} and {tuple(key.shape)}")
     head_dim = query.shape[2]
@@ -40,19 +40,20 @@ def _launch(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos.stride(0), sin.stride(0),
         query.shape[1], key.shape[1], eps,
         HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_HQ=next_power_of_2(query.shape[1]),
-        BLOCK_HK=next_power_of_2(key.shape[1]), QK_NORM=weights is not None,
+        BLOCK_HK=next_power_of_2(key.shape[1]), QK_NORM=weights is not None, UNIT_OFFSET=unit_offset,
     )
 
 
 def rotary_embedding_(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor) -> None:
     """In place: query [T, H, D], key [T, KVH, D] <- apply_rotary(x, cos[positions], sin[positions]) with
-    the float32 tables of models/rotary.RotaryEmbedding cast to the activations' dtype."""
+    the float32 tables of layers/rotary.RotaryEmbedding cast to the activations' dtype."""
     _launch(query, key, positions, cos, sin, None, 0.0)
 
 
 def qk_norm_rotary_(query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                    eps: float, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """In place, Qwen3: per-head RMSNorm of query and key (weights [D], products rounded to the
-    activations' dtype), then rotary as rotary_embedding_."""
-    _launch(query, key, positions, cos, sin, (q_weight, k_weight), eps)
+                    eps: float, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    unit_offset: bool = False) -> None:
+    """In place, Qwen3 and Gemma 3: per-head RMSNorm of query and key (weights [D], products rounded to
+    the activations' dtype; `unit_offset`: scaled by 1 + weight in float32), then rotary as rotary_embedding_."""
+    _launch(query, key, positions, cos, sin, (q_weight, k_weight), eps, unit_offset)

@@ -21,7 +21,8 @@ def _rounded(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _rotate_heads(base, stride_h, num_heads, weight_ptr, cos1, cos2, sin1, sin2, eps,
-                  HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr):
+                  HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr,
+                  UNIT_OFFSET: tl.constexpr):
     """In place on one token's heads [num_heads, 2 * HALF] at `base`."""
     dtype = base.dtype.element_ty
     h = tl.arange(0, BLOCK_H)
@@ -35,8 +36,12 @@ def _rotate_heads(base, stride_h, num_heads, weight_ptr, cos1, cos2, sin1, sin2,
         rstd = tl.rsqrt((sum_over(x1 * x1, 1) + sum_over(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.load(weight_ptr + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(weight_ptr + HALF + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-        x1 = _rounded(_rounded(x1 * rstd, dtype) * w1, dtype)
-        x2 = _rounded(_rounded(x2 * rstd, dtype) * w2, dtype)
+        if UNIT_OFFSET:  # Gemma: scaled in float32, rounded once
+            x1 = _rounded(x1 * rstd * (1.0 + w1), dtype)
+            x2 = _rounded(x2 * rstd * (1.0 + w2), dtype)
+        else:
+            x1 = _rounded(_rounded(x1 * rstd, dtype) * w1, dtype)
+            x2 = _rounded(_rounded(x2 * rstd, dtype) * w2, dtype)
     c1 = _rounded(cos1, dtype)[None, :]
     c2 = _rounded(cos2, dtype)[None, :]
     s1 = _rounded(sin1, dtype)[None, :]
@@ -52,7 +57,7 @@ def rotary_kernel(
     q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, num_heads, num_kv_heads, eps,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    QK_NORM: tl.constexpr,
+    QK_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):
     """Program (token): all its query and key heads."""
     token = tl.program_id(0).to(tl.int64)
@@ -64,6 +69,6 @@ def rotary_kernel(
     sin1 = tl.load(sin_ptr + position * stride_sin + c, mask=c_mask, other=0.0)
     sin2 = tl.load(sin_ptr + position * stride_sin + HALF + c, mask=c_mask, other=0.0)
     _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_heads, q_weight_ptr, cos1, cos2, sin1, sin2, eps,
-                  HALF, BLOCK_HALF, BLOCK_HQ, QK_NORM)
+                  HALF, BLOCK_HALF, BLOCK_HQ, QK_NORM, UNIT_OFFSET)
     _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, k_weight_ptr, cos1, cos2, sin1, sin2, eps,
-                  HALF, BLOCK_HALF, BLOCK_HK, QK_NORM)
+                  HALF, BLOCK_HALF, BLOCK_HK, QK_NORM, UNIT_OFFSET)

@@ -1,1 +1,1 @@
-"""Model implementations: one llama-family decoder with per-architecture switches."""
+"""Model families: one file each, composing the shared layers as the paper's block diagram does."""

@@ -1,0 +1,100 @@
+"""What every decoder-only family shares around its layers: embeddings, the layer loop over a paged
+KV cache, the final norm and LM head, rotary tables, and placing checkpoint tensors.
+
+A family subclasses `CausalLM` with its decoder layer (`make_layer`); a layer maps
+(x, residual) -> (x, residual), the hidden state being x + residual (residual None: x alone).
+Under tensor parallelism the modules hold one rank's shard (see parallel.py and layers/linear.py).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from stages.gpu_runner.attention import TorchBackend
+from stages.gpu_runner.backend import AttentionBackend
+from stages.gpu_runner.layers.attention import ForwardContext
+from stages.gpu_runner.layers.embedding import VocabEmbedding, lm_logits
+from stages.gpu_runner.layers.linear import PACKED, MergedColumnLinear
+from stages.gpu_runner.layers.norm import RMSNorm
+from stages.gpu_runner.layers.rotary import RopeSpec, RotaryEmbedding
+from stages.gpu_runner.model_config import ModelConfig
+from stages.gpu_runner.parallel import TensorParallel, shard_config
+
+
+class CausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden]; logits(hidden) separately.
+
+    `config` is the whole model's (the checkpoint's shapes); `shard` the shapes this rank holds."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device,
+                 tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.tp = tp
+        self.shard = shard_config(config, 1 if tp is None else tp.size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.num_embeddings, bias=False)
+        self.rotary = {"global": RotaryEmbedding(RopeSpec.of(config), max_positions, device)}
+        if config.local_rope_theta is not None:
+            self.rotary["local"] = RotaryEmbedding(RopeSpec(config.head_dim, config.local_rope_theta),
+                                                   max_positions, device)
+        self.backend: AttentionBackend = TorchBackend(block_size=1)  # the runner sets its own
+
+    def make_layer(self, index: int) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: Any) -> torch.Tensor:
+        """`meta` is the step's attention metadata, built by `self.backend`."""
+        backend = self.backend
+        x = self.embed_tokens(input_ids)
+        if self.config.embedding_scale:
+            # The factor is rounded to the activations' dtype first, as the reference does.
+            x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
+        ctx = ForwardContext(backend, meta, {kind: backend.rope(positions, table, x.dtype)
+                                             for kind, table in self.rotary.items()})
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, kv_cache, ctx)
+        return x + residual
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """hidden [n, hidden] of the tokens to sample from -> float32 logits [n, vocab] (into `out` if given).
+        Under tensor parallelism rank 0 gets the gathered logits and the other ranks None."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return lm_logits(self.backend.rms_norm(hidden, self.norm), weight, self.tp, self.config.vocab_size,
+                         self.config.final_logit_softcapping, out)
+
+    def expected_hf_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Checkpoint tensor name -> shape, for every tensor the checkpoint must provide."""
+        c = self.config
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+            "model.norm.weight": (c.hidden_size,),
+        }
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+        for i, layer in enumerate(self.layers):
+            shapes |= layer.expected_tensors(c, f"model.layers.{i}.")
+        return shapes
+
+    @torch.no_grad()
+    def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor (name as in expected_hf_tensors, shape already checked; this
+        rank's shard of it under tensor parallelism) in place."""
+        module_path, _, kind = name.removeprefix("model.").rpartition(".")
+        parent, _, leaf = module_path.rpartition(".")
+        if leaf in PACKED:
+            merged, index = PACKED[leaf]
+            module = self.get_submodule(f"{parent}.{merged}")
+            assert isinstance(module, MergedColumnLinear)
+            module.load_part(index, kind, tensor)
+            return
+        getattr(self.get_submodule(module_path), kind).copy_(tensor)

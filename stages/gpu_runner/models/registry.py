@@ -1,0 +1,15 @@
+"""Which model class serves which checkpoint architecture."""
+from __future__ import annotations
+
+from stages.gpu_runner.model_config import GEMMA3_FAMILY, LLAMA_FAMILY, ModelConfig
+from stages.gpu_runner.models.base import CausalLM
+
+
+def model_class(config: ModelConfig) -> type[CausalLM]:
+    if config.architecture in LLAMA_FAMILY:
+        from stages.gpu_runner.models.llama import LlamaForCausalLM
+        return LlamaForCausalLM
+    if config.architecture in GEMMA3_FAMILY:
+        from stages.gpu_runner.models.gemma3 import Gemma3ForCausalLM
+        return Gemma3ForCausalLM
+    raise ValueError(f"no model class serves architecture {config.architecture!r}")
