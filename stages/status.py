@@ -38,11 +38,12 @@ from stages.contracts.config import ModelLimits
 
 MAGIC = 0x31544154535F5049  # b"IP_STAT1"
 MAX_STAGES = 64
-MAX_EOS_IDS = 7
+MAX_EOS_IDS = 4
 ERROR_BYTES = 1024
 (_MAGIC, _STOP, _LIMITS_READY, _NUM_KV_BLOCKS, _MAX_MODEL_LEN, _VOCAB_SIZE, _NUM_HOST_BLOCKS,
  _FRONTEND_GENERATION) = range(8)
-_EOS = 8
+_EOS = 8  # a count, then MAX_EOS_IDS ids
+_WINDOW, _LOCAL_WINDOW, _NUM_WINDOW_BLOCKS = 13, 14, 15
 _COUNTERS = 16
 _STAGES = 24
 _STAGE_SLOTS = 8
@@ -155,6 +156,8 @@ class StatusBoard:
         slots[_MAX_MODEL_LEN] = limits.max_model_len
         slots[_VOCAB_SIZE] = limits.vocab_size
         slots[_NUM_HOST_BLOCKS] = limits.num_host_blocks
+        slots[_WINDOW], slots[_LOCAL_WINDOW] = limits.window, limits.local_window
+        slots[_NUM_WINDOW_BLOCKS] = limits.num_window_blocks
         slots[_EOS] = len(eos)
         for index, token_id in enumerate(eos):
             slots[_EOS + 1 + index] = token_id
@@ -166,7 +169,7 @@ class StatusBoard:
             return None
         eos = [slots[_EOS + 1 + i] for i in range(slots[_EOS])]
         return ModelLimits(slots[_NUM_KV_BLOCKS], slots[_MAX_MODEL_LEN], slots[_VOCAB_SIZE], eos,
-                           slots[_NUM_HOST_BLOCKS])
+                           slots[_NUM_HOST_BLOCKS], slots[_WINDOW], slots[_LOCAL_WINDOW], slots[_NUM_WINDOW_BLOCKS])
 
     # ---- scheduler counters
 

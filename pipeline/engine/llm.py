@@ -14,7 +14,7 @@ from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
 from stages.grammar import check_guided
-from stages.gpu_runner.build import build_runner, model_limits, serving_max_model_len
+from stages.gpu_runner.build import build_runner, model_limits, serving_max_model_len, window_limits
 from stages.gpu_runner.model_config import load_model_config, resolve_device
 from stages.gpu_runner.parallel import check_tensor_parallel
 from stages.scheduler.build import build_scheduler
@@ -82,7 +82,8 @@ class LLM:
                 raise ValueError("kv_connector is set up by LLM only when it builds the runner itself")
             max_model_len = serving_max_model_len(runner.max_model_len, runner.num_kv_blocks,
                                                   self.config.block_size, self.config.max_model_len)
-            limits = ModelLimits(runner.num_kv_blocks, max_model_len, runner.vocab_size, list(runner.eos_token_ids))
+            limits = ModelLimits(runner.num_kv_blocks, max_model_len, runner.vocab_size, list(runner.eos_token_ids),
+                                 **window_limits(runner))
         self.runner = runner
         self.limits = limits
         self.vocab_size: int = limits.vocab_size

@@ -161,3 +161,11 @@ class ModelLimits:
     vocab_size: int
     eos_token_ids: list[int] = field(default_factory=list)
     num_host_blocks: int = 0  # the KV connector's host pool (0 without one)
+    # Sliding windows. The KV cache is one or two groups of layers, each with its block pool and
+    # block tables: group 0 (num_kv_blocks) attends `window` tokens back (0: all of them); a
+    # model mixing global and local layers (Gemma 3) has group 1, its local layers, with
+    # num_window_blocks blocks and `local_window`. A block wholly out of its group's window is
+    # released.
+    window: int = 0
+    local_window: int = 0
+    num_window_blocks: int = 0

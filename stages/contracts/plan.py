@@ -35,6 +35,8 @@ class StepPlan:
     appended to each row's block table this step (`num_new_blocks[i]` of them; a new
     request's first plan lists all its blocks, prefix-cache hits included).
     `sample[i]` says whether the row's last scheduled token yields a new token.
+    A model with local layers (ModelLimits.num_window_blocks) has a second block table per row
+    of the same length: `window_block_ids` holds its new entries, `num_new_blocks[i]` per row too.
     """
 
     step: int
@@ -47,6 +49,7 @@ class StepPlan:
     new_block_ids: np.ndarray  # int32 [sum(num_new_blocks)]
     freed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32
     connector_meta: object | None = None  # KV connector metadata, when a connector is set
+    window_block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32, or empty
 
     @property
     def num_rows(self) -> int:

@@ -36,4 +36,11 @@ def model_limits(runner: ModelRunner | SimulatedDeviceRunner, config: EngineConf
         max_model_len=serving_max_model_len(runner.max_model_len, runner.num_kv_blocks, config.block_size,
                                             config.max_model_len),
         vocab_size=runner.vocab_size, eos_token_ids=runner.eos_token_ids,
-        num_host_blocks=0 if worker is None else worker.num_host_blocks)
+        num_host_blocks=0 if worker is None else worker.num_host_blocks, **window_limits(runner))
+
+
+def window_limits(runner: object) -> dict[str, int]:
+    """The ModelLimits fields of the runner's KV groups (none for a runner without windows)."""
+    windows = getattr(runner, "kv_group_windows", (None,))
+    return {"window": windows[0] or 0, "local_window": windows[1] if len(windows) > 1 else 0,
+            "num_window_blocks": getattr(runner, "num_window_blocks", 0)}

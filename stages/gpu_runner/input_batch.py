@@ -77,10 +77,13 @@ class TableWrites:
     token_ids: np.ndarray  # int64
     block_index: np.ndarray  # int64: row * max_blocks_per_row + block number
     block_ids: np.ndarray  # int64
+    window_block_ids: np.ndarray  # int64: the local layers' table at the same entries (empty: no such table)
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device,
+                 window_table: bool = False) -> None:
+        """`window_table`: a second block table, of the local layers' KV group (Gemma 3)."""
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -96,6 +99,10 @@ class InputBatch:
                                               device=device)
         self.block_table = self.padded_block_table[:max_num_seqs]
         self.block_table_host = np.zeros((max_num_seqs, self.max_blocks_per_row), dtype=np.int32)
+        self.window_block_table = self.window_block_table_host = None
+        if window_table:
+            self.window_block_table = torch.zeros_like(self.block_table)
+            self.window_block_table_host = np.zeros_like(self.block_table_host)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.req_ids = np.full(max_num_seqs, -1, dtype=np.int64)
@@ -150,6 +157,11 @@ class InputBatch:
         block_numbers = np.repeat(start, counts) + offsets
         block_ids = plan.new_block_ids.astype(np.int64)
         self.block_table_host[block_rows, block_numbers] = block_ids
+        window_block_ids = plan.window_block_ids.astype(np.int64)
+        if self.window_block_table_host is not None:
+            if window_block_ids.shape != block_ids.shape:
+                raise ValueError(f"plan has {len(window_block_ids)} window block ids for {len(block_ids)} new blocks")
+            self.window_block_table_host[block_rows, block_numbers] = window_block_ids
         self.num_blocks[rows] = start + counts
 
         return TableWrites(
@@ -157,11 +169,15 @@ class InputBatch:
             token_ids=np.concatenate(token_ids) if token_ids else np.zeros(0, np.int64),
             block_index=block_rows * self.max_blocks_per_row + block_numbers,
             block_ids=block_ids,
+            window_block_ids=window_block_ids if self.window_block_table is not None else np.zeros(0, np.int64),
         )
 
     def write_tables(self, token_index: torch.Tensor, token_ids: torch.Tensor,
-                     block_index: torch.Tensor, block_ids: torch.Tensor) -> None:
+                     block_index: torch.Tensor, block_ids: torch.Tensor,
+                     window_block_ids: torch.Tensor | None = None) -> None:
         """Apply TableWrites once they are on the device."""
+        if window_block_ids is not None and window_block_ids.numel():
+            self.window_block_table.view(-1).index_copy_(0, block_index, window_block_ids.to(torch.int32))
         if token_index.numel():
             self.token_table.view(-1).index_copy_(0, token_index, token_ids.to(torch.int32))
         if block_index.numel():

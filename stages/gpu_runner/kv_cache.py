@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from stages.contracts.config import EngineConfig
 from stages.gpu_runner.model_config import ModelConfig
 
 # Host memory given to the KV cache on CPU when neither num_kv_blocks nor a budget is set.
@@ -33,8 +34,31 @@ def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dty
     return int(num_blocks)
 
 
-def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+def kv_pool_sizes(config: ModelConfig, engine: EngineConfig, dtype: torch.dtype,
+                  device: torch.device) -> tuple[int, int]:
+    """(blocks of KV group 0, blocks of group 1): the local layers of a model that mixes them with
+    global ones (0 for any other). A local layer holds a window's blocks per row, so its pool is
+    sized for what the rows can hold at once, and the rest of the memory goes to group 0."""
+    windows = config.kv_group_windows
+    bs = engine.block_size
+    window_need = 0
+    if len(windows) == 2:
+        # Per row: the window's blocks, a partial block each side, and two steps' chunks in flight.
+        window_need = engine.max_num_seqs * (-(-windows[1] // bs) + 2) + 2 * -(-engine.max_num_batched_tokens // bs)
+    if engine.num_kv_blocks is not None:
+        return engine.num_kv_blocks, min(engine.num_kv_blocks, window_need)
+    total = num_blocks_for_budget(config, bs, dtype, device, engine.kv_cache_memory_bytes)
+    if not window_need:
+        return total, 0
+    num_local = sum(config.kv_group(i) for i in range(config.num_layers))
+    num_window = min(window_need, total)
+    return max(1, (total * config.num_layers - num_window * num_local) // (config.num_layers - num_local)), num_window
+
+
+def allocate_kv_caches(config: ModelConfig, num_blocks: int | list[int], block_size: int, dtype: torch.dtype,
                        device: torch.device) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer."""
-    shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (`num_blocks`
+    may differ per layer)."""
+    per_layer = num_blocks if isinstance(num_blocks, list) else [num_blocks] * config.num_layers
+    return [torch.zeros((2, n, block_size, config.num_kv_heads, config.head_dim), dtype=dtype, device=device)
+            for n in per_layer]

@@ -72,6 +72,17 @@ class ModelConfig:
         return "gemma3" if self.architecture in GEMMA3_FAMILY else "llama"
 
     @property
+    def kv_group_windows(self) -> tuple[int | None, ...]:
+        """The window of each KV group: its layers share block tables and a block pool. One group
+        when every layer has the same window (None: full attention); Gemma 3's global layers are
+        group 0 and its local ones group 1, whose blocks are released once out of the window."""
+        windows = set(self.layer_windows)  # one config window: at most {None, W}
+        return tuple(windows) if len(windows) == 1 else (None, self.sliding_window)
+
+    def kv_group(self, layer: int) -> int:
+        return 0 if len(self.kv_group_windows) == 1 or self.layer_windows[layer] is None else 1
+
+    @property
     def scale(self) -> float:
         return self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
 
@@ -158,6 +169,7 @@ def _layer_windows(cfg: dict, arch: str, num_layers: int, sliding_window: int | 
     if sliding_window is None and "sliding_attention" in layer_types:
         raise ModelLoadError(f"{path}: layer_types has sliding_attention layers but no sliding_window is set")
     return tuple(sliding_window if kind == "sliding_attention" else None for kind in layer_types)
+
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:

@@ -33,7 +33,7 @@ from stages.gpu_runner.backend import AttentionBackend, resolve_attention_backen
 from stages.gpu_runner.constraints import RowConstraints
 from stages.gpu_runner.decode_graphs import DecodeGraphs
 from stages.gpu_runner.input_batch import InputBatch
-from stages.gpu_runner.kv_cache import allocate_kv_caches, num_blocks_for_budget
+from stages.gpu_runner.kv_cache import allocate_kv_caches, kv_pool_sizes
 from stages.gpu_runner.loader import load_model, tokenizer_path
 from stages.gpu_runner.model_config import (
     ModelConfig, load_model_config, resolve_device, resolve_dtype, served_max_model_len,
@@ -88,19 +88,20 @@ class ModelRunner:
         shard = self.model.shard
         self.attention_backend = make_attention_backend(config.attention_backend, self.device, self.block_size)
         self.model.backend = self.attention_backend
-        num_kv_blocks = config.num_kv_blocks
-        if num_kv_blocks is None:
-            num_kv_blocks = num_blocks_for_budget(shard, self.block_size, self.dtype, self.device,
-                                                  config.kv_cache_memory_bytes)
-            if tp is not None:  # the block tables are shared: every rank holds as many blocks
-                num_kv_blocks = tp.agree_min(num_kv_blocks)
-        self.num_kv_blocks = num_kv_blocks
-        # One block more than the pool: the scratch block where padding rows write their KV. The
-        # model gets the whole tensors; everyone else sees the pool alone.
-        self._kv_storage = allocate_kv_caches(shard, num_kv_blocks + 1, self.block_size, self.dtype,
-                                              self.device)
-        self.kv_caches = [cache[:, :num_kv_blocks] for cache in self._kv_storage]
-        self.batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size, self.device)
+        self.kv_group_windows = self.config.kv_group_windows
+        num_kv_blocks, num_window_blocks = kv_pool_sizes(shard, config, self.dtype, self.device)
+        if tp is not None:  # the block tables are shared: every rank holds as many blocks
+            num_kv_blocks, num_window_blocks = tp.agree_min(num_kv_blocks), tp.agree_min(num_window_blocks)
+        self.num_kv_blocks, self.num_window_blocks = num_kv_blocks, num_window_blocks
+        if kv_connector is not None and any(w is not None for w in self.kv_group_windows):
+            raise ValueError("a KV connector does not support models with sliding-window layers")
+        # One block more than each pool: the scratch block where padding rows write their KV. The
+        # model gets the whole tensors; everyone else sees the pools alone.
+        pool = [num_kv_blocks if shard.kv_group(i) == 0 else num_window_blocks for i in range(shard.num_layers)]
+        self._kv_storage = allocate_kv_caches(shard, [n + 1 for n in pool], self.block_size, self.dtype, self.device)
+        self.kv_caches = [cache[:, :n] for cache, n in zip(self._kv_storage, pool)]
+        self.batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size, self.device,
+                                window_table=num_window_blocks > 0)
         generator = None
         if config.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -117,7 +118,10 @@ class ModelRunner:
         self.copy_to_host = True
 
         if static_decode is None:
-            static_decode = self.device.type == "cuda" and tp is None
+            # The static buffers hold one block table: a model with two KV groups runs dynamically.
+            static_decode = self.device.type == "cuda" and tp is None and not num_window_blocks
+        if static_decode and num_window_blocks:
+            raise ValueError("static_decode is not supported for a model with local and global layers (two KV groups)")
         if static_decode and tp is not None:
             # Untested: collectives inside captured graphs. The ranks stay on the dynamic path.
             raise ValueError("static_decode is not supported under tensor parallelism (tensor_parallel_size > 1)")

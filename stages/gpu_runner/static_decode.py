@@ -70,7 +70,8 @@ class StaticDecodeInputs:
         n, width = len(layout.rows), self.batch.max_model_len
         rows, positions = layout.rows, layout.computed
         host = self._host_inputs()
-        host[:, :n] = (rows, positions, rows * width + positions, token_slots(self.batch, rows, positions),
+        slots = token_slots(self.batch.block_table_host, self.batch.block_size, rows, positions)
+        host[:, :n] = (rows, positions, rows * width + positions, slots,
                        positions + 1, rows * width + positions + 1)
         source = torch.from_numpy(host)
         if self.device.type == "cpu":

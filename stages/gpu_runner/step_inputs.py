@@ -21,10 +21,17 @@ from stages.gpu_runner.step_layout import step_layout, token_slots
 
 
 @dataclass(slots=True)
+class WindowTable:
+    """What a backend reads of the batch to build the local layers' metadata: their block table."""
+
+    block_table: torch.Tensor
+
+
+@dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # int32 [num_tokens]
     positions: torch.Tensor  # int64 [num_tokens]
-    attention: Any  # the backend's metadata of the step
+    attention: Any  # the backend's metadata of the step (a tuple, one per KV group, for a model with two)
     logits_index: torch.Tensor  # int64 [m]: flattened index of each sampled row's last token
     sampled_token_index: torch.Tensor  # int64 [m]: where each sampled token goes in the flat token table
     # Host-side numbers for SamplingMetadata.build, in sampled-row order.
@@ -83,25 +90,33 @@ def build_step_inputs(plan: StepPlan, batch: InputBatch, writes: TableWrites, de
 
     token_rows = np.repeat(rows, scheduled)
     positions = np.repeat(layout.computed - cu[:-1], scheduled) + np.arange(num_tokens, dtype=np.int64)
-    slots = token_slots(batch, token_rows, positions)
+    slots = token_slots(batch.block_table_host, batch.block_size, token_rows, positions)
+    windowed = batch.window_block_table is not None
+    window_slots = token_slots(batch.window_block_table_host, batch.block_size, token_rows, positions) \
+        if windowed else np.zeros(0, np.int64)
 
     sample = plan.sample.astype(bool)
     logits_index = cu[1:][sample] - 1
     sampled_token_index = rows[sample] * width + context[sample]
 
     backend_parts = backend.host_arrays(layout)
-    parts = [writes.token_index, writes.token_ids, writes.block_index, writes.block_ids,
-             token_rows * width + positions, positions, slots, logits_index, sampled_token_index, *backend_parts]
+    parts = [writes.token_index, writes.token_ids, writes.block_index, writes.block_ids, writes.window_block_ids,
+             token_rows * width + positions, positions, slots, window_slots, logits_index, sampled_token_index,
+             *backend_parts]
     packed = to_device(np.concatenate(parts), device)
     cuts = np.cumsum([len(p) for p in parts])[:-1].tolist()
-    (token_index, token_ids, block_index, block_ids, gather_index, positions_dev, slots_dev, logits_index_dev,
-     sampled_token_index_dev, *backend_dev) = torch.tensor_split(packed, cuts)
+    (token_index, token_ids, block_index, block_ids, window_block_ids, gather_index, positions_dev, slots_dev,
+     window_slots_dev, logits_index_dev, sampled_token_index_dev, *backend_dev) = torch.tensor_split(packed, cuts)
 
-    batch.write_tables(token_index, token_ids, block_index, block_ids)
+    batch.write_tables(token_index, token_ids, block_index, block_ids, window_block_ids)
+    attention = backend.step_metadata(layout, backend_dev, slots_dev, batch)
+    if windowed:  # the local layers' metadata: the same step over their own block table
+        attention = (attention, backend.step_metadata(layout, backend_dev, window_slots_dev,
+                                                      WindowTable(batch.window_block_table)))
     return StepInputs(
         input_ids=batch.token_table.view(-1)[gather_index],
         positions=positions_dev,
-        attention=backend.step_metadata(layout, backend_dev, slots_dev, batch),
+        attention=attention,
         logits_index=logits_index_dev,
         sampled_token_index=sampled_token_index_dev,
         sampled_rows=plan.rows[sample],
@@ -111,7 +126,7 @@ def build_step_inputs(plan: StepPlan, batch: InputBatch, writes: TableWrites, de
 
 def upload_table_writes(batch: InputBatch, writes: TableWrites) -> None:
     """Apply the plan's table writes on the device, in one upload (none when there are none)."""
-    parts = [writes.token_index, writes.token_ids, writes.block_index, writes.block_ids]
+    parts = [writes.token_index, writes.token_ids, writes.block_index, writes.block_ids, writes.window_block_ids]
     if not sum(len(p) for p in parts):
         return
     packed = to_device(np.concatenate(parts), batch.device)

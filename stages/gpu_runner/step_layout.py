@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from stages.contracts.plan import StepPlan
-from stages.gpu_runner.input_batch import InputBatch
 
 
 @dataclass(slots=True)
@@ -32,7 +31,7 @@ def step_layout(plan: StepPlan) -> StepLayout:
                       scheduled=scheduled, query_start=np.concatenate(([0], np.cumsum(scheduled))))
 
 
-def token_slots(batch: InputBatch, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """int64 KV slots of (row, position) pairs, from the host mirror of the block table."""
-    bs = batch.block_size
-    return batch.block_table_host[rows, positions // bs].astype(np.int64) * bs + positions % bs
+def token_slots(block_table_host: np.ndarray, block_size: int, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """int64 KV slots of (row, position) pairs, from a host mirror of a block table."""
+    bs = block_size
+    return block_table_host[rows, positions // bs].astype(np.int64) * bs + positions % bs

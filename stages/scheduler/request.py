@@ -28,6 +28,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     row: int = -1
     block_ids: list[int] = field(default_factory=list)
+    window_block_ids: list[int] = field(default_factory=list)  # the local layers' (KV group 1), when a model has them
+    num_released_blocks: int = 0  # leading entries a sliding window has released
     # Chained hashes of full blocks of host-known tokens, computed lazily, index = block index.
     block_hashes: list[bytes] = field(default_factory=list)
     # Outputs known on the host when the request last gave up its row (preemption).

@@ -21,7 +21,8 @@ from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.connector import KVConnectorScheduler
 from stages.contracts.outputs import FinishReason, HostStepOutput, StepUpdate
 from stages.contracts.plan import NewRequest, StepPlan
-from stages.scheduler.block_manager import BlockManager, hash_block
+from stages.scheduler.block_manager import hash_block
+from stages.scheduler.kv_groups import KVGroups
 from stages.scheduler.request import Request, RequestStatus
 from stages.scheduler.row_table import RowTable
 
@@ -57,7 +58,10 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = limits.max_model_len
         self.enable_prefix_caching = config.enable_prefix_caching
-        self.block_manager = BlockManager(num_kv_blocks, block_size, config.enable_prefix_caching)
+        self.kv = KVGroups(limits, block_size, config.enable_prefix_caching)
+        self.block_manager = self.kv.groups[0].manager
+        if connector is not None and self.kv.windowed:
+            raise ValueError("a KV connector does not support models with sliding-window layers")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must leave room for a prompt token and an output, got {self.max_model_len}")
         if self.max_model_len > num_kv_blocks * block_size:
@@ -150,7 +154,7 @@ class Scheduler:
         rows_t = self._rows
         budget = self.max_num_batched_tokens
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-        new_block_ids: list[int] = []
+        new_block_ids: list[list[int]] = [[] for _ in self.kv.groups]  # per KV group
         preempted = False
 
         if self._running:
@@ -167,7 +171,7 @@ class Scheduler:
             budget -= int(num_new.sum())
             num_new += _greedy_fill(np.where(is_decode, 0, need), budget)
             blocks_needed = np.maximum(-(-(num_computed + num_new) // self.block_size) - rows_t.num_blocks[rows], 0)
-            if int(blocks_needed.sum()) > self.block_manager.num_free_blocks:
+            if int(blocks_needed.sum()) > self.kv.num_free_blocks:
                 preempted = True
                 rows, num_new, blocks_needed = self._make_room(rows, num_new, blocks_needed)
                 num_computed, logical = rows_t.num_computed[rows], rows_t.num_known[rows] + rows_t.num_placeholders[rows]
@@ -177,11 +181,12 @@ class Scheduler:
                 rows, num_computed, num_new, blocks_needed = (
                     rows[scheduled], num_computed[scheduled], num_new[scheduled], blocks_needed[scheduled])
                 sample = num_computed + num_new == logical[scheduled]
-                new_block_ids = self.block_manager.allocate(int(blocks_needed.sum()))
-                if new_block_ids:
+                new_block_ids = self.kv.allocate(int(blocks_needed.sum()))
+                if new_block_ids[0]:
                     start = 0
                     for row, count in zip(rows[blocks_needed > 0].tolist(), blocks_needed[blocks_needed > 0].tolist()):
-                        self._row_request[row].block_ids.extend(new_block_ids[start:start + count])
+                        for block_ids, new in zip(self.kv.lists(self._row_request[row]), new_block_ids):
+                            block_ids.extend(new[start:start + count])
                         start += count
                     rows_t.num_blocks[rows] += blocks_needed
                 parts.append((rows, num_computed, num_new, sample, blocks_needed))
@@ -206,6 +211,7 @@ class Scheduler:
         if self.connector is not None:
             meta, read_blocks = self.connector.build_meta()
             self._unpin(read_blocks)
+        new_ids, window_ids = self.kv.plan_ids(new_block_ids)
         plan = StepPlan(
             step=self._next_step,
             new_requests=new_requests,
@@ -214,9 +220,10 @@ class Scheduler:
             num_scheduled_tokens=num_new.astype(np.int32),
             sample=sample.astype(np.bool_),
             num_new_blocks=num_new_blocks.astype(np.int32),
-            new_block_ids=np.asarray(new_block_ids, dtype=np.int32),
+            new_block_ids=new_ids,
             freed_rows=np.asarray(self._rows_to_free, dtype=np.int32),
             connector_meta=meta,
+            window_block_ids=window_ids,
         )
         self._rows_to_free = []
         self._next_step += 1
@@ -225,10 +232,11 @@ class Scheduler:
         self._first_admitted.append([(new.req_id, now_ns) for new in new_requests if new.req_id in first_admissions])
         return plan
 
-    def _admit(self, budget: int, new_requests: list[NewRequest], new_block_ids: list[int], first_admissions: set[int]):
+    def _admit(self, budget: int, new_requests: list[NewRequest], new_block_ids: list[list[int]],
+               first_admissions: set[int]):
         """Admit waiting requests in order while rows, token budget and blocks allow; the ids of
         those admitted for the first time go into `first_admissions`."""
-        rows_t, manager, size = self._rows, self.block_manager, self.block_size
+        rows_t, kv, size = self._rows, self.kv, self.block_size
         entries: list[tuple[int, int, int, bool, int]] = []
         while self._waiting and budget > 0 and self._free_rows:
             request = self._waiting[0]
@@ -236,28 +244,31 @@ class Scheduler:
             num_tokens = token_ids.shape[0]
             # At least one token is computed, so hits stop a block short of a full-block end.
             hashes = self._block_hashes(request, token_ids, (num_tokens - 1) // size)[:(num_tokens - 1) // size]
-            hit_blocks = manager.match_prefix(hashes)
+            hits = kv.match_prefix(hashes)
+            hit_blocks = hits[0]
             num_loaded = 0
             if self.connector is not None:
                 num_loaded = self.connector.num_hit_blocks(hashes[len(hit_blocks):])
             start = (len(hit_blocks) + num_loaded) * size
             num_new = min(num_tokens - start, budget)
             num_fresh_blocks = -(-(start + num_new) // size) - len(hit_blocks)
-            if manager.num_free_after_taking(hit_blocks) < num_fresh_blocks:
+            if kv.num_free_after_taking(hits) < num_fresh_blocks:
                 break
             self._waiting.popleft()
-            manager.take(hit_blocks)
+            kv.take(hits)
             self.num_prefix_queried_tokens += num_tokens
             self.num_prefix_hit_tokens += len(hit_blocks) * size
-            fresh = manager.allocate(num_fresh_blocks)
+            fresh = kv.allocate(num_fresh_blocks)
             if num_loaded:
-                self.connector.on_load(hashes[len(hit_blocks):len(hit_blocks) + num_loaded], fresh[:num_loaded])
+                self.connector.on_load(hashes[len(hit_blocks):len(hit_blocks) + num_loaded], fresh[0][:num_loaded])
             row = self._free_rows.pop()
             request.row, request.status = row, RequestStatus.RUNNING
             if not request.admitted:
                 request.admitted = True
                 first_admissions.add(request.req_id)
-            request.block_ids = hit_blocks + fresh
+            for block_ids, group_hits, group_fresh, new in zip(kv.lists(request), hits, fresh, new_block_ids):
+                block_ids[:] = group_hits + group_fresh
+                new.extend(block_ids)
             self._row_request[row] = request
             rows_t.assign(row, request.req_id, token_ids, request.num_prompt_tokens, request.params)
             rows_t.num_blocks[row] = len(request.block_ids)
@@ -266,7 +277,6 @@ class Scheduler:
             self._running.append(request)
             self._running_rows = None
             new_requests.append(NewRequest(request.req_id, row, token_ids, request.num_prompt_tokens, request.params))
-            new_block_ids.extend(request.block_ids)
             entries.append((row, start, num_new, start + num_new == num_tokens, len(request.block_ids)))
             budget -= num_new
         if not entries:
@@ -281,13 +291,13 @@ class Scheduler:
         blocks fit in what is free now run."""
         keep, num_pending = len(rows), 0
         while keep:
-            short = int(blocks_needed[:keep].sum()) - self.block_manager.num_free_blocks
+            short = int(blocks_needed[:keep].sum()) - self.kv.num_free_blocks
             if short <= num_pending:
                 break
             num_pending += self._preempt(self._running[keep - 1])
             keep -= 1
         rows, num_new, blocks_needed = rows[:keep], num_new[:keep], blocks_needed[:keep]
-        fits = (np.cumsum(blocks_needed) <= self.block_manager.num_free_blocks) | (blocks_needed == 0)
+        fits = (np.cumsum(blocks_needed) <= self.kv.num_free_blocks) | (blocks_needed == 0)
         return rows, np.where(fits, num_new, 0), np.where(fits, blocks_needed, 0)
 
     def _preempt(self, request: Request) -> int:
@@ -333,6 +343,10 @@ class Scheduler:
         length = (num_outputs >= rows_t.max_tokens[live]) | (position + 1 >= self.max_model_len)
         result = StepUpdate(plan.step, rows_t.req_id[live], token_ids, output_index, [], output, admitted)
         self._commit_blocks(rows)  # before finishing: a finished request may release its blocks now
+        if self.kv.windowed:  # then blocks behind a window: committed first, they stay cached
+            next_positions = rows_t.num_computed[rows] - rows_t.num_in_flight[rows]
+            for row, position in zip(rows.tolist(), next_positions.tolist()):
+                self.kv.release_behind_window(self._row_request[row], position)
         for i in np.flatnonzero(stop | length).tolist():
             request = self._row_request[live[i]]
             reason = FinishReason.STOP if stop[i] else FinishReason.LENGTH
@@ -356,7 +370,7 @@ class Scheduler:
             hashes = self._block_hashes(request, rows_t.token_ids[row], num_done)
             for index in range(first, num_done):
                 block_id = request.block_ids[index]
-                self.block_manager.commit(block_id, hashes[index])
+                self.kv.commit(request, index, hashes[index])
                 if self.connector is not None and self.connector.on_commit(hashes[index], block_id):
                     self.block_manager.take([block_id])
                     self._connector_pins.append(block_id)
@@ -393,15 +407,14 @@ class Scheduler:
         if self._rows.num_steps_in_flight[request.row] == 0:
             self._release(request)
             return 0
-        return len(request.block_ids)
+        return self.kv.num_held(request)
 
     def _release(self, request: Request) -> None:
         """Free the row and blocks of a drained request; re-queue it if it was preempted."""
         row, rows_t = request.row, self._rows
         if not request.is_finished:
             request.output_token_ids = rows_t.token_ids[row, request.num_prompt_tokens:rows_t.num_known[row]].copy()
-        self.block_manager.free(request.block_ids[::-1])
-        request.block_ids = []
+        self.kv.free(request)
         rows_t.clear(row)
         self._row_request[row] = None
         self._free_rows.append(row)

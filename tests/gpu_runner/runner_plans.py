@@ -51,6 +51,9 @@ class PlanMaker:
         self.requests = requests
         self.block_size = runner.block_size
         self.num_kv_blocks = runner.num_kv_blocks
+        self.windowed = bool(getattr(runner, "num_window_blocks", 0))
+        if self.windowed:
+            self.num_kv_blocks = min(runner.num_kv_blocks, runner.num_window_blocks)
         self.token_budget = token_budget
         self.free_rows = list(range(runner.max_num_seqs))
         self.next_block = 0
@@ -125,7 +128,9 @@ class PlanMaker:
             step=self.step, new_requests=new_requests, rows=np.asarray(rows, np.int32),
             num_computed_tokens=np.asarray(computed, np.int32), num_scheduled_tokens=np.asarray(scheduled, np.int32),
             sample=np.asarray(sample, bool), num_new_blocks=np.asarray(num_new, np.int32),
-            new_block_ids=np.asarray(new_blocks, np.int32), freed_rows=np.asarray(self.freed, np.int32))
+            new_block_ids=np.asarray(new_blocks, np.int32), freed_rows=np.asarray(self.freed, np.int32),
+            # A model's local layers (KV group 1) get the same block ids in their own pool.
+            window_block_ids=np.asarray(new_blocks if self.windowed else [], np.int32))
         self.freed = []
         owners = {requests[i].row: i for i in self.running}
         self.owners.append(owners)

@@ -19,23 +19,25 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ForwardContext:
-    """What every layer of one forward reads: the backend, the step's attention metadata, and the
-    rotary lookups of the step's positions by table ("global", and "local" where a model has one)."""
+    """What every layer of one forward reads: the backend, the step's attention metadata of each KV
+    group, and the rotary lookups of the step's positions by table ("global", and "local" where a
+    model has one)."""
 
     backend: AttentionBackend
-    meta: Any
+    metas: tuple[Any, ...]
     ropes: dict[str, Any]
 
 
 class Attention(nn.Module):
     def __init__(self, shard: ModelConfig, tp: TensorParallel | None, *, window: int | None = None,
-                 rope: str = "global") -> None:
+                 rope: str = "global", kv_group: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, shard.head_dim
         self.q_size, self.kv_size = shard.q_size, shard.kv_size
         self.scale = shard.scale
         self.window = window  # keys a query attends back to, itself included; None: all
         self.rope = rope
+        self.kv_group = kv_group  # whose block tables and slots this layer's KV uses
         self.qkv_proj = MergedColumnLinear(shard.hidden_size, [self.q_size, self.kv_size, self.kv_size],
                                            bias=shard.qkv_bias)
         self.o_proj = RowLinear(self.q_size, shard.hidden_size, bias=shard.o_bias, tp=tp)
@@ -55,7 +57,7 @@ class Attention(nn.Module):
             q, k = ctx.backend.qk_norm_rotary(q, k, self.q_norm, self.k_norm, rope)
         else:
             q, k = ctx.backend.rotary(q, k, rope)
-        out = ctx.backend.attention(q, k, v, kv_cache, ctx.meta, self.scale, window=self.window)
+        out = ctx.backend.attention(q, k, v, kv_cache, ctx.metas[self.kv_group], self.scale, window=self.window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     @staticmethod

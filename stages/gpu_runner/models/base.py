@@ -52,14 +52,15 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: Any) -> torch.Tensor:
-        """`meta` is the step's attention metadata, built by `self.backend`."""
+        """`meta` is the step's attention metadata, built by `self.backend` (a tuple of one per KV
+        group for a model with two)."""
         backend = self.backend
         x = self.embed_tokens(input_ids)
         if self.config.embedding_scale:
             # The factor is rounded to the activations' dtype first, as the reference does.
             x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
-        ctx = ForwardContext(backend, meta, {kind: backend.rope(positions, table, x.dtype)
-                                             for kind, table in self.rotary.items()})
+        ropes = {kind: backend.rope(positions, table, x.dtype) for kind, table in self.rotary.items()}
+        ctx = ForwardContext(backend, meta if isinstance(meta, tuple) else (meta,), ropes)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, kv_cache, ctx)

@@ -20,11 +20,12 @@ _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layern
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, shard: ModelConfig, tp, window: int | None) -> None:
+    def __init__(self, shard: ModelConfig, tp, window: int | None, kv_group: int) -> None:
         super().__init__()
         for name in _NORMS:
             setattr(self, name, RMSNorm(shard.hidden_size, shard.rms_norm_eps, unit_offset=True))
-        self.self_attn = Attention(shard, tp, window=window, rope="global" if window is None else "local")
+        self.self_attn = Attention(shard, tp, window=window, rope="global" if window is None else "local",
+                                   kv_group=kv_group)
         self.mlp = GatedMLP(shard, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -47,4 +48,4 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3ForCausalLM(CausalLM):
     def make_layer(self, index: int) -> nn.Module:
-        return Gemma3DecoderLayer(self.shard, self.tp, self.config.layer_windows[index])
+        return Gemma3DecoderLayer(self.shard, self.tp, self.config.layer_windows[index], self.config.kv_group(index))

@@ -19,10 +19,10 @@ from stages.gpu_runner.models.base import CausalLM
 class LlamaDecoderLayer(nn.Module):
     """x -> x + attn(norm(x)) -> x + mlp(norm(x))."""
 
-    def __init__(self, shard: ModelConfig, tp, window: int | None) -> None:
+    def __init__(self, shard: ModelConfig, tp, window: int | None, kv_group: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shard.hidden_size, shard.rms_norm_eps)
-        self.self_attn = Attention(shard, tp, window=window)
+        self.self_attn = Attention(shard, tp, window=window, kv_group=kv_group)
         self.post_attention_layernorm = RMSNorm(shard.hidden_size, shard.rms_norm_eps)
         self.mlp = GatedMLP(shard, tp)
 
@@ -46,4 +46,4 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     def make_layer(self, index: int) -> nn.Module:
-        return LlamaDecoderLayer(self.shard, self.tp, self.config.layer_windows[index])
+        return LlamaDecoderLayer(self.shard, self.tp, self.config.layer_windows[index], self.config.kv_group(index))
