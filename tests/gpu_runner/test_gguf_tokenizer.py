@@ -7,7 +7,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from real_models import gemma3_gguf, smollm2_gguf
+from real_models import gemma3_gguf, share_gguf_readers, smollm2_gguf
 from transformers import AutoTokenizer
 
 from stages.gpu_runner.loaders.gguf_file import GGUFFile
@@ -39,6 +39,7 @@ def built(request: pytest.FixtureRequest) -> tuple[GGUFTokenizer, object]:
     """(ours, transformers') for one real file, built once per module: both are slow for Gemma."""
     path = {"smollm2": smollm2_gguf, "gemma3": gemma3_gguf}[request.param]()
     ours = build_tokenizer(GGUFFile(path), path)
+    share_gguf_readers()
     reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return ours, reference
 
