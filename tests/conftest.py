@@ -17,6 +17,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "cpu); with cuda and no CUDA device those tests skip")
 
 
+REAL_MODEL_TESTS = "tests/daemon/test_real_models.py::"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When the real-model tests are collected, transformers' references for them start at once,
+    in a worker at the lowest priority (real_models.py)."""
+    if os.environ.get("PIPELINE_TEST_BACKEND", "real") == "real" and \
+            any(item.nodeid.startswith(REAL_MODEL_TESTS) for item in session.items):
+        from real_models import start_references
+
+        try:
+            start_references()
+        except pytest.skip.Exception:
+            pass  # a model's package is missing: its tests skip and say how to install it
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from real_models import stop_references
+
+    stop_references()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     os.environ[DEVICE_ENV] = config.getoption("device")
 

@@ -76,3 +76,120 @@ def share_gguf_readers() -> None:
         return _READER(path, mode)
 
     gguf.GGUFReader = reader
+
+
+# ---- transformers' reference, computed in a worker process at the lowest priority
+#
+# Loading Gemma through transformers' GGUF loader takes half a minute of one core, and the
+# references take as long again. When a session collects the real-model tests, the worker starts
+# on them at once (see conftest.py) and works while the rest of the suite waits on its daemons.
+
+SMOLLM2_TEXTS = ["The history of the printing press", "def fibonacci(n):", "Bonjour, je m'appelle"]
+SMOLLM2_TOKENS = 24
+GEMMA3_WINDOW = 512
+GEMMA3_TOKENS = [48, 16, 16]  # the short prompts decode beside the long one's prefill and first tokens
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT_TOKENS = 24
+_pool = None
+_references: dict[str, object] = {}
+
+
+def served_tokenizer(gguf: Path):
+    from tokenizers import Tokenizer
+
+    from pipeline.models.checkpoints import resolve_model
+
+    return Tokenizer.from_file(str(Path(resolve_model(gguf)) / "tokenizer.json"))
+
+
+def text_of_tokens(tokenizer, num_tokens: int) -> str:
+    """Plain English-like text of at least `num_tokens` tokens."""
+    from pipeline.models.tiny_model import corpus
+
+    text = ""
+    for line in corpus(seed=7):
+        text += line + " "
+        if len(tokenizer.encode(text, add_special_tokens=False).ids) >= num_tokens:
+            return text
+    raise AssertionError("the corpus is too short")
+
+
+def smollm2_prompts() -> list[list[int]]:
+    tokenizer = served_tokenizer(smollm2_gguf())
+    return [tokenizer.encode(text).ids for text in SMOLLM2_TEXTS + [text_of_tokens(tokenizer, 300)]]
+
+
+def gemma3_prompts() -> list[list[int]]:
+    """About twice the window, and two short ones."""
+    tokenizer = served_tokenizer(gemma3_gguf())
+    texts = [text_of_tokens(tokenizer, 2 * GEMMA3_WINDOW - 24), "The capital of France is",
+             "Once upon a time, in a small village,"]
+    return [tokenizer.encode(text).ids for text in texts]
+
+
+def start_references() -> dict[str, object]:
+    """Ask the worker for every reference (once per session); name -> its AsyncResult."""
+    global _pool
+    if _pool is None:
+        import multiprocessing
+
+        _pool = multiprocessing.get_context("spawn").Pool(1, initializer=os.nice, initargs=(19,))
+        prompts = smollm2_prompts()
+        _references["smollm2"] = _pool.apply_async(reference_greedy, (str(smollm2_gguf()), prompts,
+                                                                      [SMOLLM2_TOKENS] * len(prompts)))
+        _references["chat"] = _pool.apply_async(reference_chat, (str(smollm2_gguf()), CHAT, CHAT_TOKENS))
+        _references["gemma3"] = _pool.apply_async(reference_greedy, (str(gemma3_gguf()), gemma3_prompts(),
+                                                                     GEMMA3_TOKENS))
+    return _references
+
+
+def stop_references() -> None:
+    global _pool
+    if _pool is not None:
+        _pool.terminate()
+        _pool.join()
+        _pool = None
+
+@functools.cache
+def _reference_model(gguf: str) -> object:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    share_gguf_readers()
+    path = Path(gguf)
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def reference_greedy(gguf: str, prompts: list[list[int]], num_new: list[int]) -> list[tuple[list[int], list[float]]]:
+    """transformers' float32 tokens for each prompt (argmax each step, EOS not stopping it) and
+    the top-2 logit gap at each step, loading the file with its own GGUF loader."""
+    import torch
+
+    model = _reference_model(gguf)
+    results = []
+    with torch.no_grad():
+        for prompt, count in zip(prompts, num_new):
+            out = model(torch.tensor([prompt]), use_cache=True)
+            tokens, gaps = [], []
+            for _ in range(count):
+                top = out.logits[0, -1].float().topk(2)
+                tokens.append(int(top.indices[0]))
+                gaps.append(float(top.values[0] - top.values[1]))
+                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            results.append((tokens, gaps))
+    return results
+
+
+def reference_chat(gguf: str, messages: list[dict], num_new: int) -> tuple[list[int], list[float], list[str], int]:
+    """transformers' apply_chat_template and greedy decoding: (tokens, gaps, the text of each
+    prefix of the tokens, the EOS id)."""
+    from transformers import AutoTokenizer
+
+    share_gguf_readers()
+    path = Path(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                              add_special_tokens=False)
+    (tokens, gaps), = reference_greedy(gguf, [prompt], [num_new])
+    texts = [tokenizer.decode(tokens[:n], skip_special_tokens=True) for n in range(num_new + 1)]
+    return tokens, gaps, texts, tokenizer.eos_token_id

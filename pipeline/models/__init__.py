@@ -1,1 +1,1 @@
-"""Checkpoints the project makes itself: tiny random models for tests and the embedded default."""
+"""Checkpoints: what `--model` names made servable, the default model, and the tiny random ones the project makes for tests and benchmarks."""

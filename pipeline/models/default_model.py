@@ -1,8 +1,7 @@
-"""The embedded default model: a tiny random checkpoint built once into the user's cache.
-
-Its text is meaningless (random weights); it exists so that `pipeline start` runs offline,
-with nothing to download, on any machine.
-"""
+"""A tiny random checkpoint built once into the user's cache: the model of the host-overhead
+benchmark (tools/bench_overhead.py) when it is given none, where per-step host work, not the
+forward, should dominate. Its text is meaningless (random weights). The daemon's default model is
+a real one (checkpoints.py)."""
 from __future__ import annotations
 
 import json
