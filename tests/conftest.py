@@ -17,18 +17,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "cpu); with cuda and no CUDA device those tests skip")
 
 
-REAL_MODEL_TESTS = "tests/daemon/test_real_models.py::"
+REFERENCE_USERS = {"tests/daemon/test_real_models.py::": "serving", "tests/gpu_runner/test_gguf_tokenizer.py::": "tokenizers"}
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """When the real-model tests are collected, transformers' references for them start at once,
-    in a worker at the lowest priority (real_models.py)."""
-    if os.environ.get("PIPELINE_TEST_BACKEND", "real") == "real" and \
-            any(item.nodeid.startswith(REAL_MODEL_TESTS) for item in session.items):
+    """When tests that compare with transformers on the real checkpoints are collected, the
+    references they need start at once, in a worker at the lowest priority (real_models.py)."""
+    kinds = {kind for prefix, kind in REFERENCE_USERS.items() if any(item.nodeid.startswith(prefix)
+                                                                    for item in session.items)}
+    if os.environ.get("PIPELINE_TEST_BACKEND", "real") != "real":
+        kinds.discard("serving")
+    if kinds:
         from real_models import start_references
 
         try:
-            start_references()
+            start_references(*sorted(kinds))
         except pytest.skip.Exception:
             pass  # a model's package is missing: its tests skip and say how to install it
 

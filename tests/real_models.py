@@ -127,19 +127,62 @@ def gemma3_prompts() -> list[list[int]]:
     return [tokenizer.encode(text).ids for text in texts]
 
 
-def start_references() -> dict[str, object]:
-    """Ask the worker for every reference (once per session); name -> its AsyncResult."""
+SERVING, TOKENIZERS = "serving", "tokenizers"  # the two sets of references, by the tests that need them
+TOKENIZER_CORPUS = [
+    "Hello, world! How are you today?",
+    " leading space, trailing space ",
+    "Grüße aus München: Äpfel, Öl und Übermut kosten 3,50 €.",
+    "Où est la bibliothèque ? C'est à côté de l'église, n'est-ce pas ?",
+    "我们今天去公园散步吧，天气很好。",
+    "日本語のテキスト：東京は晴れです。カタカナとひらがな。",
+    "مرحبا بالعالم، كيف حالك؟",
+    "नमस्ते दुनिया, आप कैसे हैं?",
+    "Привет, мир! Как дела? Ёлка.",
+    "emoji 😀🎉 family 👨‍👩‍👧‍👦 flags 🇩🇪🇯🇵 skin 👍🏽 heart ❤️",
+    "def f(x):\n\tif x  >  1:\n\t\treturn x ** 2\n    return None\n\n\n# done\r\n",
+    "   \t  \n\n  mixed   whitespace\t\t runs  ",
+    "3.14159 1234567890 -42 1e-9 0x1F 1,000,000 2024-01-31",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
+    "text<|endoftext|>more <bos><eos> <pad>",
+    "",
+]
+TOKENIZER_SETTINGS = ("bos_token", "eos_token", "add_bos_token", "add_eos_token", "chat_template",
+                      "bos_token_id", "eos_token_id")
+
+
+def reference_tokenizer(gguf: str, corpus: list[str]) -> dict[str, object]:
+    """transformers' GGUF tokenizer on `corpus`: ids with and without special tokens, the decoded
+    text of the former with and without special tokens, and its settings."""
+    from transformers import AutoTokenizer
+
+    share_gguf_readers()
+    path = Path(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ids = [tokenizer.encode(text) for text in corpus]
+    return {"ids": ids, "plain_ids": [tokenizer.encode(text, add_special_tokens=False) for text in corpus],
+            "decoded": [(tokenizer.decode(i, skip_special_tokens=False), tokenizer.decode(i, skip_special_tokens=True))
+                        for i in ids],
+            "settings": {name: getattr(tokenizer, name) for name in TOKENIZER_SETTINGS}}
+
+
+def start_references(*kinds: str) -> dict[str, object]:
+    """Ask the worker for the references of `kinds` not asked for yet; name -> its AsyncResult."""
     global _pool
     if _pool is None:
         import multiprocessing
 
         _pool = multiprocessing.get_context("spawn").Pool(1, initializer=os.nice, initargs=(19,))
+    if SERVING in kinds and "gemma3" not in _references:
         prompts = smollm2_prompts()
         _references["smollm2"] = _pool.apply_async(reference_greedy, (str(smollm2_gguf()), prompts,
                                                                       [SMOLLM2_TOKENS] * len(prompts)))
         _references["chat"] = _pool.apply_async(reference_chat, (str(smollm2_gguf()), CHAT, CHAT_TOKENS))
         _references["gemma3"] = _pool.apply_async(reference_greedy, (str(gemma3_gguf()), gemma3_prompts(),
                                                                      GEMMA3_TOKENS))
+    if TOKENIZERS in kinds and "tokenizer:gemma3" not in _references:
+        for name, gguf in (("smollm2", smollm2_gguf()), ("gemma3", gemma3_gguf())):
+            _references[f"tokenizer:{name}"] = _pool.apply_async(reference_tokenizer, (str(gguf), TOKENIZER_CORPUS))
     return _references
 
 
@@ -169,7 +212,7 @@ def reference_greedy(gguf: str, prompts: list[list[int]], num_new: list[int]) ->
     results = []
     with torch.no_grad():
         for prompt, count in zip(prompts, num_new):
-            out = model(torch.tensor([prompt]), use_cache=True)
+            out = model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)  # the last position's logits
             tokens, gaps = [], []
             for _ in range(count):
                 top = out.logits[0, -1].float().topk(2)

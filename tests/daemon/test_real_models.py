@@ -19,7 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 from live_daemon import REAL_BACKEND, LiveDaemon, serving
-from real_models import (CHAT, CHAT_TOKENS, GEMMA3_TOKENS, GEMMA3_WINDOW, SMOLLM2_TOKENS, gemma3_gguf, gemma3_prompts,
+from real_models import (CHAT, CHAT_TOKENS, GEMMA3_TOKENS, GEMMA3_WINDOW, SERVING, SMOLLM2_TOKENS, gemma3_gguf, gemma3_prompts,
                          served_tokenizer, smollm2_gguf, smollm2_prompts, start_references)
 
 from pipeline.client import AsyncClient, Client
@@ -68,7 +68,7 @@ def http_url(daemon: LiveDaemon) -> str:
 @pytest.fixture(scope="module")
 def references() -> dict[str, AsyncResult]:
     """transformers' references, already being computed when the session collected this module."""
-    return start_references()
+    return start_references(SERVING)
 
 
 @pytest.fixture(scope="module")

@@ -7,58 +7,36 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from real_models import gemma3_gguf, share_gguf_readers, smollm2_gguf
+from real_models import TOKENIZER_CORPUS, TOKENIZERS, gemma3_gguf, smollm2_gguf, start_references
 from transformers import AutoTokenizer
 
 from stages.gpu_runner.loaders.gguf_file import GGUFFile
 from stages.gpu_runner.loaders.gguf_tokenizer import GGUFTokenizer, _bytes_to_unicode, build_tokenizer
 
-CORPUS = [
-    "Hello, world! How are you today?",
-    " leading space, trailing space ",
-    "Grüße aus München: Äpfel, Öl und Übermut kosten 3,50 €.",
-    "Où est la bibliothèque ? C'est à côté de l'église, n'est-ce pas ?",
-    "我们今天去公园散步吧，天气很好。",
-    "日本語のテキスト：東京は晴れです。カタカナとひらがな。",
-    "مرحبا بالعالم، كيف حالك؟",
-    "नमस्ते दुनिया, आप कैसे हैं?",
-    "Привет, мир! Как дела? Ёлка.",
-    "emoji 😀🎉 family 👨‍👩‍👧‍👦 flags 🇩🇪🇯🇵 skin 👍🏽 heart ❤️",
-    "def f(x):\n\tif x  >  1:\n\t\treturn x ** 2\n    return None\n\n\n# done\r\n",
-    "   \t  \n\n  mixed   whitespace\t\t runs  ",
-    "3.14159 1234567890 -42 1e-9 0x1F 1,000,000 2024-01-31",
-    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
-    "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
-    "text<|endoftext|>more <bos><eos> <pad>",
-    "",
-]
+REFERENCE_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
-def built(request: pytest.FixtureRequest) -> tuple[GGUFTokenizer, object]:
-    """(ours, transformers') for one real file, built once per module: both are slow for Gemma."""
+def built(request: pytest.FixtureRequest) -> tuple[GGUFTokenizer, dict]:
+    """(ours, transformers' results on TOKENIZER_CORPUS) for one real file; transformers' come from
+    the session's reference worker (real_models.py), whose load of Gemma's tokenizer takes long."""
     path = {"smollm2": smollm2_gguf, "gemma3": gemma3_gguf}[request.param]()
-    ours = build_tokenizer(GGUFFile(path), path)
-    share_gguf_readers()
-    reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return ours, reference
+    reference = start_references(TOKENIZERS)[f"tokenizer:{request.param}"]
+    return build_tokenizer(GGUFFile(path), path), reference.get(REFERENCE_TIMEOUT_S)
 
 
 def test_ids_match_transformers(built):
     ours, reference = built
-    for text in CORPUS:
-        assert ours.tokenizer.encode(text).ids == reference.encode(text), text
-        assert ours.tokenizer.encode(text, add_special_tokens=False).ids == \
-            reference.encode(text, add_special_tokens=False), text
+    for text, ids, plain_ids in zip(TOKENIZER_CORPUS, reference["ids"], reference["plain_ids"]):
+        assert ours.tokenizer.encode(text).ids == ids, text
+        assert ours.tokenizer.encode(text, add_special_tokens=False).ids == plain_ids, text
 
 
 def test_decode_matches_transformers_and_round_trips(built):
     ours, reference = built
-    for text in CORPUS:
-        ids = reference.encode(text)
-        for skip in (False, True):
-            assert ours.tokenizer.decode(ids, skip_special_tokens=skip) == \
-                reference.decode(ids, skip_special_tokens=skip), (text, skip)
+    for text, ids, decoded in zip(TOKENIZER_CORPUS, reference["ids"], reference["decoded"]):
+        for skip, expected in zip((False, True), decoded):
+            assert ours.tokenizer.decode(ids, skip_special_tokens=skip) == expected, (text, skip)
         plain = ours.tokenizer.encode(text, add_special_tokens=False).ids
         assert ours.tokenizer.decode(plain, skip_special_tokens=False) == text
 
@@ -73,10 +51,10 @@ def test_special_tokens_stay_whole(built):
 
 def test_settings_match_transformers(built):
     ours, reference = built
-    names = ("bos_token", "eos_token", "add_bos_token", "add_eos_token", "chat_template")
-    expected = {name: getattr(reference, name) for name in names}
-    assert ours.tokenizer_config() == {name: value for name, value in expected.items() if value is not None}
-    assert (ours.bos_token_id, ours.eos_token_ids[0]) == (reference.bos_token_id, reference.eos_token_id)
+    settings = dict(reference["settings"])
+    expected_ids = (settings.pop("bos_token_id"), settings.pop("eos_token_id"))
+    assert ours.tokenizer_config() == {name: value for name, value in settings.items() if value is not None}
+    assert (ours.bos_token_id, ours.eos_token_ids[0]) == expected_ids
 
 
 # A tiny GGUF written here: the model needs only what transformers asks of a llama file.
@@ -114,7 +92,7 @@ def test_byte_level_pre_tokenizers_match_transformers(tmp_path: Path, pre: str |
     types = [3, 3, 3, 4] + [1] * (len(tokens) - 4)
     keys = {"token_merges": merges, "eot_token_id": 0} | ({"tokenizer_pre": pre} if pre else {})
     path = _write_gguf(tmp_path / "bpe.gguf", "gpt2", tokens, types, **keys)
-    ours = _assert_same_as_transformers(path, ["12345 hello's <think>x<|eos|> \n\n  hello  123", *CORPUS[:3]])
+    ours = _assert_same_as_transformers(path, ["12345 hello's <think>x<|eos|> \n\n  hello  123", *TOKENIZER_CORPUS[:3]])
     assert ours.eos_token_ids == [2, 0]  # generation also ends at the end-of-turn token
     # llama3's split keeps three digits together, qwen2's splits each digit.
     assert len(ours.tokenizer.encode("123").ids) == (3 if pre == "qwen2" else 1)
@@ -129,7 +107,7 @@ def test_sentencepiece_matches_transformers(tmp_path: Path, add_bos: bool | None
     scores = [0.0] * 260 + [-1.0, -2.0, -2.0, -2.0, -2.0, -3.0, -3.0, -3.0, -4.0, -5.0, -3.0, -2.0, -2.0, -2.0, -3.0, -3.0, -4.0]
     keys = {"token_scores": scores} | ({} if add_bos is None else {"add_bos_token": add_bos})
     path = _write_gguf(tmp_path / "sp.gguf", "llama", tokens, types, **keys)
-    ours = _assert_same_as_transformers(path, ["hello world", " hello  world<tool>é", "<s>hi</s>", *CORPUS[:3]])
+    ours = _assert_same_as_transformers(path, ["hello world", " hello  world<tool>é", "<s>hi</s>", *TOKENIZER_CORPUS[:3]])
     # A SentencePiece file that does not say adds BOS, as llama.cpp does.
     assert ours.add_bos_token is (add_bos is None)
 
