@@ -166,13 +166,20 @@ def reference_tokenizer(gguf: str, corpus: list[str]) -> dict[str, object]:
             "settings": {name: getattr(tokenizer, name) for name in TOKENIZER_SETTINGS}}
 
 
+def _start_worker() -> None:
+    import warnings
+
+    os.nice(19)  # the lowest priority: it works while the tests wait on their daemons
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecations, in the test log
+
+
 def start_references(*kinds: str) -> dict[str, object]:
     """Ask the worker for the references of `kinds` not asked for yet; name -> its AsyncResult."""
     global _pool
     if _pool is None:
         import multiprocessing
 
-        _pool = multiprocessing.get_context("spawn").Pool(1, initializer=os.nice, initargs=(19,))
+        _pool = multiprocessing.get_context("spawn").Pool(1, initializer=_start_worker)
     if SERVING in kinds and "gemma3" not in _references:
         prompts = smollm2_prompts()
         _references["smollm2"] = _pool.apply_async(reference_greedy, (str(smollm2_gguf()), prompts,
