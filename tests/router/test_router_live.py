@@ -190,7 +190,9 @@ def complete_all(url: str, requests: list[dict]) -> list[str]:
 def test_a_replica_stopped_under_streams_is_failed_over_after_the_stall_timeout(fleet, daemon_model: Path,
                                                                                tmp_path: Path) -> None:
     replicas, main_router = fleet
-    requests = [{"model": "default", "prompt": f"Stalled stream {i} says", "max_tokens": 32, "ignore_eos": True,
+    # Long enough that the victim's streams are still running when every stream has had text,
+    # however unevenly a loaded machine starts them (with 32 tokens they could all have ended).
+    requests = [{"model": "default", "prompt": f"Stalled stream {i} says", "max_tokens": 96, "ignore_eos": True,
                  **({"temperature": 0} if i % 2 == 0 else {"temperature": 1.0, "seed": 200 + i})} for i in range(9)]
     reference = complete_all(replicas[1].url, requests)
     router = start_router(daemon_model, [r.url for r in replicas], tmp_path / "stall.log", "--stall-timeout-s", "2")
