@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -131,6 +132,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="never capture CUDA graphs: decode steps run eagerly on CUDA too")
     add_rank_options(parser)  # `start` is the head: its --node-rank stays 0
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, with vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 3, '
+                             '"prompt_lookup_max": 3} or {"method": "draft_model", "model": DIR_OR_GGUF, '
+                             '"num_speculative_tokens": 3}; "disable_by_batch_size": N stops verifying drafts in '
+                             'steps with more decoding rows')
     parser.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                         help="split the model over this many runner ranks (one per GPU; gloo ranks on CPU), "
                              "spread evenly over --nnodes machines")
@@ -160,9 +166,26 @@ def _resolved_model(model: str | None) -> str:
         raise PipelineError(str(exc)) from None
 
 
+def _speculative_config(text: str | None) -> dict | None:
+    """--speculative-config's JSON object, its draft model resolved like --model."""
+    if text is None:
+        return None
+    from pipeline.models.checkpoints import resolve_speculative_config
+
+    try:
+        values = json.loads(text)
+    except ValueError as exc:
+        raise PipelineError(f"--speculative-config is not valid JSON: {exc}") from None
+    try:
+        return resolve_speculative_config(values)
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the options ask for; without --model, the default model."""
     model = _resolved_model(args.model)
+    speculative = _speculative_config(args.speculative_config)
     try:
         return EngineConfig(
             model=model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -172,7 +195,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             kv_connector=args.kv_connector, attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
             nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-            master_port=args.master_port)
+            master_port=args.master_port, speculative_config=speculative)
     except ValueError as exc:
         raise PipelineError(f"invalid engine option: {exc}") from None
 

@@ -213,6 +213,36 @@ class HealthReply(Struct, tag="health_reply"):
     delta_frames: bool = False  # it sends `Deltas` frames to requests that ask for them
 
 
+@dataclasses.dataclass(slots=True)
+class SpeculativeCounts:
+    """Speculative decoding's totals: drafts verified, drafts accepted, and (request, step) pairs
+    that verified drafts. All 0 where nothing speculates."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verifications: int = 0
+
+    def since(self, before: SpeculativeCounts) -> SpeculativeCounts:
+        """What was counted between `before` and these (a count that fell started again from 0)."""
+        def rise(now: int, then: int) -> int:
+            return now - then if now >= then else now
+
+        return SpeculativeCounts(rise(self.num_draft_tokens, before.num_draft_tokens),
+                                 rise(self.num_accepted_tokens, before.num_accepted_tokens),
+                                 rise(self.num_verifications, before.num_verifications))
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """The share of verified drafts accepted (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying step gives a request on average: its accepted drafts and the one
+        token the target samples after them (0 before any)."""
+        return 1 + self.num_accepted_tokens / self.num_verifications if self.num_verifications else 0.0
+
+
 class StatsReply(Struct, tag="stats_reply"):
     num_running_requests: int = 0
     num_waiting_requests: int = 0
@@ -234,6 +264,16 @@ class StatsReply(Struct, tag="stats_reply"):
     special_token_ids: list[int] = msgspec.field(default_factory=list)  # ids a prompt of text never holds
     num_resumed_requests: int = 0  # resubmitted to restarted stages after a crash (each time counts)
     num_guard_failed_requests: int = 0  # ended by the poison guard: in flight through two crashes of a stage
+    # speculative decoding, since the engine (re)started: drafts verified, drafts accepted, and
+    # (request, step) pairs that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verifications: int = 0
+
+    @property
+    def speculative(self) -> SpeculativeCounts:
+        """The speculative decoding counts, with their acceptance rate and mean accepted length."""
+        return SpeculativeCounts(self.num_draft_tokens, self.num_accepted_tokens, self.num_verifications)
 
 
 class ProfileReply(Struct, tag="profile_reply"):

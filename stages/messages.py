@@ -271,13 +271,15 @@ def decode_req_id(payload: memoryview) -> tuple[int, FinishReason | None]:
 PLAN = Layout("plan", [
     ("step", "q"), ("num_new_requests", "I"), ("has_meta", "?"), ("num_rows", "I"), ("num_new_block_ids", "I"),
     ("num_window_block_ids", "I"), ("num_freed_rows", "I"), ("num_loads", "I"), ("num_saves", "I"),
+    ("num_spec_rows", "I"),
 ], [
     ("rows", "int32", "num_rows"), ("num_computed_tokens", "int32", "num_rows"),
     ("num_scheduled_tokens", "int32", "num_rows"), ("sample", "bool", "num_rows"),
     ("num_new_blocks", "int32", "num_rows"), ("new_block_ids", "int32", "num_new_block_ids"),
     ("window_block_ids", "int32", "num_window_block_ids"), ("freed_rows", "int32", "num_freed_rows"), ("load_host_slots", "int32", "num_loads"),
     ("load_block_ids", "int32", "num_loads"), ("save_block_ids", "int32", "num_saves"),
-    ("save_host_slots", "int32", "num_saves"),
+    ("save_host_slots", "int32", "num_saves"), ("num_draft_tokens", "int32", "num_spec_rows"),
+    ("lagged", "bool", "num_spec_rows"),
 ])
 ADMIT = Layout("admit", [("req_id", "q"), ("row", "i"), ("num_prompt_tokens", "i"), ("num_tokens", "I")],
                [("token_ids", "int32", "num_tokens")])
@@ -292,6 +294,7 @@ def encode_plan(plan: StepPlan) -> list[bytes]:
         "num_scheduled_tokens": plan.num_scheduled_tokens, "sample": plan.sample,
         "num_new_blocks": plan.num_new_blocks, "new_block_ids": plan.new_block_ids,
         "window_block_ids": plan.window_block_ids, "freed_rows": plan.freed_rows,
+        "num_draft_tokens": plan.num_draft_tokens, "lagged": plan.lagged,
         "load_host_slots": _EMPTY if meta is None else meta.load_host_slots,
         "load_block_ids": _EMPTY if meta is None else meta.load_block_ids,
         "save_block_ids": _EMPTY if meta is None else meta.save_block_ids,
@@ -320,7 +323,8 @@ def decode_plan(payload: memoryview) -> StepPlan:
     return StepPlan(step=m["step"], new_requests=new_requests, rows=m["rows"],
                     num_computed_tokens=m["num_computed_tokens"], num_scheduled_tokens=m["num_scheduled_tokens"],
                     sample=m["sample"], num_new_blocks=m["num_new_blocks"], new_block_ids=m["new_block_ids"],
-                    freed_rows=m["freed_rows"], connector_meta=meta, window_block_ids=m["window_block_ids"])
+                    freed_rows=m["freed_rows"], connector_meta=meta, window_block_ids=m["window_block_ids"],
+                    num_draft_tokens=m["num_draft_tokens"], lagged=m["lagged"])
 
 
 def encode_connector_flush(meta: KVCopyMeta) -> list[bytes]:

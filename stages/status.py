@@ -16,6 +16,8 @@ Layout (int64 slots; each written by one process):
                     (PROFILE_DIRECTORY_BYTES, utf-8, length-prefixed)     (the daemon's)
     then            a profile answer message area of PROFILE_MESSAGE_BYTES per stage: the
                     trace file written, or why not                        (stage s's)
+    then            speculative decoding counters: drafts verified, drafts accepted,
+                    (request, step) pairs that verified drafts            (the scheduler's)
 
 CLOCK_MONOTONIC is one clock for every process on the machine, so heartbeat ages compare.
 A profile request is posted by writing the directory and the active flag, then bumping the
@@ -56,7 +58,9 @@ _PROFILE_GENERATION = _PROFILE_OFFSET // 8
 _PROFILE_ACTIVE = _PROFILE_GENERATION + 1
 _PROFILE_DIRECTORY_OFFSET = _PROFILE_OFFSET + 16
 _PROFILE_MESSAGES_OFFSET = _PROFILE_DIRECTORY_OFFSET + PROFILE_DIRECTORY_BYTES
-SIZE_BYTES = _PROFILE_MESSAGES_OFFSET + MAX_STAGES * PROFILE_MESSAGE_BYTES
+_SPEC_COUNTERS = (_PROFILE_MESSAGES_OFFSET + MAX_STAGES * PROFILE_MESSAGE_BYTES) // 8
+_NUM_SPEC_COUNTERS = 3
+SIZE_BYTES = (_SPEC_COUNTERS + _NUM_SPEC_COUNTERS) * 8
 
 
 @dataclass(slots=True)
@@ -69,6 +73,9 @@ class SchedulerCounters:
     num_preemptions: int
     num_prefix_queried_tokens: int
     num_prefix_hit_tokens: int
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified
+    num_accepted_tokens: int = 0  # of those, accepted
+    num_verifications: int = 0  # (request, step) pairs that verified drafts
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -183,9 +190,14 @@ class StatusBoard:
         slots[_COUNTERS + 5] = counters.num_preemptions
         slots[_COUNTERS + 6] = counters.num_prefix_queried_tokens
         slots[_COUNTERS + 7] = counters.num_prefix_hit_tokens
+        slots[_SPEC_COUNTERS + 0] = counters.num_draft_tokens
+        slots[_SPEC_COUNTERS + 1] = counters.num_accepted_tokens
+        slots[_SPEC_COUNTERS + 2] = counters.num_verifications
 
     def counters(self) -> SchedulerCounters:
-        return SchedulerCounters(*(self._slots[_COUNTERS + i] for i in range(8)))
+        slots = self._slots
+        return SchedulerCounters(*(slots[_COUNTERS + i] for i in range(8)),
+                                 *(slots[_SPEC_COUNTERS + i] for i in range(_NUM_SPEC_COUNTERS)))
 
     # ---- per stage
 

@@ -1,5 +1,6 @@
 """Fixtures for every test: a test session must leave /dev/shm as it found it; `--device` chooses
-where the engine, daemon, HTTP and recovery tests run their engines (device_choice.py)."""
+where the engine, daemon, HTTP and recovery tests run their engines (device_choice.py); `board` is
+a status board of its own, unlinked at once."""
 from __future__ import annotations
 
 import os
@@ -8,7 +9,8 @@ from collections.abc import Iterator
 import pytest
 from device_choice import DEVICE_ENV, DEVICES
 
-from shm.naming import check_instance_id, instance_of, list_entries, pid_alive, unlink_instance
+from shm.naming import check_instance_id, instance_of, list_entries, new_instance_id, pid_alive, unlink_instance
+from stages.status import StatusBoard
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -51,6 +53,14 @@ def _made_here(entry: str) -> bool:
     Entries of another live session running beside this one are not ours to judge."""
     creator = check_instance_id(instance_of(entry))
     return creator == os.getpid() or not pid_alive(creator)
+
+
+@pytest.fixture
+def board() -> Iterator[StatusBoard]:
+    board = StatusBoard.create(new_instance_id())
+    board.unlink()  # the mapping stays; nothing is left in /dev/shm
+    yield board
+    board.close()
 
 
 @pytest.fixture(scope="session", autouse=True)

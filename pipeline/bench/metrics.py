@@ -9,6 +9,7 @@ The metrics follow vLLM's `benchmark_serving`, so figures compare with those it 
 - Throughputs divide by the whole run's duration; peak output tokens/s is the busiest 1 s
   bucket counted from the first request's start.
 Failed requests count in `failed` and add nothing to the latency or token figures.
+Speculative decoding counts are the target's own, read before and after the run: their rise.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from pipeline.protocol import SpeculativeCounts
 
 PERCENTILES = (50, 90, 99)
 
@@ -151,6 +154,7 @@ class BenchResult:
     metrics: Metrics
     records: list[RequestRecord]
     config: dict[str, Any] = field(default_factory=dict)  # the workload, echoed in reports
+    speculative: SpeculativeCounts = field(default_factory=SpeculativeCounts)  # during the run
 
     def to_json(self) -> dict[str, Any]:
         m = self.metrics
@@ -168,6 +172,12 @@ class BenchResult:
             "max_concurrent_requests": m.max_concurrent_requests,
             "output_tokens_per_second": m.output_tokens_per_second,
         }
+        spec = self.speculative
+        out.update(spec_decode_num_draft_tokens=spec.num_draft_tokens,
+                   spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+                   spec_decode_num_verifications=spec.num_verifications,
+                   spec_decode_draft_acceptance_rate=spec.draft_acceptance_rate,
+                   spec_decode_mean_accepted_length=spec.mean_accepted_length)
         for name in ("ttft", "tpot", "itl", "e2el"):
             stats: LatencyStats = getattr(m, name)
             for stat in ("mean", "median", "std", "p90", "p99"):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.bench.metrics import BenchResult, LatencyStats, Metrics
+from pipeline.bench.metrics import BenchResult, LatencyStats
 
 TABLE_WIDTH = 50
 
@@ -14,8 +14,10 @@ _LATENCIES = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time pe
               ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
 
 
-def _rows(m: Metrics) -> list[tuple[str, str, float | int] | str]:
-    """(label, json key, value) rows, and section titles, shared by the table and the comparison."""
+def _rows(result: BenchResult) -> list[tuple[str, str, float | int] | str]:
+    """(label, json key, value) rows, and section titles, shared by the table and the comparison;
+    speculative decoding's only where the run verified drafts."""
+    m = result.metrics
     rows: list[tuple[str, str, float | int] | str] = [
         ("Successful requests", "completed", m.completed),
         ("Failed requests", "failed", m.failed),
@@ -35,6 +37,13 @@ def _rows(m: Metrics) -> list[tuple[str, str, float | int] | str]:
                  (f"Median {short} (ms)", f"median_{name}_ms", stats.median_ms),
                  (f"P90 {short} (ms)", f"p90_{name}_ms", stats.p90_ms),
                  (f"P99 {short} (ms)", f"p99_{name}_ms", stats.p99_ms)]
+    spec = result.speculative
+    if spec.num_draft_tokens > 0:
+        rows += ["Speculative Decoding",
+                 ("Drafted tokens", "spec_decode_num_draft_tokens", spec.num_draft_tokens),
+                 ("Accepted tokens", "spec_decode_num_accepted_tokens", spec.num_accepted_tokens),
+                 ("Draft acceptance rate", "spec_decode_draft_acceptance_rate", spec.draft_acceptance_rate),
+                 ("Mean accepted length", "spec_decode_mean_accepted_length", spec.mean_accepted_length)]
     return rows
 
 
@@ -44,7 +53,7 @@ def _number(value: float | int) -> str:
 
 def format_table(result: BenchResult) -> str:
     lines = [f"{' Serving Benchmark Result ':=^{TABLE_WIDTH}}"]
-    for row in _rows(result.metrics):
+    for row in _rows(result):
         if isinstance(row, str):
             lines.append(f"{' ' + row + ' ':-^{TABLE_WIDTH}}")
         else:
@@ -57,7 +66,7 @@ def format_comparison(async_result: BenchResult, sync_result: BenchResult) -> st
     """Both runs side by side, with the ratio async/sync of each figure."""
     header = f"{'':<40} {'async':>10} {'sync':>10} {'async/sync':>10}"
     lines = [f"{' Async vs sync scheduling ':=^{len(header)}}", header]
-    for a_row, s_row in zip(_rows(async_result.metrics), _rows(sync_result.metrics)):
+    for a_row, s_row in zip(_rows(async_result), _rows(sync_result)):
         if isinstance(a_row, str) or isinstance(s_row, str):
             lines.append(f"{' ' + str(a_row) + ' ':-^{len(header)}}")
             continue

@@ -77,9 +77,10 @@ async def run_benchmark(socket_path: Path | str | None, requests: Sequence[Bench
                         temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, ignore_eos: bool = False,
                         seed: int = 0, progress: TextIO | None = None, target: Target | None = None) -> BenchResult:
     """Sends `requests` at Poisson arrival times (`seed` fixes them), at most `max_concurrency`
-    in flight, to `target` (default: the daemon on `socket_path`), and measures each stream.
-    Raises DaemonNotRunning (or the HTTP target's error) before sending anything if nothing
-    answers; a request the engine refuses or fails is recorded, not raised."""
+    in flight, to `target` (default: the daemon on `socket_path`), and measures each stream and
+    what the target's speculative decoding counted meanwhile. Raises DaemonNotRunning (or the
+    HTTP target's error) before sending anything if nothing answers; a request the engine
+    refuses or fails is recorded, not raised."""
     if not requests:
         raise ValueError("requests must not be empty")
     if max_concurrency is not None and max_concurrency < 1:
@@ -92,6 +93,7 @@ async def run_benchmark(socket_path: Path | str | None, requests: Sequence[Bench
         target = SocketTarget(socket_path)
     try:
         await target.model_info()
+        spec_before = await target.speculative_counts()
     except BaseException:
         if own_target:
             await target.close()
@@ -113,16 +115,17 @@ async def run_benchmark(socket_path: Path | str | None, requests: Sequence[Bench
 
     try:
         records = await asyncio.gather(*(issue(i) for i in range(len(requests))))
+        duration_s = time.perf_counter() - run_start_s
+        speculative = (await target.speculative_counts()).since(spec_before)
     finally:
         if own_target:
             await target.close()
         if bar is not None:
             bar.close()
-    duration_s = time.perf_counter() - run_start_s
     # JSON has no infinity: an unlimited rate is written as the string "inf".
     config = {"num_prompts": len(requests), "request_rate": request_rate if math.isfinite(request_rate) else "inf", "max_concurrency": max_concurrency,
               "temperature": temperature, "top_p": top_p, "top_k": top_k, "ignore_eos": ignore_eos, "seed": seed}
-    return BenchResult(compute_metrics(records, duration_s), list(records), config)
+    return BenchResult(compute_metrics(records, duration_s), list(records), config, speculative)
 
 
 # --- async vs sync scheduling ---

@@ -2,7 +2,8 @@
 HTTP server (ours, vLLM, SGLang), through the same workload and the same per-request record.
 
 Each target also says what it knows of the model it serves (vocabulary size, special token ids,
-max_model_len), so random prompts are drawn from ordinary tokens of that model.
+max_model_len), so random prompts are drawn from ordinary tokens of that model, and its speculative
+decoding totals: the daemon's stats, or a server's /metrics (ours, or vLLM's names).
 """
 from __future__ import annotations
 
@@ -12,16 +13,24 @@ from pathlib import Path
 from typing import Protocol
 
 import msgspec
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.bench.metrics import RequestRecord
 from pipeline.bench.workload import BenchRequest
 from pipeline.client import AsyncClient
 from pipeline.errors import PipelineError
+from pipeline.protocol import SpeculativeCounts
 from stages.contracts.params import SamplingParams
 
 ENDPOINTS = ("completions", "chat")
 _DATA = b"data: "
 _DONE = b"[DONE]"
+# /metrics counters (after the name's "prefix:") -> the SpeculativeCounts field; vLLM's
+# `num_drafts` counts what ours calls verifications
+_SPEC_DECODE_SERIES = {"spec_decode_num_draft_tokens_total": "num_draft_tokens",
+                  "spec_decode_num_accepted_tokens_total": "num_accepted_tokens",
+                  "spec_decode_num_verifications_total": "num_verifications",
+                  "spec_decode_num_drafts_total": "num_verifications"}
 
 
 class _Delta(msgspec.Struct):
@@ -61,6 +70,9 @@ class Target(Protocol):
     async def model_info(self) -> ModelInfo: ...
 
     async def send(self, request: BenchRequest, params: SamplingParams, run_start_s: float) -> RequestRecord: ...
+
+    async def speculative_counts(self) -> SpeculativeCounts:
+        """The target's totals so far; all 0 when it does not say."""
 
     async def close(self) -> None: ...
 
@@ -118,6 +130,13 @@ class SocketTarget:
         except (PipelineError, OSError) as exc:  # OSError: the connection broke below the protocol
             return timing.failure(request.prompt_len or 0, exc)
         return timing.record(completion.usage.prompt_tokens, completion.usage.completion_tokens)
+
+    async def speculative_counts(self) -> SpeculativeCounts:
+        try:
+            stats = await self.client.stats()
+        except (PipelineError, OSError):  # the run's records stand without them
+            return SpeculativeCounts()
+        return stats.speculative
 
     async def close(self) -> None:
         await self.client.close()
@@ -197,5 +216,23 @@ class HttpTarget:
             return timing.failure(request.prompt_len or 0, PipelineError("the stream ended without a usage chunk"))
         return timing.record(usage.prompt_tokens, usage.completion_tokens)
 
+    async def speculative_counts(self) -> SpeculativeCounts:
+        try:
+            async with self._session.get(f"{self.base_url}/metrics") as response:
+                return speculative_counts_of(await response.text()) if response.status == 200 else SpeculativeCounts()
+        except self._errors:  # a server without /metrics, or one that does not parse: nothing said
+            return SpeculativeCounts()
+
     async def close(self) -> None:
         await self._session.close()
+
+
+def speculative_counts_of(exposition: str) -> SpeculativeCounts:
+    """The speculative decoding counters of a Prometheus text exposition, summed over their labels."""
+    totals = dict.fromkeys(("num_draft_tokens", "num_accepted_tokens", "num_verifications"), 0.0)
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            field_name = _SPEC_DECODE_SERIES.get(sample.name.rpartition(":")[2])
+            if field_name is not None:
+                totals[field_name] += sample.value
+    return SpeculativeCounts(**{name: int(total) for name, total in totals.items()})

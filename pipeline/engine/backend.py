@@ -37,6 +37,9 @@ class BackendStats:
     num_restarts: int
     prefix_cache_hit_rate: float = 0.0
     prefix_cache_hit_tokens: int = 0  # admitted tokens found in the prefix cache, since the engine started
+    num_draft_tokens: int = 0  # speculative decoding, since the engine started: drafts verified
+    num_accepted_tokens: int = 0  # of those, accepted
+    num_verifications: int = 0  # (request, step) pairs that verified drafts
 
 
 class Backend(Protocol):

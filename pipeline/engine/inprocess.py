@@ -88,7 +88,9 @@ class InProcessBackend:
         return BackendStats(stats.num_waiting, stats.num_running + stats.num_draining, stats.num_used_blocks,
                             stats.num_free_blocks, self._num_generated / elapsed_s, 0,
                             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-                            prefix_cache_hit_tokens=stats.num_prefix_hit_tokens)
+                            prefix_cache_hit_tokens=stats.num_prefix_hit_tokens,
+                            num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens,
+                            num_verifications=stats.num_verifications)
 
     def start_profile(self, directory: str) -> None:
         raise StageFailed("the in-process engine has no stage processes to profile; profile the daemon itself")

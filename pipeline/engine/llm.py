@@ -9,7 +9,7 @@ from tokenizers import Tokenizer
 
 from pipeline.engine.loop import Engine
 from pipeline.engine.ranks import WorkerRanks
-from pipeline.models.checkpoints import resolve_model
+from pipeline.models.checkpoints import resolve_model, resolve_speculative_config
 from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
@@ -59,6 +59,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, runner: RunnerLike | None = None, **options: object) -> None:
         if model is not None:
             model = resolve_model(model)
+        if "speculative_config" in options:
+            options["speculative_config"] = resolve_speculative_config(options["speculative_config"])
         self.config = EngineConfig(model="" if model is None else str(model), **options).with_rendezvous_port()
         self._ranks: WorkerRanks | None = None
         if runner is None:

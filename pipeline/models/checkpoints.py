@@ -56,6 +56,18 @@ def resolve_model(model: str | Path | None) -> str:
     return str(path)
 
 
+def resolve_speculative_config(values: object) -> object:
+    """A speculative config with its draft model resolved as `resolve_model` resolves --model (a
+    GGUF file becomes its checkpoint directory); anything else is returned as it is, for
+    EngineConfig to check."""
+    if not isinstance(values, dict) or not isinstance(values.get("model"), str) or not values["model"]:
+        return values
+    try:
+        return {**values, "model": resolve_model(values["model"])}
+    except ValueError as exc:
+        raise ValueError(f"speculative_config.model: {exc}") from None
+
+
 def model_display_name(model_dir: str | Path) -> str:
     """A served model's name: a GGUF file's stem, else the checkpoint directory's name."""
     from stages.gpu_runner.loaders.gguf_checkpoint import gguf_source_of

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pipeline.protocol import SpeculativeCounts
+
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 # vLLM's buckets. Time per output token also gets finer ones at the bottom: a small model here
@@ -64,6 +66,16 @@ class Metrics:
                                 "Requests resubmitted to restarted stages after a crash (each time counts).")
         self._guard_failed = counter("pipeline:requests_failed_by_guard",
                                      "Requests ended because they were in flight during two crashes of one stage.")
+        self._draft_tokens = counter("pipeline:spec_decode_num_draft_tokens", "Speculative draft tokens verified.")
+        self._accepted_tokens = counter("pipeline:spec_decode_num_accepted_tokens",
+                                        "Speculative draft tokens accepted.")
+        self._verifications = counter("pipeline:spec_decode_num_verifications",
+                                      "Steps of a request that verified speculative drafts.")
+        self._acceptance_rate = gauge("pipeline:spec_decode_draft_acceptance_rate",
+                                      "Share of verified draft tokens accepted, since the engine started.")
+        self._mean_accepted_length = gauge("pipeline:spec_decode_mean_accepted_length",
+                                           "Tokens a verifying step gives a request on average, since the engine "
+                                           "started: accepted drafts and one sampled token.")
         success = Counter("pipeline:request_success", "Finished requests, by finish reason.",
                           [*labels, "finished_reason"], registry=self.registry)
         self._success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
@@ -132,18 +144,27 @@ class Metrics:
         num_stage_restarts: int,
         num_resumed_requests: int = 0,
         num_guard_failed_requests: int = 0,
+        num_draft_tokens: int = 0,
+        num_accepted_tokens: int = 0,
+        num_verifications: int = 0,
     ) -> None:
         """Gauges from a stats snapshot. `kv_cache_usage` is used / total KV blocks (0 to 1); the
-        `num_*` are totals since the daemon started (each counter adds the rise)."""
+        `num_*` are totals (each counter adds the rise): the restarts and requests since the daemon
+        started, the speculative decoding counts since the engine (re)started, so a count that
+        falls started again from zero and all of it is new."""
         self._running.set(num_requests_running)
         self._waiting.set(num_requests_waiting)
         self._kv_cache_usage.set(kv_cache_usage)
         self._prefix_cache_hit_rate.set(prefix_cache_hit_rate)
+        speculative = SpeculativeCounts(num_draft_tokens, num_accepted_tokens, num_verifications)
+        self._acceptance_rate.set(speculative.draft_acceptance_rate)
+        self._mean_accepted_length.set(speculative.mean_accepted_length)
         for counter, total in ((self._stage_restarts, num_stage_restarts), (self._resumed, num_resumed_requests),
-                               (self._guard_failed, num_guard_failed_requests)):
+                               (self._guard_failed, num_guard_failed_requests), (self._draft_tokens, num_draft_tokens),
+                               (self._accepted_tokens, num_accepted_tokens), (self._verifications, num_verifications)):
             seen = self._totals_seen.get(counter, 0)
-            if total > seen:
-                counter.inc(total - seen)
+            if total != seen:
+                counter.inc(total - seen if total > seen else total)
                 self._totals_seen[counter] = total
 
     def render(self) -> tuple[bytes, str]:

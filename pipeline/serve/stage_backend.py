@@ -437,7 +437,9 @@ class StageBackend:
         return BackendStats(counters.num_waiting, counters.num_running, counters.kv_blocks_used,
                             counters.kv_blocks_free, self._rate.tokens_per_s, num_restarts=0,
                             prefix_cache_hit_rate=counters.prefix_cache_hit_rate,
-                            prefix_cache_hit_tokens=counters.num_prefix_hit_tokens)
+                            prefix_cache_hit_tokens=counters.num_prefix_hit_tokens,
+                            num_draft_tokens=counters.num_draft_tokens,
+                            num_accepted_tokens=counters.num_accepted_tokens, num_verifications=counters.num_verifications)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops every stage and removes every shm entry of this instance."""

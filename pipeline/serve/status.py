@@ -105,4 +105,7 @@ def stats_reply(server: ServerState) -> StatsReply:
     reply.generated_tokens_per_s = stats.generated_tokens_per_s
     reply.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
     reply.prefix_cache_hit_tokens = stats.prefix_cache_hit_tokens
+    reply.num_draft_tokens = stats.num_draft_tokens
+    reply.num_accepted_tokens = stats.num_accepted_tokens
+    reply.num_verifications = stats.num_verifications
     return reply

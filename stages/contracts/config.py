@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field, fields
 import socket
 from pathlib import Path
 
+from stages.contracts.speculative import SpeculativeConfig
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CONNECTORS = ("offload",)
@@ -66,6 +68,8 @@ class EngineConfig:
     # many ms of wall time on a simulated device (stages/gpu_runner/simulated.py). None: the model.
     simulated_device_ms: float | None = None
     simulated_device_trace: str | None = None  # where the simulated device records each step's times
+    # Speculative decoding (stages/contracts/speculative.py): vLLM's keys as a JSON object; None: off.
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
@@ -98,6 +102,20 @@ class EngineConfig:
             raise ValueError(f"start_timeout_s must be positive, got {self.start_timeout_s!r}")
         self._check_simulated_device()
         self._check_tensor_parallel()
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)
+            if self.simulated_device_ms is not None:
+                raise ValueError("speculative_config needs a model: the simulated device proposes no drafts")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative config (None: speculation off)."""
+        return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Drafts verified per speculating row and step (0: speculation off)."""
+        return 0 if self.speculative_config is None else self.speculative.num_speculative_tokens
 
     def _check_tensor_parallel(self) -> None:
         if self.tensor_parallel_size % self.nnodes:

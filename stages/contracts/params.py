@@ -89,6 +89,7 @@ class SamplingParams:
     choice: list[str] = field(default_factory=list)
     grammar: str = ""
     logit_bias: dict[int, float] = field(default_factory=dict)
+    speculative: bool = True  # verify drafts for this request when the engine speculates
 
     def __post_init__(self) -> None:
         self.validate()
@@ -132,6 +133,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self._validate_guided()
+        if not isinstance(self.speculative, bool):
+            raise InvalidParams("speculative", f"must be true or false, got {type(self.speculative).__name__}")
         if not isinstance(self.logit_bias, dict):
             raise InvalidParams("logit_bias", "must be a map of token id to bias")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

@@ -37,6 +37,14 @@ class StepPlan:
     `sample[i]` says whether the row's last scheduled token yields a new token.
     A model with local layers (ModelLimits.num_window_blocks) has a second block table per row
     of the same length: `window_block_ids` holds its new entries, `num_new_blocks[i]` per row too.
+
+    Speculative decoding: a row with `num_draft_tokens[i]` = k > 0 computes its last known token
+    and k drafts the runner proposes on the device (num_scheduled_tokens[i] = 1 + k) and yields
+    1 + k output entries, its accepted drafts and one token more, then -1 for each rejected
+    draft. The scheduler learns how many were accepted one step late, so a plan made while a
+    row's speculative step is still unprocessed counts positions as if every draft were accepted:
+    such a row is `lagged`, and the runner moves its positions back by that step's rejected
+    count, which only the device knows. Both arrays are empty in a plan without speculation.
     """
 
     step: int
@@ -50,10 +58,31 @@ class StepPlan:
     freed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32
     connector_meta: object | None = None  # KV connector metadata, when a connector is set
     window_block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32, or empty
+    num_draft_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 [n], or empty
+    lagged: np.ndarray = field(default_factory=lambda: np.zeros(0, np.bool_))  # bool [n], or empty
 
     @property
     def num_rows(self) -> int:
         return int(self.rows.shape[0])
+
+    @property
+    def speculates(self) -> bool:
+        """Whether some row verifies drafts or trails its planned positions."""
+        return bool(self.num_draft_tokens.shape[0] and (self.num_draft_tokens.any() or self.lagged.any()))
+
+    @property
+    def draft_counts(self) -> np.ndarray:
+        """int64 [n]: drafts each row verifies (zeros without speculation)."""
+        if self.num_draft_tokens.shape[0]:
+            return self.num_draft_tokens.astype(np.int64)
+        return np.zeros(self.num_rows, np.int64)
+
+    @property
+    def output_rows(self) -> np.ndarray:
+        """int32: the row of each output entry, in order (a sampled row once, or 1 + its drafts times)."""
+        if not self.num_draft_tokens.shape[0]:
+            return self.sampled_rows
+        return np.repeat(self.sampled_rows, 1 + self.num_draft_tokens[self.sample].astype(np.int64))
 
     @property
     def num_tokens(self) -> int:

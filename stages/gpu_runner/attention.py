@@ -65,6 +65,22 @@ class DecodeBatch:
 
 
 @dataclass(slots=True)
+class VerifyBatch:
+    """Rows verifying drafts: `num_queries` query tokens each (the last known token and its
+    drafts), attended in one batched call. Their real positions are known on the device only
+    (speculative.py in the runner), so the causal mask is built there; keys are padded to the
+    longest context the plan allows."""
+
+    token_idx: torch.Tensor  # int64 [d * num_queries]: the rows' flattened token indices, row after row
+    key_slots: torch.Tensor  # int64 [d, num_keys]
+    mask: torch.Tensor  # bool [d, 1, num_queries, num_keys]
+    rows: torch.Tensor  # int64 [d]
+    start: torch.Tensor  # int64 [d]: the real position of each row's first query
+    num_queries: int
+    max_context: int  # host-known upper bound of the rows' contexts
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Built once per step, shared by every layer; a window's variant is built by its first layer."""
 
@@ -75,6 +91,7 @@ class AttentionMetadata:
     block_size: int
     max_context: int  # the step's longest context: a window at least this long is full attention
     windowed: dict[int, AttentionMetadata] = field(default_factory=dict)
+    verify: VerifyBatch | None = None
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         """The metadata of layers that attend `window` keys per query (None: the whole context)."""
@@ -127,6 +144,32 @@ def _prefill_attention(query: torch.Tensor, flat_cache: torch.Tensor, chunk: Pre
     return out[0].transpose(0, 1)
 
 
+def _verify_attention(query: torch.Tensor, flat_cache: torch.Tensor, batch: VerifyBatch, scale: float) -> torch.Tensor:
+    """query [d * q, num_heads, head_dim] of the verifying rows -> the same shape."""
+    d, q = batch.rows.shape[0], batch.num_queries
+    keys, values = _gather(flat_cache, batch.key_slots)  # [d, ctx, kv_heads, head_dim]
+    out = F.scaled_dot_product_attention(
+        query.view(d, q, *query.shape[1:]).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=batch.mask, scale=scale, enable_gqa=keys.shape[2] != query.shape[1],
+    )  # [d, heads, q, head_dim]
+    return out.transpose(1, 2).reshape(query.shape)
+
+
+def _verify_batch(block_table: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, num_queries: int,
+                  max_context: int, block_size: int, token_idx: torch.Tensor, window: int | None = None) -> VerifyBatch:
+    """Rows `rows` with queries at the real positions start..start + num_queries - 1, reading keys
+    0..max_context - 1 of their block tables, masked causally (and by `window`)."""
+    num_blocks = -(-max_context // block_size)
+    key_pos = torch.arange(num_blocks * block_size, device=rows.device)
+    query_pos = start.unsqueeze(1) + torch.arange(num_queries, device=rows.device)  # [d, q]
+    mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(2)
+    if window is not None:
+        mask &= key_pos.view(1, 1, -1) > query_pos.unsqueeze(2) - window
+    return VerifyBatch(token_idx=token_idx, key_slots=_row_key_slots(block_table[rows, :num_blocks], block_size),
+                       mask=mask.unsqueeze(1), rows=rows, start=start, num_queries=num_queries,
+                       max_context=max_context)
+
+
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
@@ -141,6 +184,9 @@ def paged_attention(
     if meta.decode is not None:
         decoded = _decode_attention(query[meta.decode.token_idx], flat_cache, meta.decode, scale)
         out.index_copy_(0, meta.decode.token_idx, decoded)
+    if meta.verify is not None:
+        verified = _verify_attention(query[meta.verify.token_idx], flat_cache, meta.verify, scale)
+        out.index_copy_(0, meta.verify.token_idx, verified)
     for chunk in meta.prefills:
         out[chunk.token_start:chunk.token_end] = _prefill_attention(
             query[chunk.token_start:chunk.token_end], flat_cache, chunk, scale)
@@ -202,28 +248,54 @@ def _windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
                                decode.token_idx, window)
     prefills = [chunk if window >= len(chunk.key_slots) else
                 _prefill_chunk(chunk.key_slots, chunk.token_start, chunk.token_end, window) for chunk in meta.prefills]
+    verify = meta.verify
+    if verify is not None and window < verify.max_context:
+        verify = _verify_batch(meta.block_table, verify.rows, verify.start, verify.num_queries, verify.max_context,
+                               meta.block_size, verify.token_idx, window)
     return AttentionMetadata(slot_mapping=meta.slot_mapping, decode=decode, prefills=prefills,
-                             block_table=meta.block_table, block_size=meta.block_size, max_context=meta.max_context)
+                             block_table=meta.block_table, block_size=meta.block_size, max_context=meta.max_context,
+                             verify=verify)
+
+
+def _row_kinds(layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
+    """(decode, verify) masks of the layout's rows: one query token; drafts to verify."""
+    is_decode = layout.scheduled == 1
+    if layout.drafts is None:
+        return is_decode, np.zeros_like(is_decode)
+    return is_decode, layout.drafts > 0
 
 
 def step_attention_metadata(layout: StepLayout, arrays: list[torch.Tensor], slot_mapping: torch.Tensor,
-                            block_table: torch.Tensor, block_size: int) -> AttentionMetadata:
+                            block_table: torch.Tensor, block_size: int,
+                            shift: torch.Tensor | None = None) -> AttentionMetadata:
     """The metadata of a dynamic step, from the device copies of `TorchBackend.host_arrays(layout)`
-    and the batch's block table."""
-    decode_token_idx, decode_rows, decode_context = arrays
-    is_decode = layout.scheduled == 1
+    and the batch's block table; `shift` as in AttentionBackend.step_metadata."""
+    decode_token_idx, decode_rows, decode_context, decode_index, verify_token_idx, verify_rows, verify_start, \
+        verify_index = arrays
+    is_decode, is_verify = _row_kinds(layout)
     context = layout.context
-    decode = None
+    decode = verify = None
     if is_decode.any():
+        if shift is not None:
+            decode_context = decode_context - shift[decode_index]
         decode = _decode_batch(block_table, decode_rows, decode_context, int(context[is_decode].max()), block_size,
                                None if is_decode.all() else decode_token_idx)
+    if is_verify.any():
+        num_queries = int(layout.scheduled[is_verify][0])
+        if np.any(layout.scheduled[is_verify] != num_queries):
+            raise ValueError("rows verifying drafts in one step must verify as many each")
+        if shift is not None:
+            verify_start = verify_start - shift[verify_index]
+        verify = _verify_batch(block_table, verify_rows, verify_start, num_queries, int(context[is_verify].max()),
+                               block_size, verify_token_idx)
     prefills = []
-    for i in np.flatnonzero(~is_decode).tolist():
+    for i in np.flatnonzero(~is_decode & ~is_verify).tolist():
         row, ctx = int(layout.rows[i]), int(context[i])
         key_slots = _row_key_slots(block_table[row, :-(-ctx // block_size)], block_size)[:ctx]
         prefills.append(_prefill_chunk(key_slots, int(layout.query_start[i]), int(layout.query_start[i + 1]), None))
     return AttentionMetadata(slot_mapping=slot_mapping, decode=decode, prefills=prefills, block_table=block_table,
-                             block_size=block_size, max_context=int(context.max()) if len(context) else 0)
+                             block_size=block_size, max_context=int(context.max()) if len(context) else 0,
+                             verify=verify)
 
 
 class TorchBackend:
@@ -235,12 +307,23 @@ class TorchBackend:
         self.block_size = block_size
 
     def host_arrays(self, layout: StepLayout) -> list[np.ndarray]:
-        is_decode = layout.scheduled == 1
-        return [layout.query_start[:-1][is_decode], layout.rows[is_decode], layout.context[is_decode]]
+        is_decode, is_verify = _row_kinds(layout)
+        starts, scheduled = layout.query_start[:-1][is_verify], layout.scheduled[is_verify]
+        verify_token_idx = np.repeat(starts, scheduled) + np.arange(int(scheduled.sum())) \
+            - np.repeat(np.cumsum(scheduled) - scheduled, scheduled)
+        return [layout.query_start[:-1][is_decode], layout.rows[is_decode], layout.context[is_decode],
+                np.flatnonzero(is_decode), verify_token_idx, layout.rows[is_verify], layout.computed[is_verify],
+                np.flatnonzero(is_verify)]
 
     def step_metadata(self, layout: StepLayout, arrays: list[torch.Tensor], slot_mapping: torch.Tensor,
-                      batch: InputBatch) -> AttentionMetadata:
-        return step_attention_metadata(layout, arrays, slot_mapping, batch.block_table, self.block_size)
+                      batch: InputBatch, shift: torch.Tensor | None = None) -> AttentionMetadata:
+        return step_attention_metadata(layout, arrays, slot_mapping, batch.block_table, self.block_size, shift)
+
+    def decode_metadata(self, rows: torch.Tensor, context: torch.Tensor, max_context: int,
+                        slot_mapping: torch.Tensor, block_table: torch.Tensor) -> AttentionMetadata:
+        decode = _decode_batch(block_table, rows, context, max_context, self.block_size, None)
+        return AttentionMetadata(slot_mapping=slot_mapping, decode=decode, prefills=[], block_table=block_table,
+                                 block_size=self.block_size, max_context=max_context)
 
     def static_decode_metadata(self, inputs: StaticDecodeInputs, num_rows: int, max_context: int) -> AttentionMetadata:
         # Padding rows have context 0; they attend to one (real, finite) key instead, so that no

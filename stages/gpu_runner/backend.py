@@ -34,8 +34,18 @@ class AttentionBackend(Protocol):
         """The int64 arrays this backend's metadata needs, appended to the step's packed upload."""
 
     def step_metadata(self, layout: StepLayout, arrays: list[torch.Tensor], slot_mapping: torch.Tensor,
-                      batch: InputBatch) -> Any:
-        """The metadata of a dynamic step, from the device copies of `host_arrays(layout)`."""
+                      batch: InputBatch, shift: torch.Tensor | None = None) -> Any:
+        """The metadata of a dynamic step, from the device copies of `host_arrays(layout)`.
+
+        `shift` (int64 [n] on the device, speculative steps only): how far each row's real
+        positions trail the layout's (its previous step's rejected drafts); its contexts are that
+        much shorter than the layout says, and the layout's are upper bounds."""
+
+    def decode_metadata(self, rows: torch.Tensor, context: torch.Tensor, max_context: int,
+                        slot_mapping: torch.Tensor, block_table: torch.Tensor) -> Any:
+        """The metadata of one query token per row at position context - 1, all on the device
+        (a draft model's decoding): `rows` int64 [d] of `block_table`, `context` int64 [d] >= 1,
+        max_context a host-known upper bound of it."""
 
     def static_decode_metadata(self, inputs: StaticDecodeInputs, num_rows: int, max_context: int) -> Any:
         """The metadata of a decode step over the first `num_rows` rows of the static buffers;

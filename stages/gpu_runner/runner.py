@@ -41,6 +41,7 @@ from stages.gpu_runner.model_config import (
 from stages.gpu_runner.output import StepOutput
 from stages.gpu_runner.parallel import PlanBroadcast, TensorParallel, check_tensor_parallel
 from stages.gpu_runner.sampler import Sampler, SamplerOutput, SamplingMetadata
+from stages.gpu_runner.speculative.speculator import Speculator, shift_meta
 from stages.gpu_runner.static_decode import StaticDecodeInputs, is_decode_only
 from stages.gpu_runner.step_inputs import check_budget, check_plan, prepare_step, upload_table_writes
 from stages.gpu_runner.step_layout import step_layout
@@ -106,6 +107,9 @@ class ModelRunner:
         if config.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
+        self.speculator: Speculator | None = None
+        if config.speculative is not None:
+            self.speculator = make_speculator(config, self)
         self.constraints = RowConstraints(self.max_num_seqs, self.vocab_size, self.eos_token_ids, self.tokenizer_path,
                                           self.device)
         self.kv_connector = kv_connector
@@ -159,8 +163,12 @@ class ModelRunner:
             self.plan_broadcast.send(encode_plan(plan))
         if self.static is not None and is_decode_only(plan):
             return self._execute_static_decode(plan)
+        speculator = self.speculator
         with self.phase("prepare_inputs"):
-            inputs = prepare_step(plan, self.batch, self.max_num_batched_tokens, self.attention_backend)
+            inputs = prepare_step(plan, self.batch, self.max_num_batched_tokens, self.attention_backend,
+                                  None if speculator is None else speculator.lag)
+            if inputs.spec is not None:
+                speculator.propose(inputs)
             if self.tp is None or self.tp.is_driver:  # the rank that samples keeps the grammars
                 self.constraints.apply(plan)
         connector_meta = plan.connector_meta if self.kv_connector is not None else None
@@ -170,7 +178,16 @@ class ModelRunner:
         if plan.num_rows:
             with self.phase("forward"):
                 hidden = self.model(inputs.input_ids, inputs.positions, self._kv_storage, inputs.attention)
-            if len(inputs.sampled_rows):
+                if speculator is not None and speculator.draft is not None:
+                    speculator.draft.observe(inputs)
+            if inputs.spec is not None and len(inputs.logits_index):
+                with self.phase("sample"):
+                    logits = self.model.compute_logits(hidden[inputs.logits_index])
+                    sampled = speculator.sample(
+                        logits, inputs, self.sampler, eos_token_ids=self.config.eos_token_ids,
+                        sample_plain=lambda plain: self._sample(plain, inputs.sampled_rows, inputs.sampled_num_tokens,
+                                                                inputs.spec.plain_shift))
+            elif len(inputs.sampled_rows):
                 with self.phase("sample"):
                     logits = self.model.compute_logits(hidden[inputs.logits_index])
                     sampled = self._sample(logits, inputs.sampled_rows, inputs.sampled_num_tokens)
@@ -181,7 +198,7 @@ class ModelRunner:
             self.kv_connector.save(connector_meta)
         if sampled is None:
             sampled = SamplerOutput(torch.zeros(0, dtype=torch.int32, device=self.device), None, None)
-        return self._output(plan.step, inputs.sampled_rows, sampled)
+        return self._output(plan.step, plan.output_rows if inputs.spec is not None else inputs.sampled_rows, sampled)
 
     def _execute_static_decode(self, plan: StepPlan) -> StepOutput:
         """A decode-only step over the static buffers, padded to its bucket; sampled inside the
@@ -231,13 +248,17 @@ class ModelRunner:
         static.token_table.view(-1).index_copy_(0, static.sampled_index[:num_rows], greedy)
         return logits, greedy
 
-    def _sample(self, logits: torch.Tensor | None, rows: np.ndarray, num_tokens: np.ndarray) -> SamplerOutput | None:
+    def _sample(self, logits: torch.Tensor | None, rows: np.ndarray, num_tokens: np.ndarray,
+                shift: torch.Tensor | None = None) -> SamplerOutput | None:
         """Sample `rows`; their grammar masks and logit biases are applied to the logits first (the
         host waits there for the grammar rows' previous tokens, while this step's forward runs).
-        A tensor-parallel rank other than 0 has no logits and samples nothing."""
+        A tensor-parallel rank other than 0 has no logits and samples nothing. `shift`: how many
+        fewer tokens each row really has than num_tokens says (a speculative step's lagged rows)."""
         if logits is None:
             return None
         meta = SamplingMetadata.for_rows(self.batch, rows, num_tokens, self.config.eos_token_ids)
+        if shift is not None:
+            shift_meta(meta, shift)
         constrain = None
         if self.constraints.constrains(rows):
             constrain = lambda processed: self.constraints.constrain(processed, rows)  # noqa: E731
@@ -269,6 +290,19 @@ class ModelRunner:
             step=step, rows=rows, token_ids=sampled.token_ids, logprobs=sampled.logprobs,
             logprob_token_ids=sampled.logprob_token_ids, host_token_ids=host[0], host_logprobs=host[1],
             host_logprob_token_ids=host[2], ready=ready)
+
+
+def make_speculator(config: EngineConfig, runner: ModelRunner) -> Speculator:
+    """The speculator of `config.speculative`, with its draft model loaded for method draft_model."""
+    spec = config.speculative
+    if runner.tp is not None:
+        raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
+    draft = None
+    if spec.method == "draft_model":
+        from stages.gpu_runner.speculative.draft_model import DraftModelProposer
+
+        draft = DraftModelProposer(spec, runner)
+    return Speculator(spec, runner.batch, draft)
 
 
 def make_attention_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:

@@ -234,17 +234,11 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs, logprob_token_ids)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        logits = logits.div_(meta.temperature.unsqueeze(1))
-        if meta.any_min_p:
-            probs = logits.softmax(dim=-1)
-            threshold = meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-            logits = logits.masked_fill_(probs < threshold, float("-inf"))
-        if meta.any_top_p:
-            logits = _top_k_top_p_sorted(logits, meta)
-        elif meta.any_top_k:
-            logits = _top_k(logits, meta)
-        probs = logits.softmax(dim=-1)
+        return self.race(sampling_probs(logits, meta), meta)
 
+    def race(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """One token per row, drawn with probability proportional to `probs` [n, vocab] (which need
+        not sum to 1): a seeded row's noise depends only on its seed and output position."""
         noise = torch.empty_like(probs)
         if meta.num_seeded < meta.num_rows:
             noise.exponential_(generator=self.generator)
@@ -254,6 +248,29 @@ class Sampler:
         # exponential_ may return exactly 0; 0/0 would be NaN, which argmax would pick.
         noise.clamp_min_(torch.finfo(torch.float32).tiny)
         return probs.div_(noise).argmax(dim=-1)
+
+    def uniform(self, meta: SamplingMetadata) -> torch.Tensor:
+        """float32 [n] in (0, 1), one per row; a seeded row's depends only on its seed and output
+        position (a stream apart from its noise's)."""
+        values = torch.rand(meta.num_rows, generator=self.generator, device=meta.greedy.device)
+        if meta.num_seeded:
+            values.index_copy_(0, meta.seeded_rows, _seeded_uniform(meta.seeds, meta.seeded_output_pos))
+        return values
+
+
+def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then min-p, top-k and top-p, then
+    softmax. `logits` (float32, penalties applied) is overwritten."""
+    logits = logits.div_(meta.temperature.unsqueeze(1))
+    if meta.any_min_p:
+        probs = logits.softmax(dim=-1)
+        threshold = meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill_(probs < threshold, float("-inf"))
+    if meta.any_top_p:
+        logits = _top_k_top_p_sorted(logits, meta)
+    elif meta.any_top_k:
+        logits = _top_k(logits, meta)
+    return logits.softmax(dim=-1)
 
 
 def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -342,6 +359,14 @@ def _seeded_exponential(seeds: torch.Tensor, output_pos: torch.Tensor, vocab: in
     bits = _shift_right(_mix64(key.unsqueeze(1) + index.unsqueeze(0)), 64 - _UNIFORM_BITS)
     uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _UNIFORM_BITS))  # in (0, 1)
     return uniform.log_().neg_()
+
+
+def _seeded_uniform(seeds: torch.Tensor, output_pos: torch.Tensor) -> torch.Tensor:
+    """float32 [m] in (0, 1) from (seed, output_pos): draw 0 of the stream whose draws 1..vocab are
+    `_seeded_exponential`'s."""
+    key = _mix64(_mix64(seeds + _GAMMA) + output_pos * _GAMMA)
+    bits = _shift_right(_mix64(key), 64 - _UNIFORM_BITS)
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _UNIFORM_BITS))
 
 
 def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,

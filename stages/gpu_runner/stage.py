@@ -41,7 +41,9 @@ def serve_rank(ctx: StageContext, tp: TensorParallel | None) -> None:
     if tp is not None and not tp.is_driver:
         follow_plans(ctx, runner)
         return
-    create_mailbox(ctx.instance, num_slots=config.mailbox_slots, max_rows=config.max_num_seqs,
+    # A row verifying K drafts yields up to K + 1 tokens a step.
+    create_mailbox(ctx.instance, num_slots=config.mailbox_slots,
+                   max_rows=config.max_num_seqs * (1 + config.num_speculative_tokens),
                    logprob_width=1 + MAX_LOGPROBS, num_consumers=len(MAILBOX_READERS),
                    cuda=runner.device.type == "cuda")
     mailbox = MailboxWriter(ctx.mailbox_name, runner.device)

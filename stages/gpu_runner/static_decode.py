@@ -27,7 +27,8 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 def is_decode_only(plan: StepPlan) -> bool:
     """Every row computes one token and samples it (the step a bucket can run)."""
-    return plan.num_rows > 0 and bool(np.all(plan.num_scheduled_tokens == 1)) and bool(np.all(plan.sample))
+    return (plan.num_rows > 0 and bool(np.all(plan.num_scheduled_tokens == 1)) and bool(np.all(plan.sample))
+            and not plan.speculates)  # a lagged row's positions are known on the device only
 
 
 class StaticDecodeInputs:

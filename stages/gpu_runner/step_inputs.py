@@ -37,6 +37,27 @@ class StepInputs:
     # Host-side numbers for SamplingMetadata.build, in sampled-row order.
     sampled_rows: np.ndarray  # int32 [m]
     sampled_num_tokens: np.ndarray  # int64 [m]: known tokens before the sampled one
+    gather_index: torch.Tensor | None = None  # int64 [num_tokens]: where input_ids were read in the flat token table
+    spec: SpecInputs | None = None  # a speculative step's extra inputs
+
+
+@dataclass(slots=True)
+class SpecInputs:
+    """What a speculative step adds (the plan's `num_draft_tokens` / `lagged`).
+
+    Output entries are the sampled rows in plan order, each once, or 1 + K times for a row that
+    verifies K drafts; `logits_index` has one entry each. `positions`, the slots, the input gather
+    and `sampled_token_index` above are already moved back by `shift`."""
+
+    shift: torch.Tensor  # int64 [n]: how far each row's real positions trail the plan's
+    num_drafts: int  # K: drafts of each verifying row (0: none verifies)
+    plain_entries: np.ndarray  # int64: entries of sampled rows that verify nothing
+    plain_shift: torch.Tensor  # int64 [len(plain_entries)]: their rows' shift
+    verify_rows: np.ndarray  # int32 [d]: rows that verify drafts
+    verify_rows_dev: torch.Tensor  # int64 [d]
+    verify_entries: np.ndarray  # int64 [d * (K + 1)]: their entries, row after row
+    verify_start: torch.Tensor  # int64 [d]: the real position of each one's last known token
+    verify_planned_start: np.ndarray  # int64 [d]: the plan's (an upper bound)
 
 
 def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
@@ -73,9 +94,15 @@ def check_budget(plan: StepPlan, max_num_batched_tokens: int) -> None:
 
 
 def prepare_step(plan: StepPlan, batch: InputBatch, max_num_batched_tokens: int,
-                 backend: AttentionBackend) -> StepInputs:
-    """Apply the plan to the persistent batch and build its inputs on the batch's device."""
+                 backend: AttentionBackend, lag: torch.Tensor | None = None) -> StepInputs:
+    """Apply the plan to the persistent batch and build its inputs on the batch's device. `lag`
+    (int64 [max_num_seqs] on the device): each row's rejected drafts of the last step, read for
+    the plan's lagged rows."""
     check_budget(plan, max_num_batched_tokens)
+    if plan.speculates:
+        if lag is None:
+            raise ValueError(f"step {plan.step} verifies drafts, but this runner has no speculative config")
+        return build_speculative_inputs(plan, batch, batch.apply(plan), batch.device, backend, lag)
     return build_step_inputs(plan, batch, batch.apply(plan), batch.device, backend)
 
 
@@ -121,6 +148,78 @@ def build_step_inputs(plan: StepPlan, batch: InputBatch, writes: TableWrites, de
         sampled_token_index=sampled_token_index_dev,
         sampled_rows=plan.rows[sample],
         sampled_num_tokens=context[sample],
+    )
+
+
+def build_speculative_inputs(plan: StepPlan, batch: InputBatch, writes: TableWrites, device: torch.device,
+                             backend: AttentionBackend, lag: torch.Tensor) -> StepInputs:
+    """As build_step_inputs, for a plan with drafts to verify or lagged rows: positions, slots and
+    gathers are computed from the plan's, then moved back on the device by each lagged row's
+    rejected drafts (`lag`), so the host never waits for that count. The drafts themselves are
+    not in the token table yet: the caller proposes them, then gathers `input_ids` again."""
+    check_plan(plan, batch)
+    width, bs = batch.max_model_len, batch.block_size
+    layout = step_layout(plan)
+    rows, scheduled, cu, context = layout.rows, layout.scheduled, layout.query_start, layout.context
+    num_tokens = int(cu[-1])
+    n = len(rows)
+    drafts = layout.drafts
+    verify = drafts > 0
+    sample = plan.sample.astype(bool)
+    num_drafts = int(drafts[verify][0]) if verify.any() else 0
+    if np.any(drafts[verify] != num_drafts) or np.any(verify & ~sample) or np.any(scheduled[verify] != num_drafts + 1):
+        raise ValueError(f"step {plan.step}: every row verifying drafts must verify as many, compute them all "
+                         f"after its last token and sample")
+
+    token_layout_index = np.repeat(np.arange(n), scheduled)
+    positions = np.repeat(layout.computed - cu[:-1], scheduled) + np.arange(num_tokens, dtype=np.int64)
+    counts = np.where(sample, 1 + drafts, 0)
+    logits_index = np.repeat(cu[1:] - counts, counts) + np.arange(int(counts.sum())) \
+        - np.repeat(np.cumsum(counts) - counts, counts)
+    entry_layout_index = np.repeat(np.arange(n), counts)
+    plain = sample & ~verify
+    plain_entries = np.flatnonzero(plain[entry_layout_index])
+    verify_entries = np.flatnonzero(verify[entry_layout_index])
+    backend_parts = backend.host_arrays(layout)
+    parts = [writes.token_index, writes.token_ids, writes.block_index, writes.block_ids, writes.window_block_ids,
+             rows, plan.lagged.astype(np.int64), token_layout_index, positions, logits_index,
+             np.flatnonzero(plain), context[plain], np.flatnonzero(verify), layout.computed[verify], *backend_parts]
+    packed = to_device(np.concatenate(parts), device)
+    cuts = np.cumsum([len(p) for p in parts])[:-1].tolist()
+    (token_index, token_ids, block_index, block_ids, window_block_ids, rows_dev, lagged_dev, token_layout_dev,
+     positions_dev, logits_index_dev, plain_index_dev, plain_context_dev, verify_index_dev, verify_planned_dev,
+     *backend_dev) = torch.tensor_split(packed, cuts)
+    batch.write_tables(token_index, token_ids, block_index, block_ids, window_block_ids)
+
+    shift = lag.index_select(0, rows_dev) * lagged_dev
+    token_rows = rows_dev.index_select(0, token_layout_dev)
+    positions_dev = positions_dev - shift.index_select(0, token_layout_dev)
+    block_number, offset = positions_dev // bs, positions_dev % bs
+    slots = batch.block_table[token_rows, block_number].to(torch.int64) * bs + offset
+    verify_rows_dev = rows_dev.index_select(0, verify_index_dev)
+    plain_rows_dev = rows_dev.index_select(0, plain_index_dev)
+    plain_shift = shift.index_select(0, plain_index_dev)
+    attention = backend.step_metadata(layout, backend_dev, slots, batch, shift)
+    if batch.window_block_table is not None:
+        window_slots = batch.window_block_table[token_rows, block_number].to(torch.int64) * bs + offset
+        attention = (attention, backend.step_metadata(layout, backend_dev, window_slots,
+                                                      WindowTable(batch.window_block_table), shift))
+    gather_index = token_rows * width + positions_dev
+    spec = SpecInputs(
+        shift=shift, num_drafts=num_drafts, plain_entries=plain_entries, plain_shift=plain_shift,
+        verify_rows=plan.rows[verify], verify_rows_dev=verify_rows_dev, verify_entries=verify_entries,
+        verify_start=verify_planned_dev - shift.index_select(0, verify_index_dev),
+        verify_planned_start=layout.computed[verify])
+    return StepInputs(
+        input_ids=batch.token_table.view(-1)[gather_index],
+        positions=positions_dev,
+        attention=attention,
+        logits_index=logits_index_dev,
+        sampled_token_index=plain_rows_dev * width + plain_context_dev - plain_shift,
+        sampled_rows=plan.rows[plain],
+        sampled_num_tokens=context[plain],
+        gather_index=gather_index,
+        spec=spec,
     )
 
 

@@ -18,6 +18,7 @@ class StepLayout:
     computed: np.ndarray  # int64 [n]: tokens of each row already in the KV cache
     scheduled: np.ndarray  # int64 [n]: tokens computed now
     query_start: np.ndarray  # int64 [n + 1]: where each row's tokens start among the step's, then the total
+    drafts: np.ndarray | None = None  # int64 [n]: drafts each row verifies (None: no row does)
 
     @property
     def context(self) -> np.ndarray:
@@ -27,8 +28,9 @@ class StepLayout:
 
 def step_layout(plan: StepPlan) -> StepLayout:
     scheduled = plan.num_scheduled_tokens.astype(np.int64)
+    drafts = plan.draft_counts if plan.speculates else None
     return StepLayout(rows=plan.rows.astype(np.int64), computed=plan.num_computed_tokens.astype(np.int64),
-                      scheduled=scheduled, query_start=np.concatenate(([0], np.cumsum(scheduled))))
+                      scheduled=scheduled, query_start=np.concatenate(([0], np.cumsum(scheduled))), drafts=drafts)
 
 
 def token_slots(block_table_host: np.ndarray, block_size: int, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -50,9 +50,11 @@ class TritonBackend:
         return [layout.rows, np.concatenate([layout.context, layout.query_start])]
 
     def step_metadata(self, layout: StepLayout, arrays: list[torch.Tensor], slot_mapping: torch.Tensor,
-                      batch: InputBatch) -> TritonMetadata:
+                      batch: InputBatch, shift: torch.Tensor | None = None) -> TritonMetadata:
         rows, lens_and_starts = arrays
         n = len(layout.rows)
+        if shift is not None:  # the kernels place each row's queries at the end of its context
+            lens_and_starts = torch.cat([lens_and_starts[:n] - shift, lens_and_starts[n:]])
         lens_and_starts = lens_and_starts.to(torch.int32)
         num_blocks = -(-int(layout.context.max()) // self.block_size) if n else 0
         max_query_len = int(layout.scheduled.max()) if n else 0
@@ -62,6 +64,13 @@ class TritonBackend:
             seq_lens=lens_and_starts[:n],
             query_start_loc=None if max_query_len == 1 else lens_and_starts[n:],
             max_query_len=max_query_len)
+
+    def decode_metadata(self, rows: torch.Tensor, context: torch.Tensor, max_context: int,
+                        slot_mapping: torch.Tensor, block_table: torch.Tensor) -> TritonMetadata:
+        num_blocks = -(-max_context // self.block_size)
+        return TritonMetadata(slot_mapping=slot_mapping,
+                              block_tables=block_table.narrow(1, 0, num_blocks).index_select(0, rows),
+                              seq_lens=context.to(torch.int32), query_start_loc=None, max_query_len=1)
 
     def static_decode_metadata(self, inputs: StaticDecodeInputs, num_rows: int, max_context: int) -> TritonMetadata:
         # The full table width, whatever the step's contexts: the shapes depend on the bucket alone.

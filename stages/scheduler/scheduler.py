@@ -25,6 +25,7 @@ from stages.scheduler.block_manager import hash_block
 from stages.scheduler.kv_groups import KVGroups
 from stages.scheduler.request import Request, RequestStatus
 from stages.scheduler.row_table import RowTable
+from stages.scheduler.speculation import Speculation, speculative_entries
 
 
 @dataclass(slots=True)
@@ -38,6 +39,9 @@ class SchedulerStats:
     num_preemptions: int
     num_prefix_queried_tokens: int = 0  # tokens of admitted requests, each admission counted
     num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache (not computed again)
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified
+    num_accepted_tokens: int = 0  # of those, accepted
+    num_verifications: int = 0  # (request, step) pairs that verified drafts
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -84,6 +88,8 @@ class Scheduler:
         self._in_flight: deque[StepPlan] = deque()  # scheduled, not yet updated, oldest first
         self._first_admitted: deque[list[tuple[int, int]]] = deque()  # per step in flight: (req_id, ns)
         self._next_step = 0
+        self.spec = None if config.speculative is None else \
+            Speculation(config.speculative, self.max_num_seqs, self.max_model_len)
         self.num_preemptions = 0
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
@@ -139,7 +145,13 @@ class Scheduler:
         return SchedulerStats(len(self._waiting), len(self._running), self._num_draining,
                               manager.num_free_blocks, manager.num_used_blocks,
                               manager.num_cached_blocks, self.num_preemptions, self.num_prefix_queried_tokens,
-                              self.num_prefix_hit_tokens)
+                              self.num_prefix_hit_tokens, *self._speculation_counts())
+
+    def _speculation_counts(self) -> tuple[int, int, int]:
+        if self.spec is None:
+            return 0, 0, 0
+        counters = self.spec.counters
+        return counters.num_draft_tokens, counters.num_accepted_tokens, counters.num_verifications
 
     def num_computed_tokens(self, req_id: int) -> int:
         row = self._requests[req_id].row
@@ -169,18 +181,29 @@ class Scheduler:
             is_decode = need == 1
             num_new = np.where(is_decode, _greedy_fill(np.where(is_decode, need, 0), budget), 0)
             budget -= int(num_new.sum())
+            drafts = None
+            if self.spec is not None:  # then the drafts of decoding rows, before any prefill chunk
+                drafts = self.spec.choose(rows, is_decode, num_new, num_computed,
+                                          rows_t.num_known[rows] - rows_t.num_prompt[rows], rows_t.min_tokens[rows],
+                                          budget)
+                num_new += drafts
+                budget -= int(drafts.sum())
             num_new += _greedy_fill(np.where(is_decode, 0, need), budget)
             blocks_needed = np.maximum(-(-(num_computed + num_new) // self.block_size) - rows_t.num_blocks[rows], 0)
             if int(blocks_needed.sum()) > self.kv.num_free_blocks:
                 preempted = True
                 rows, num_new, blocks_needed = self._make_room(rows, num_new, blocks_needed)
+                if drafts is not None:
+                    drafts = np.where(num_new > 0, drafts[:len(rows)], 0)
                 num_computed, logical = rows_t.num_computed[rows], rows_t.num_known[rows] + rows_t.num_placeholders[rows]
             budget = self.max_num_batched_tokens - int(num_new.sum())
             scheduled = num_new > 0
             if scheduled.any():
                 rows, num_computed, num_new, blocks_needed = (
                     rows[scheduled], num_computed[scheduled], num_new[scheduled], blocks_needed[scheduled])
-                sample = num_computed + num_new == logical[scheduled]
+                if drafts is not None:
+                    drafts = drafts[scheduled]
+                sample = num_computed + num_new == logical[scheduled] + (0 if drafts is None else drafts)
                 new_block_ids = self.kv.allocate(int(blocks_needed.sum()))
                 if new_block_ids[0]:
                     start = 0
@@ -189,7 +212,8 @@ class Scheduler:
                             block_ids.extend(new[start:start + count])
                         start += count
                     rows_t.num_blocks[rows] += blocks_needed
-                parts.append((rows, num_computed, num_new, sample, blocks_needed))
+                parts.append((rows, num_computed, num_new, sample, blocks_needed,
+                              np.zeros(len(rows), np.int64) if drafts is None else drafts))
 
         new_requests: list[NewRequest] = []
         first_admissions: set[int] = set()
@@ -200,12 +224,16 @@ class Scheduler:
 
         if not parts:
             return None
-        rows, num_computed, num_new, sample, num_new_blocks = (np.concatenate(p) for p in zip(*parts))
-        # Advance optimistically: the next plan continues where this one stops.
+        rows, num_computed, num_new, sample, num_new_blocks, drafts = (np.concatenate(p) for p in zip(*parts))
+        num_draft_tokens = lagged = None
+        if self.spec is not None:
+            num_draft_tokens, lagged = drafts.astype(np.int32), self.spec.lagged(rows)
+            self.spec.drafts_in_flight[rows] += drafts
+        # Advance optimistically (every draft accepted): the next plan continues where this one stops.
         rows_t.num_computed[rows] += num_new
         rows_t.num_in_flight[rows] += num_new
         rows_t.num_steps_in_flight[rows] += 1
-        rows_t.num_placeholders[rows[sample]] += 1
+        rows_t.num_placeholders[rows[sample]] += 1 + drafts[sample]
 
         meta = None
         if self.connector is not None:
@@ -225,6 +253,8 @@ class Scheduler:
             connector_meta=meta,
             window_block_ids=window_ids,
         )
+        if num_draft_tokens is not None:
+            plan.num_draft_tokens, plan.lagged = num_draft_tokens, lagged
         self._rows_to_free = []
         self._next_step += 1
         self._in_flight.append(plan)
@@ -271,6 +301,8 @@ class Scheduler:
                 new.extend(block_ids)
             self._row_request[row] = request
             rows_t.assign(row, request.req_id, token_ids, request.num_prompt_tokens, request.params)
+            if self.spec is not None:
+                self.spec.assign(row, request.params)
             rows_t.num_blocks[row] = len(request.block_ids)
             rows_t.num_committed_blocks[row] = len(hit_blocks)
             rows_t.num_computed[row] = start
@@ -283,7 +315,7 @@ class Scheduler:
             return None
         rows, num_computed, num_new, sample, num_blocks = zip(*entries)
         return (np.array(rows, np.int64), np.array(num_computed, np.int64), np.array(num_new, np.int64),
-                np.array(sample, np.bool_), np.array(num_blocks, np.int64))
+                np.array(sample, np.bool_), np.array(num_blocks, np.int64), np.zeros(len(rows), np.int64))
 
     def _make_room(self, rows: np.ndarray, num_new: np.ndarray, blocks_needed: np.ndarray):
         """Preempt from the back of the running list until the rest fit. Victims with a step
@@ -324,23 +356,25 @@ class Scheduler:
         rows = plan.rows.astype(np.int64)
         rows_t.num_in_flight[rows] -= plan.num_scheduled_tokens
         rows_t.num_steps_in_flight[rows] -= 1
-        sampled = output.rows.astype(np.int64)
-        rows_t.num_placeholders[sampled] -= 1
-        output_index = np.flatnonzero(~rows_t.finished[sampled])
-        live = sampled[output_index]
-        token_ids = np.asarray(output.token_ids, dtype=np.int32)[output_index]
-        position = rows_t.num_known[live]
-        rows_t.token_ids[live, position] = token_ids
-        rows_t.num_known[live] = position + 1
-        num_outputs = position + 1 - rows_t.num_prompt[live]
-        stop = np.zeros(token_ids.shape[0], np.bool_)
-        for eos_token_id in self._eos_token_ids:  # one or two ids: cheaper than np.isin
-            stop |= token_ids == eos_token_id
-        stop &= ~rows_t.ignore_eos[live]
-        for i in np.flatnonzero(rows_t.has_stop_ids[live]).tolist():
-            stop[i] |= int(token_ids[i]) in self._row_request[live[i]].params.stop_token_ids
-        stop &= num_outputs >= rows_t.min_tokens[live]
-        length = (num_outputs >= rows_t.max_tokens[live]) | (position + 1 >= self.max_model_len)
+        if plan.speculates:
+            sample_rows = plan.sampled_rows.astype(np.int64)
+            entries = speculative_entries(rows_t, self.spec, sample_rows, plan.draft_counts[plan.sample],
+                                          output.token_ids, self._stop_tokens, self.max_model_len)
+            output_index, live, token_ids, position = entries.index, entries.rows, entries.token_ids, entries.position
+            stop, length = entries.stop, entries.length
+            rows_t.token_ids[live, position] = token_ids
+        else:
+            sampled = output.rows.astype(np.int64)
+            rows_t.num_placeholders[sampled] -= 1
+            output_index = np.flatnonzero(~rows_t.finished[sampled])
+            live = sampled[output_index]
+            token_ids = np.asarray(output.token_ids, dtype=np.int32)[output_index]
+            position = rows_t.num_known[live]
+            rows_t.token_ids[live, position] = token_ids
+            rows_t.num_known[live] = position + 1
+            num_outputs = position + 1 - rows_t.num_prompt[live]
+            stop = self._stop_tokens(live, token_ids) & (num_outputs >= rows_t.min_tokens[live])
+            length = (num_outputs >= rows_t.max_tokens[live]) | (position + 1 >= self.max_model_len)
         result = StepUpdate(plan.step, rows_t.req_id[live], token_ids, output_index, [], output, admitted)
         self._commit_blocks(rows)  # before finishing: a finished request may release its blocks now
         if self.kv.windowed:  # then blocks behind a window: committed first, they stay cached
@@ -355,6 +389,17 @@ class Scheduler:
         for row in rows[rows_t.draining[rows] & (rows_t.num_steps_in_flight[rows] == 0)].tolist():
             self._release(self._row_request[row])
         return result
+
+    def _stop_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+        """Which of `token_ids` (sampled for `rows`) are EOS their request heeds or one of its stop ids."""
+        rows_t = self._rows
+        stop = np.zeros(token_ids.shape[0], np.bool_)
+        for eos_token_id in self._eos_token_ids:  # one or two ids: cheaper than np.isin
+            stop |= token_ids == eos_token_id
+        stop &= ~rows_t.ignore_eos[rows]
+        for i in np.flatnonzero(rows_t.has_stop_ids[rows]).tolist():
+            stop[i] |= int(token_ids[i]) in self._row_request[rows[i]].params.stop_token_ids
+        return stop
 
     def _commit_blocks(self, rows: np.ndarray) -> None:
         """Offer newly complete blocks to the prefix cache and the connector. Only blocks

@@ -61,7 +61,7 @@ class RingExecutor:
     def launch(self, plan: StepPlan) -> None:
         with self._write_range:
             self.ctx.write(self.plans, msg.Kind.PLAN, *msg.encode_plan(plan))
-        self._sampled_rows.append(plan.sampled_rows)
+        self._sampled_rows.append(plan.output_rows)
 
     def poll(self, timeout_s: float | None) -> HostStepOutput | None:
         record = self.done.read(timeout=timeout_s)
@@ -211,4 +211,4 @@ class SchedulerLoop:
         self.ctx.board.publish_counters(SchedulerCounters(
             stats.num_waiting, stats.num_running + stats.num_draining, stats.num_used_blocks, stats.num_free_blocks,
             self.tokens_generated, stats.num_preemptions, stats.num_prefix_queried_tokens,
-            stats.num_prefix_hit_tokens))
+            stats.num_prefix_hit_tokens, stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_verifications))

@@ -34,6 +34,7 @@ from pipeline.protocol import (
     Health,
     HealthReply,
     ServerMessage,
+    SpeculativeCounts,
     Stats,
     StatsReply,
     TokenLogprobs,
@@ -385,3 +386,31 @@ def test_generate_omits_delta_frames_unless_set_so_an_older_daemon_reads_it() ->
 
 def framed(payload: bytes) -> bytes:
     return struct.pack(">I", len(payload)) + payload
+
+
+def test_a_request_that_turns_speculation_off_says_so_on_the_wire() -> None:
+    params = SamplingParams(max_tokens=4, speculative=False)
+    (message,) = decode_all(encode_frame(Generate([1, 2], WireSamplingParams.from_params(params))))
+    assert message.params.to_params() == params
+    # The default is left out, so a daemon that does not know the field reads the request.
+    assert "speculative" not in msgspec.msgpack.decode(msgspec.msgpack.encode(Generate([1, 2])))["params"]
+    with pytest.raises(ProtocolError, match=r"\$\.params\.speculative"):
+        decode_all(encode_frame(Generate([1, 2], WireSamplingParams(speculative="no"))))  # type: ignore[arg-type]
+
+
+def test_stats_carry_speculative_counts_and_derive_their_rates() -> None:
+    reply = StatsReply(num_draft_tokens=300, num_accepted_tokens=210, num_verifications=100)
+    (decoded,) = decode_all(encode_frame(reply), ServerMessage)
+    assert (decoded.num_draft_tokens, decoded.num_accepted_tokens, decoded.num_verifications) == (300, 210, 100)
+    assert decoded.speculative.draft_acceptance_rate == pytest.approx(0.7)
+    assert decoded.speculative.mean_accepted_length == pytest.approx(3.1)  # 2.1 accepted drafts, one sampled token
+
+
+def test_stats_from_a_daemon_without_speculative_counts_read_as_none_drafted() -> None:
+    class OlderStatsReply(msgspec.Struct, tag="stats_reply"):
+        num_running_requests: int = 0
+
+    (decoded,) = decode_all(framed(msgspec.msgpack.encode(OlderStatsReply(2))), ServerMessage)
+    assert decoded.num_running_requests == 2
+    assert decoded.speculative == SpeculativeCounts(0, 0, 0)
+    assert (decoded.speculative.draft_acceptance_rate, decoded.speculative.mean_accepted_length) == (0.0, 0.0)

@@ -1,10 +1,20 @@
 """Prometheus metrics: the exposition parses, carries the model name, and moves with requests."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline.protocol import StatsReply
 from pipeline.serve.metrics import FINISHED_REASONS, Metrics
+from pipeline.serve.openai.app import OpenAIApi
+
+SPEC_DECODE_SERIES = (
+    "pipeline:spec_decode_num_draft_tokens_total", "pipeline:spec_decode_num_accepted_tokens_total",
+    "pipeline:spec_decode_num_verifications_total", "pipeline:spec_decode_draft_acceptance_rate",
+    "pipeline:spec_decode_mean_accepted_length",
+)
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -29,6 +39,7 @@ def test_every_metric_is_exposed_with_the_model_name_before_any_request():
         "pipeline:stage_restarts_total", "pipeline:request_success_total",
         "pipeline:time_to_first_token_seconds_count", "pipeline:time_per_output_token_seconds_count",
         "pipeline:e2e_request_latency_seconds_count", "pipeline:request_queue_time_seconds_count",
+        *SPEC_DECODE_SERIES,
     ):
         assert expected in names
     assert all(dict(labels).get("model_name") == "tiny" for _, labels in samples(Metrics("tiny")))
@@ -101,3 +112,42 @@ def test_two_instances_share_nothing():
     first.tokens_generated(first.request_arrived(now=0.0), 5, now=1.0)
     assert value(first, "pipeline:generation_tokens_total") == 5
     assert value(second, "pipeline:generation_tokens_total") == 0
+
+
+def spec_decode_values(metrics: Metrics) -> list[float]:
+    return [value(metrics, name) for name in SPEC_DECODE_SERIES]
+
+
+def test_speculative_counts_rise_and_an_engine_restart_adds_its_fresh_counts():
+    metrics = Metrics("tiny")
+    assert spec_decode_values(metrics) == [0, 0, 0, 0, 0]
+    stats = dict(num_requests_running=0, num_requests_waiting=0, kv_cache_usage=0.0, prefix_cache_hit_rate=0.0,
+                 num_stage_restarts=0)
+    metrics.set_stats(**stats, num_draft_tokens=30, num_accepted_tokens=21, num_verifications=10)
+    assert spec_decode_values(metrics) == pytest.approx([30, 21, 10, 0.7, 3.1])
+    metrics.set_stats(**stats, num_draft_tokens=40, num_accepted_tokens=29, num_verifications=14)
+    assert spec_decode_values(metrics) == pytest.approx([40, 29, 14, 29 / 40, 1 + 29 / 14])
+    # The engine restarted: its counts began again from zero, and every one of them is new.
+    metrics.set_stats(**stats, num_draft_tokens=5, num_accepted_tokens=0, num_verifications=5)
+    assert spec_decode_values(metrics) == pytest.approx([45, 29, 19, 0.0, 1.0])
+
+
+class StatsServer:
+    """What the /metrics handler reads of the daemon server: its stats and its metrics."""
+
+    def __init__(self, reply: StatsReply) -> None:
+        self.model = None
+        self.metrics = Metrics("tiny")
+        self.reply = reply
+
+    def stats(self) -> StatsReply:
+        return self.reply
+
+
+def test_the_metrics_endpoint_exposes_the_daemons_speculative_counts():
+    server = StatsServer(StatsReply(kv_blocks_total=8, num_draft_tokens=12, num_accepted_tokens=9,
+                                    num_verifications=4))
+    response = asyncio.run(OpenAIApi(server).metrics(None))  # type: ignore[arg-type]
+    assert response.status == 200
+    assert spec_decode_values(server.metrics) == pytest.approx([12, 9, 4, 0.75, 3.25])
+    assert b"pipeline:spec_decode_num_draft_tokens_total{model_name=\"tiny\"} 12.0" in response.body

@@ -192,3 +192,22 @@ def test_resume_token_ids_continue_one_choice_and_are_checked() -> None:
         completion(resume_token_ids=[5], echo=True))).message
     assert refused(completion_requests, decode_completion_request(
         completion(resume_token_ids=[5, -1]))).param == "resume_token_ids[1]"
+
+
+def test_speculative_false_turns_speculation_off_for_every_choice_of_both_endpoints() -> None:
+    choices = completion_requests(decode_completion_request(completion(prompt=["a", "b"], n=2, speculative=False)))
+    assert [c.params.speculative for c in choices] == [False] * 4
+    assert completion_requests(decode_completion_request(completion(speculative=None)))[0].params.speculative
+    assert completion_requests(decode_completion_request(completion()))[0].params.speculative
+    [params] = chat_params(decode_chat_request(chat(speculative=False)), default_max_tokens=100)
+    assert params.speculative is False
+    [params] = chat_params(decode_chat_request(chat(speculative=True)), default_max_tokens=100)
+    assert params.speculative is True
+
+
+@pytest.mark.parametrize("value", ["false", 0, 1, [False]])
+def test_a_speculative_field_that_is_not_a_bool_is_a_400_naming_it(value: object) -> None:
+    for decode, body in ((decode_completion_request, completion(speculative=value)),
+                         (decode_chat_request, chat(speculative=value))):
+        error = refused(decode, body)
+        assert error.param == "speculative" and error.message.startswith("speculative: expected `bool | null`")

@@ -6,26 +6,16 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pipeline.errors import InvalidRequest, StageFailed
-from shm.naming import new_instance_id
 from pipeline.serve.profile_control import ProfileControl, check_trace_directory
 from stages.profiling import StageProfiler
 from stages.status import PROFILE_DIRECTORY_BYTES, ProfileAnswer, ProfileOutcome, StatusBoard
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-def board() -> Iterator[StatusBoard]:
-    board = StatusBoard.create(new_instance_id())
-    board.unlink()  # the mapping stays; nothing is left in /dev/shm
-    yield board
-    board.close()
 
 
 @pytest.fixture

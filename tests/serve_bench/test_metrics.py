@@ -6,7 +6,9 @@ import math
 import pytest
 
 from pipeline.bench.metrics import LatencyStats, RequestRecord, compute_metrics
+from pipeline.bench.targets import speculative_counts_of
 from pipeline.bench.workload import arrival_offsets_s, parse_range, random_requests
+from pipeline.protocol import SpeculativeCounts
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -90,3 +92,29 @@ def test_ranges_parse_and_bad_ones_name_the_option() -> None:
     for bad in ("0", "9:3", "a:b", "1:2:3"):
         with pytest.raises(ValueError, match="--output-len"):
             parse_range(bad, "--output-len")
+
+
+def test_speculative_counts_are_read_from_our_metrics_and_vllms() -> None:
+    ours = """# TYPE pipeline:spec_decode_num_draft_tokens counter
+pipeline:spec_decode_num_draft_tokens_total{model_name="m"} 30.0
+pipeline:spec_decode_num_draft_tokens_created{model_name="m"} 1.7e9
+pipeline:spec_decode_num_accepted_tokens_total{model_name="m"} 21.0
+pipeline:spec_decode_num_verifications_total{model_name="m"} 10.0
+pipeline:generation_tokens_total{model_name="m"} 99.0
+"""
+    assert speculative_counts_of(ours) == SpeculativeCounts(30, 21, 10)
+    vllm = """vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 4.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 6.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 12.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 9.0
+"""
+    assert speculative_counts_of(vllm) == SpeculativeCounts(12, 9, 10)
+    assert speculative_counts_of("") == SpeculativeCounts()
+
+
+def test_speculative_counts_of_a_run_are_the_rise_and_derive_their_rates() -> None:
+    run = SpeculativeCounts(70, 51, 30).since(SpeculativeCounts(30, 21, 10))
+    assert run == SpeculativeCounts(40, 30, 20)
+    assert (run.draft_acceptance_rate, run.mean_accepted_length) == (0.75, 2.5)
+    assert SpeculativeCounts(5, 2, 3).since(SpeculativeCounts(30, 21, 10)) == SpeculativeCounts(5, 2, 3)  # restarted
+    assert (SpeculativeCounts().draft_acceptance_rate, SpeculativeCounts().mean_accepted_length) == (0.0, 0.0)

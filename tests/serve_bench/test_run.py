@@ -5,6 +5,7 @@ import asyncio
 import io
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -42,6 +43,25 @@ def test_cli_run_reports_every_metric(daemon: PacedDaemon, tmp_path: Path, capsy
     assert report["total_output_tokens"] == sum(requested)
     assert report["mean_ttft_ms"] > 0 and report["mean_tpot_ms"] > 0 and report["peak_output_throughput"] > 0
     assert report["mean_e2el_ms"] > report["mean_ttft_ms"]
+    assert "Speculative" not in table and report["spec_decode_num_draft_tokens"] == 0  # the daemon drafted nothing
+
+
+def test_a_run_reports_what_speculative_decoding_counted_during_it(
+        daemon: PacedDaemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    daemon.speculative_base = (100, 80, 50)  # counted before the run: not the run's
+    daemon.speculative_per_request = (4, 3, 2)
+    out = tmp_path / "result.json"
+    assert main(["--socket", str(daemon.socket_path), "--num-prompts", "6", "--input-len", "4", "--output-len", "3",
+                 "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    for label, shown in (("Drafted tokens", "24"), ("Accepted tokens", "18"), ("Draft acceptance rate", "0.75"),
+                         ("Mean accepted length", "2.50")):
+        assert re.search(rf"^{label}:\s+{shown}$", table, re.MULTILINE), label
+    report = json.loads(out.read_text())
+    assert (report["spec_decode_num_draft_tokens"], report["spec_decode_num_accepted_tokens"],
+            report["spec_decode_num_verifications"]) == (24, 18, 12)
+    assert report["spec_decode_draft_acceptance_rate"] == 0.75
+    assert report["spec_decode_mean_accepted_length"] == 2.5
 
 
 def test_json_to_stdout_is_one_object(daemon: PacedDaemon, capsys: pytest.CaptureFixture[str]) -> None:

@@ -69,9 +69,11 @@ class SamplingRequest(Struct, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # engine extensions: each streamed chunk carries its tokens' ids; a request that continues
-    # outputs already delivered (one choice only), as the daemon resumes one after a crash
+    # outputs already delivered (one choice only), as the daemon resumes one after a crash;
+    # false turns speculative decoding off for this request
     return_token_ids: bool | None = None
     resume_token_ids: list[int] | None = None
+    speculative: bool | None = None
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):

@@ -1,0 +1,5 @@
+"""Speculative decoding in the runner: drafts proposed on the device, verified in the same step.
+
+ngram.py and draft_model.py propose; rejection.py accepts or rejects; speculator.py drives them
+within a step and keeps the one number the host learns a step late: each row's rejected drafts.
+"""

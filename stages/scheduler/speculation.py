@@ -1,0 +1,127 @@
+"""The scheduler's side of speculative decoding: which rows verify drafts, and reading their results.
+
+A decoding row that speculates computes its last token plus K drafts in one step (the runner
+proposes the drafts on the device) and yields up to K + 1 tokens. Under async scheduling the
+next plan is made before that step's tokens are known, so the row is planned as if every
+draft were accepted: `num_computed` advances by K + 1 and K + 1 placeholders are counted. When
+the step's tokens arrive, `num_computed` is rolled back by the drafts that were rejected; the
+plan made in between is `lagged` for that row and the runner corrects its positions itself.
+
+A row speculates only when nothing makes its output depend on host-side state a draft would
+bypass: the request allows it (`SamplingParams.speculative`), has no grammar or logit_bias, has
+its min_tokens behind it, and K + 1 more positions fit in max_model_len. A step with more
+decoding rows than `disable_by_batch_size` verifies no drafts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from stages.contracts.params import SamplingParams
+from stages.contracts.speculative import SpeculativeConfig
+
+
+@dataclass(slots=True)
+class SpeculationCounters:
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # of those, accepted
+    num_verifications: int = 0  # (row, step) pairs that verified drafts
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying row gets per step: its accepted drafts plus one."""
+        return 1.0 + self.num_accepted_tokens / self.num_verifications if self.num_verifications else 0.0
+
+
+def allows_speculation(params: SamplingParams) -> bool:
+    """Whether a request's drafts may be verified at all (the rest is decided per step)."""
+    return params.speculative and not params.is_guided and not params.logit_bias
+
+
+class Speculation:
+    """Per-row speculation state of one scheduler, as arrays indexed by row."""
+
+    def __init__(self, config: SpeculativeConfig, max_num_seqs: int, max_model_len: int) -> None:
+        self.k = config.num_speculative_tokens
+        self.max_batch = config.disable_by_batch_size
+        self.max_model_len = max_model_len
+        self.allowed = np.zeros(max_num_seqs, np.bool_)
+        self.drafts_in_flight = np.zeros(max_num_seqs, np.int64)  # drafts of steps not yet processed
+        self.counters = SpeculationCounters()
+
+    def assign(self, row: int, params: SamplingParams) -> None:
+        self.allowed[row] = allows_speculation(params)
+        self.drafts_in_flight[row] = 0
+
+    def choose(self, rows: np.ndarray, is_decode: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
+               num_outputs: np.ndarray, min_tokens: np.ndarray, budget: int) -> np.ndarray:
+        """Drafts (0 or K) for each of the running `rows` this step. `is_decode` rows that got their
+        one token (`num_new`) may speculate; num_computed and num_outputs are before this step;
+        `budget` is the step's token budget left once every decode row has its token."""
+        if int(is_decode.sum()) > self.max_batch:
+            return np.zeros(len(rows), np.int64)
+        eligible = (is_decode & (num_new == 1) & self.allowed[rows] & (num_outputs >= min_tokens)
+                    & (num_computed + self.k + 1 < self.max_model_len))
+        drafts = np.where(eligible, self.k, 0)
+        fits = np.cumsum(drafts) <= max(budget, 0)
+        return np.where(fits, drafts, 0)
+
+    def lagged(self, rows: np.ndarray) -> np.ndarray:
+        """Rows whose last scheduled step verified drafts and is still unprocessed."""
+        return self.drafts_in_flight[rows] > 0
+
+
+@dataclass(slots=True)
+class Entries:
+    """The output entries a processed step adds to its requests, in order (several per row for a
+    row that verified drafts), and the outcome of the last one of each row."""
+
+    index: np.ndarray  # int64: index into the step's output arrays
+    rows: np.ndarray  # int64: each entry's row
+    token_ids: np.ndarray  # int32
+    position: np.ndarray  # int64: the token's position in its row
+    stop: np.ndarray  # bool: a stop token (only ever an entry that ends its row's run)
+    length: np.ndarray  # bool: max_tokens or max_model_len reached (likewise)
+
+
+def speculative_entries(rows_t, spec: Speculation, sample_rows: np.ndarray, drafts: np.ndarray,
+                        token_ids: np.ndarray, stop_of, max_model_len: int) -> Entries:
+    """Read a step whose sampled rows `sample_rows` (int64, each once) verified `drafts` each: row i
+    has 1 + drafts[i] entries in `token_ids`, its accepted tokens then -1. Rolls each row's
+    num_computed back by its rejected drafts and counts them; `stop_of(rows, token_ids)` marks stop
+    tokens. Entries after the first that ends a row, and those of finished rows, are dropped."""
+    counts = 1 + drafts
+    rows_t.num_placeholders[sample_rows] -= counts
+    group = np.repeat(np.arange(len(sample_rows)), counts)
+    starts = np.cumsum(counts) - counts
+    rank = np.arange(group.shape[0]) - starts[group]
+    entry_rows = sample_rows[group]
+    token_ids = np.asarray(token_ids, np.int32)
+    valid = token_ids >= 0
+    produced = np.bincount(group, weights=valid, minlength=len(sample_rows)).astype(np.int64)
+    rows_t.num_computed[sample_rows] -= counts - produced  # rejected drafts were computed for nothing
+    speculated = drafts > 0
+    spec.drafts_in_flight[sample_rows] -= drafts
+    counters = spec.counters
+    counters.num_draft_tokens += int(drafts.sum())
+    counters.num_accepted_tokens += int((produced[speculated] - 1).sum())
+    counters.num_verifications += int(speculated.sum())
+
+    valid &= ~rows_t.finished[entry_rows]
+    position = rows_t.num_known[entry_rows] + rank
+    num_outputs = position + 1 - rows_t.num_prompt[entry_rows]
+    stop = stop_of(entry_rows, token_ids) & (num_outputs >= rows_t.min_tokens[entry_rows])
+    length = (num_outputs >= rows_t.max_tokens[entry_rows]) | (position + 1 >= max_model_len)
+    ends = (stop | length) & valid
+    ends_before = np.cumsum(ends) - ends
+    ends_before -= (np.cumsum(ends) - ends)[starts][group]  # within the row's own entries
+    keep = valid & (ends_before == 0)
+    index = np.flatnonzero(keep)
+    kept_rows = entry_rows[index]
+    rows_t.num_known[sample_rows] += np.bincount(group[index], minlength=len(sample_rows))
+    return Entries(index, kept_rows, token_ids[index], position[index], stop[index], length[index])

@@ -1,0 +1,61 @@
+"""The daemon's stats, in one process: the scheduler's counters on the status board, through a
+backend's `stats()` and the daemon's `StatsReply`, to what a client reads over the wire."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.engine.backend import BackendStats
+from pipeline.engine.inprocess import InProcessBackend
+from pipeline.protocol import FrameDecoder, ServerMessage, SpeculativeCounts, StatsReply, encode_frame
+from pipeline.serve.stage_backend import StageBackend
+from pipeline.serve.status import stats_reply
+from stages.scheduler.scheduler import SchedulerStats
+from stages.status import SchedulerCounters, StatusBoard
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def server_with(backend: object) -> SimpleNamespace:
+    """The parts of the daemon server that `stats_reply` reads."""
+    return SimpleNamespace(num_finished=3, num_prompt_tokens=40, num_generated_tokens=50, started_at=time.monotonic(),
+                           num_restarts=0, num_overloaded=0, max_in_flight_requests=8,
+                           recovery=SimpleNamespace(num_resumed=0, num_failed_by_guard=0), model=None, backend=backend)
+
+
+def over_the_wire(reply: StatsReply) -> StatsReply:
+    decoder: FrameDecoder = FrameDecoder(ServerMessage)
+    decoder.feed(encode_frame(reply))
+    return decoder.next_message()
+
+
+def test_the_schedulers_speculative_counts_reach_the_client(board: StatusBoard) -> None:
+    board.publish_counters(SchedulerCounters(1, 2, 3, 5, 50, 0, 40, 10, num_draft_tokens=60, num_accepted_tokens=45,
+                                             num_verifications=20))
+    # StageBackend.stats reads only the board and its token rate: no stage processes are needed.
+    backend = SimpleNamespace(_board=board, _rate=SimpleNamespace(tokens_per_s=0.0))
+    backend.stats = lambda: StageBackend.stats(backend)  # type: ignore[arg-type]
+    reply = over_the_wire(stats_reply(server_with(backend)))  # type: ignore[arg-type]
+    assert (reply.num_running_requests, reply.kv_blocks_total, reply.prefix_cache_hit_tokens) == (2, 8, 10)
+    assert reply.speculative == SpeculativeCounts(num_draft_tokens=60, num_accepted_tokens=45, num_verifications=20)
+    assert reply.speculative.draft_acceptance_rate == pytest.approx(0.75)
+    assert reply.speculative.mean_accepted_length == pytest.approx(3.25)
+
+
+def test_the_in_process_engine_reports_its_schedulers_speculative_counts() -> None:
+    scheduler_stats = SchedulerStats(num_waiting=0, num_running=1, num_draining=0, num_free_blocks=7, num_used_blocks=1,
+                                     num_cached_blocks=0, num_preemptions=0, num_draft_tokens=9, num_accepted_tokens=4,
+                                     num_verifications=3)
+    backend = SimpleNamespace(llm=SimpleNamespace(scheduler=SimpleNamespace(stats=lambda: scheduler_stats)),
+                              _started_at=time.monotonic(), _num_generated=0)
+    stats = InProcessBackend.stats(backend)  # type: ignore[arg-type]
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_verifications) == (9, 4, 3)
+
+
+def test_a_backend_that_does_not_speculate_reports_none_drafted() -> None:
+    backend = SimpleNamespace(stats=lambda: BackendStats(0, 0, 4, 4, 0.0, 0))
+    reply = over_the_wire(stats_reply(server_with(backend)))  # type: ignore[arg-type]
+    assert reply.speculative == SpeculativeCounts()
+    assert (reply.speculative.draft_acceptance_rate, reply.speculative.mean_accepted_length) == (0.0, 0.0)

@@ -1,0 +1,143 @@
+"""Speculative decoding through the offline engine: output equal to the engine without it.
+
+Greedy output must be identical token for token whatever the drafts (n-gram, a draft model equal
+to the target, an unrelated draft model), async and sync, chunked, preempted and with prefix hits.
+The engine without speculation is itself checked against transformers elsewhere.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from small_engine import small_llm
+
+from structured_cases import CASES, MAX_TOKENS
+
+from pipeline.models.tiny_model import make_tiny_model
+from stages.contracts.params import SamplingParams
+
+REPEATED = [11, 12, 13, 14, 15, 16, 17] * 5  # an n-gram lookup finds these again and again
+PROMPTS = [REPEATED, [300 + i for i in range(23)], [7, 7, 8, 9, 7, 7, 8, 9, 7, 7], [42] * 3]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama with the target's tokenizer and other weights: its drafts are mostly rejected."""
+    return make_tiny_model(tmp_path_factory.mktemp("spec-draft"), "llama", seed=5, num_layers=1)
+
+
+def run(model: Path, params: SamplingParams | list[SamplingParams] = GREEDY, prompts=PROMPTS, **options):
+    llm = small_llm(model, **options)
+    outputs = llm.generate(prompts, params)
+    return [list(o.token_ids) for o in outputs], llm
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path) -> list[list[int]]:
+    return run(tiny_llama)[0]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_ngram_greedy_output_equals_the_engine_without_speculation(tiny_llama, reference, async_scheduling, k):
+    outputs, llm = run(tiny_llama, async_scheduling=async_scheduling,
+                       speculative_config={**NGRAM, "num_speculative_tokens": k})
+    assert outputs == reference
+    stats = llm.scheduler.stats()
+    assert stats.num_draft_tokens > 0 and stats.num_draft_tokens % k == 0
+    assert stats.num_accepted_tokens > 0  # the repeated prompt's copies are accepted: drafting is on
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(tiny_llama, reference, async_scheduling):
+    outputs, llm = run(tiny_llama, async_scheduling=async_scheduling,
+                       speculative_config={"method": "draft_model", "model": str(tiny_llama),
+                                           "num_speculative_tokens": 3})
+    assert outputs == reference
+    stats = llm.scheduler.stats()
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("async_scheduling, k", [(True, 3), (False, 5), (True, 1)])
+def test_an_unrelated_draft_model_changes_nothing_but_speed(tiny_llama, reference, other_draft, async_scheduling, k):
+    outputs, llm = run(tiny_llama, async_scheduling=async_scheduling,
+                       speculative_config={"method": "draft_model", "model": str(other_draft),
+                                           "num_speculative_tokens": k})
+    assert outputs == reference
+    stats = llm.scheduler.stats()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_chunked_prefill_preemption_and_prefix_hits_with_speculation(tiny_llama, reference):
+    # 24 KV blocks of 4 tokens cannot hold four requests of 40-80 tokens: some are preempted and
+    # recomputed; 8-token chunks split every prompt; the second round finds its prompts cached.
+    llm = small_llm(tiny_llama, num_kv_blocks=24, max_model_len=96, max_num_batched_tokens=8,
+                    speculative_config=NGRAM)
+    for _ in range(2):
+        outputs = [list(o.token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+        assert outputs == reference
+    stats = llm.scheduler.stats()
+    assert stats.num_preemptions > 0
+    assert stats.num_prefix_hit_tokens > 0
+    assert stats.num_accepted_tokens > 0
+
+
+def test_penalties_logprobs_and_stops_see_exactly_the_accepted_tokens(tiny_llama):
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
+                       frequency_penalty=0.4, presence_penalty=0.3),
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[15], min_tokens=4),
+        SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
+    ]
+    plain = small_llm(tiny_llama).generate(PROMPTS, params)
+    spec = small_llm(tiny_llama, speculative_config=NGRAM).generate(PROMPTS, params)
+    for a, b in zip(plain, spec):
+        assert list(a.token_ids) == list(b.token_ids)
+        assert a.finish_reason == b.finish_reason
+    assert [list(step) for step in spec[1].logprobs] == [list(step) for step in plain[1].logprobs]
+    np.testing.assert_allclose([list(step.values()) for step in spec[1].logprobs],
+                               [list(step.values()) for step in plain[1].logprobs], atol=1e-4)
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(tiny_llama):
+    params = SamplingParams(max_tokens=30, temperature=0.8, top_k=50, seed=123, ignore_eos=True)
+    first = run(tiny_llama, params, speculative_config=NGRAM)[0]
+    again = run(tiny_llama, params, speculative_config=NGRAM, async_scheduling=False)[0]
+    # the same seeded request alone in its batch draws the same tokens
+    alone = run(tiny_llama, params, prompts=PROMPTS[:1], speculative_config=NGRAM)[0]
+    assert first == again
+    assert alone[0] == first[0]
+
+
+def test_a_request_may_turn_speculation_off(tiny_llama, reference):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, speculative=False)
+    outputs, llm = run(tiny_llama, params, speculative_config=NGRAM)
+    assert outputs == reference
+    assert llm.scheduler.stats().num_draft_tokens == 0
+
+
+def test_speculation_turns_off_in_a_large_batch(tiny_llama, reference):
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (10, 40, 40, 40)]
+    outputs, llm = run(tiny_llama, params, speculative_config={**NGRAM, "disable_by_batch_size": 3})
+    assert outputs == [reference[0][:10], *reference[1:]]
+    # Four rows decode at once, with no drafts, until the first one ends; then three may speculate.
+    stats = llm.scheduler.stats()
+    assert 0 < stats.num_verifications <= 3 * 30
+
+
+@pytest.mark.parametrize("kind", ["choice", "json_schema"])
+def test_structured_output_with_speculation_validates(tiny_llama, kind):
+    fields, check = CASES[kind]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=i, **fields) for i in range(3)]
+    params.append(GREEDY)
+    outputs = small_llm(tiny_llama, speculative_config=NGRAM).generate(PROMPTS, params)
+    plain = small_llm(tiny_llama).generate(PROMPTS, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    for output in outputs[:3]:
+        assert output.finish_reason == "stop"
+        check(output.text)
