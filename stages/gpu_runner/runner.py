@@ -186,7 +186,8 @@ class ModelRunner:
                     sampled = speculator.sample(
                         logits, inputs, self.sampler, eos_token_ids=self.config.eos_token_ids,
                         sample_plain=lambda plain: self._sample(plain, inputs.sampled_rows, inputs.sampled_num_tokens,
-                                                                inputs.spec.plain_shift))
+                                                                inputs.spec.plain_shift),
+                        share=None if self.tp is None else self.tp.broadcast_tokens)
             elif len(inputs.sampled_rows):
                 with self.phase("sample"):
                     logits = self.model.compute_logits(hidden[inputs.logits_index])
@@ -294,15 +295,16 @@ class ModelRunner:
 
 def make_speculator(config: EngineConfig, runner: ModelRunner) -> Speculator:
     """The speculator of `config.speculative`, with its draft model loaded for method draft_model."""
-    spec = config.speculative
-    if runner.tp is not None:
-        raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
+    spec, tp = config.speculative, runner.tp
     draft = None
-    if spec.method == "draft_model":
+    if spec.method == "draft_model" and (tp is None or tp.is_driver):  # rank 0 proposes, whole
         from stages.gpu_runner.speculative.draft_model import DraftModelProposer
 
         draft = DraftModelProposer(spec, runner)
-    return Speculator(spec, runner.batch, draft)
+    speculator = Speculator(spec, runner.batch, draft, share=None if tp is None else tp.broadcast_tokens)
+    if spec.method == "draft_model" and draft is None:
+        speculator.proposer = None
+    return speculator
 
 
 def make_attention_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:

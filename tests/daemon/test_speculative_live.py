@@ -43,6 +43,10 @@ def test_speculating_streams_equal_the_offline_engine_across_a_runner_kill(
             assert (got.token_ids, got.text) == (want.token_ids, want.text), f"request {index}"
         health = wait_for_health(socket_path, lambda h: h.status == "ok", 30)
         assert health.num_restarts == 1
+        with Client(socket_path) as client:  # drafting was on after the restart too
+            stats = client.stats()
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+        assert 0 < stats.speculative.draft_acceptance_rate <= 1
     finally:
         daemon.stop()
         shutil.rmtree(directory.parent, ignore_errors=True)

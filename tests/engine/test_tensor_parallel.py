@@ -103,3 +103,21 @@ def test_each_rank_holds_its_share_of_the_weights(models: dict[str, Path], shape
 def test_refuses_a_size_that_does_not_divide_the_heads(models: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's 4 attention heads"):
         LLM(models["llama"], device="cpu", num_kv_blocks=16, tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_two_ranks_speculating_equal_one_without(models: dict[str, Path], method: str) -> None:
+    """Rank 0 proposes the drafts and samples; the ranks share both on the device."""
+    model = models["llama"]
+    config = {"method": method, "num_speculative_tokens": 3}
+    config |= {"model": str(model)} if method == "draft_model" else {"prompt_lookup_min": 1}
+    greedy = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)] * 3
+    with LLM(model, device="cpu", max_model_len=128, num_kv_blocks=64, block_size=4) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts(), greedy)]
+    with LLM(model, device="cpu", max_model_len=128, num_kv_blocks=64, block_size=4, tensor_parallel_size=2,
+             speculative_config=config) as llm:
+        assert [o.token_ids for o in llm.generate(prompts(), greedy)] == expected
+        stats = llm.scheduler.stats()
+    assert stats.num_draft_tokens > 0
+    if method == "draft_model":  # the target drafts for itself: everything is accepted
+        assert stats.num_accepted_tokens == stats.num_draft_tokens

@@ -44,3 +44,18 @@ def test_triton_backend_serves_gemma3_local_and_global_layers(tmp_path: Path) ->
     assert greedy_tokens(model, "triton", static_decode=False) == expected
     with pytest.raises(ValueError, match="static_decode is not supported for a model with local and global layers"):
         greedy_tokens(model, "triton", static_decode=True)
+
+
+def test_triton_backend_verifies_drafts_of_lagged_rows(tiny_llama: Path) -> None:
+    """Speculative steps in the kernels: rows verifying drafts are prefill rows whose context the
+    device moves back by their last step's rejected drafts (a draft model's decoding through them
+    is checked on CUDA, tests/gpu_runner/test_runner_cuda.py)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    prompts = [[11, 12, 13, 14] * 4, [5, 9, 11]]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model=tiny_llama, **OPTIONS).generate(prompts, params)]
+    config = EngineConfig(model=str(tiny_llama), attention_backend="triton", speculative_config=spec, **OPTIONS)
+    llm = LLM(model=tiny_llama, runner=ModelRunner(config), attention_backend="triton", speculative_config=spec,
+              **OPTIONS)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.scheduler.stats().num_draft_tokens > 0

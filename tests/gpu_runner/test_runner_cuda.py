@@ -77,3 +77,27 @@ def test_decode_graphs_replay_the_cpu_tokens_without_host_synchronisation(tiny_c
                         attention_backend="triton", enforce_eager=True)
     assert not eager.decode_graphs.captured
     assert run_requests(eager, requests(True), token_budget=32, async_mode=True) == sampled
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_steps_run_without_host_synchronisation(tiny_checkpoint, method):
+    """Drafts, verification, lagged rows' positions and the next step's inputs all stay on the
+    device: async steps under the sync guard, greedy tokens equal to the CPU engine's without
+    speculation."""
+    from pipeline import LLM
+
+    model_dir = tiny_checkpoint("llama")
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec |= {"model": str(model_dir)} if method == "draft_model" else {"prompt_lookup_min": 1}
+    prompts = [[11, 12, 13, 14] * 6, list(range(100, 140)), [5, 6, 5, 6, 5]]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.2, ignore_eos=True)]
+    options = dict(num_kv_blocks=64, max_num_seqs=4, block_size=16, max_model_len=256)
+    cpu = LLM(model_dir, device="cpu", **options).generate(prompts, params)
+    runner = SyncCheckedRunner(EngineConfig(model=str(model_dir), device="cuda", dtype="float32",
+                                            speculative_config=spec, **options))
+    llm = LLM(runner=runner, speculative_config=spec, **options)
+    cuda = llm.generate(prompts, params)
+    assert [o.token_ids for o in cuda][0::2] == [o.token_ids for o in cpu][0::2]
+    assert llm.scheduler.stats().num_draft_tokens > 0

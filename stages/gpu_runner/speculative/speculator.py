@@ -24,8 +24,11 @@ from stages.gpu_runner.step_inputs import SpecInputs, StepInputs
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, batch: InputBatch, draft=None) -> None:
-        """`draft`: a DraftModelProposer (draft_model.py) for method draft_model."""
+    def __init__(self, config: SpeculativeConfig, batch: InputBatch, draft=None,
+                 share: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """`draft`: a DraftModelProposer (draft_model.py) for method draft_model. `share`: under
+        tensor parallelism, broadcasts rank 0's drafts to the other ranks."""
+        self.share = share
         self.k = config.num_speculative_tokens
         self.batch = batch
         self.lag = torch.zeros(batch.max_num_seqs, dtype=torch.int64, device=batch.device)
@@ -44,55 +47,71 @@ class Speculator:
             return
         batch, width = self.batch, self.batch.max_model_len
         known = spec.verify_start + 1
-        drafts = self.proposer.propose(batch.token_table, spec.verify_rows_dev, known,
-                                       int(spec.verify_planned_start.max()) + 1)
+        if self.proposer is None:  # a tensor-parallel rank whose draft model runs on rank 0
+            drafts = torch.empty(len(spec.verify_rows), self.k, dtype=torch.int64, device=batch.device)
+        else:
+            drafts = self.proposer.propose(batch.token_table, spec.verify_rows_dev, known,
+                                           int(spec.verify_planned_start.max()) + 1)
+        if self.share is not None:
+            drafts = self.share(drafts)
         where = (spec.verify_rows_dev * width + known).unsqueeze(1) + torch.arange(self.k, device=drafts.device)
         batch.token_table.view(-1).index_copy_(0, where.view(-1), drafts.view(-1).to(torch.int32))
         inputs.input_ids = batch.token_table.view(-1)[inputs.gather_index]
         self._drafts = drafts
 
-    def sample(self, logits: torch.Tensor, inputs: StepInputs, sampler: Sampler,
-               sample_plain: Callable[[torch.Tensor], SamplerOutput | None], eos_token_ids: list[int]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor | None, inputs: StepInputs, sampler: Sampler,
+               sample_plain: Callable[[torch.Tensor], SamplerOutput | None], eos_token_ids: list[int],
+               share: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SamplerOutput:
         """Every output entry's token ([M], entries as the plan's output_rows) and, when a row asks,
-        logprobs; `logits` [M, vocab]; sample_plain samples the entries of rows without drafts."""
+        logprobs; `logits` [M, vocab]; sample_plain samples the entries of rows without drafts.
+        Under tensor parallelism only rank 0 has logits (the others None): `share` broadcasts its
+        tokens, and every rank writes them into its token table and takes its lags from them."""
         spec, batch = inputs.spec, self.batch
-        num_entries = logits.shape[0]
-        tokens = torch.empty(num_entries, dtype=torch.int32, device=logits.device)
+        num_entries = len(spec.plain_entries) + len(spec.verify_entries)
+        device = batch.device
+        tokens = torch.empty(num_entries, dtype=torch.int32, device=device)
+        plain_index, verify_index = _index(spec.plain_entries, device), _index(spec.verify_entries, device)
+        if logits is not None:
+            if len(spec.plain_entries):
+                tokens.index_copy_(0, plain_index, sample_plain(logits[plain_index]).token_ids)
+            if spec.num_drafts:
+                verified = self._verify(logits[verify_index], spec, sampler, eos_token_ids)
+                tokens.index_copy_(0, verify_index, verified.view(-1))
+        if share is not None:
+            tokens = share(tokens)
         if len(spec.plain_entries):
-            plain = sample_plain(logits[_index(spec.plain_entries, logits.device)])
-            tokens.index_copy_(0, _index(spec.plain_entries, logits.device), plain.token_ids)
-            batch.token_table.view(-1).index_copy_(0, inputs.sampled_token_index, plain.token_ids)
+            batch.token_table.view(-1).index_copy_(0, inputs.sampled_token_index, tokens[plain_index])
         self.lag.zero_()
         if spec.num_drafts:
-            verified, accepted = self._verify(logits[_index(spec.verify_entries, logits.device)], spec, sampler,
-                                              eos_token_ids)
-            tokens.index_copy_(0, _index(spec.verify_entries, logits.device), verified.view(-1))
+            verified = tokens[verify_index].view(-1, self.k + 1)
+            self._write_verified(spec, verified)
+            accepted = (verified >= 0).sum(dim=1) - 1
             self.lag.index_copy_(0, spec.verify_rows_dev, self.k - accepted)
         rows = _entry_rows(inputs)
         asked = batch.sampling.logprobs[rows]
-        if not len(rows) or asked.max() < 0:
+        if logits is None or not len(rows) or asked.max() < 0:
             return SamplerOutput(tokens, None, None)
         values, ids = _logprobs(logits, tokens.clamp_min(0), int(asked.max()))
         return SamplerOutput(tokens, values, ids)
 
-    def _verify(self, logits: torch.Tensor, spec: SpecInputs, sampler: Sampler,
-                eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, width, k = self.batch, self.batch.max_model_len, self.k
+    def _verify(self, logits: torch.Tensor, spec: SpecInputs, sampler: Sampler, eos_token_ids: list[int]) -> torch.Tensor:
+        batch, k = self.batch, self.k
         d = len(spec.verify_rows)
-        step = np.arange(k + 1)
         rows = np.repeat(spec.verify_rows, k + 1)
-        num_tokens = (np.repeat(spec.verify_planned_start, k + 1) + 1 + np.tile(step, d))
+        num_tokens = np.repeat(spec.verify_planned_start, k + 1) + 1 + np.tile(np.arange(k + 1), d)
         meta = SamplingMetadata.for_rows(batch, rows, num_tokens, eos_token_ids)
         planned = _index(np.repeat(spec.verify_planned_start, k + 1), logits.device)
         shift_meta(meta, planned - torch.repeat_interleave(spec.verify_start, k + 1))
-        verified, accepted = verify(logits, self._drafts, meta, sampler)
-        # The row's outputs go where the next step reads them; the rejected ones to the scratch row.
+        return verify(logits, self._drafts, meta, sampler)[0]
+
+    def _write_verified(self, spec: SpecInputs, verified: torch.Tensor) -> None:
+        """Each verifying row's outputs go where the next step reads them, the -1 of its rejected
+        drafts to the scratch row."""
+        batch, width = self.batch, self.batch.max_model_len
         where = (spec.verify_rows_dev * width + spec.verify_start + 1).unsqueeze(1) \
-            + torch.arange(k + 1, device=logits.device)
-        scratch = batch.max_num_seqs * width
-        where = torch.where(verified >= 0, where, scratch)
+            + torch.arange(self.k + 1, device=verified.device)
+        where = torch.where(verified >= 0, where, batch.max_num_seqs * width)
         batch.padded_token_table.view(-1).index_copy_(0, where.view(-1), verified.view(-1))
-        return verified, accepted
 
 
 def shift_meta(meta: SamplingMetadata, shift: torch.Tensor) -> None:
