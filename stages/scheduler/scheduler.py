@@ -25,28 +25,9 @@ from stages.scheduler.block_manager import hash_block
 from stages.scheduler.kv_groups import KVGroups
 from stages.scheduler.request import Request, RequestStatus
 from stages.scheduler.row_table import RowTable
-from stages.scheduler.speculation import Speculation, speculative_entries
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_waiting: int
-    num_running: int
-    num_draining: int
-    num_free_blocks: int
-    num_used_blocks: int
-    num_cached_blocks: int
-    num_preemptions: int
-    num_prefix_queried_tokens: int = 0  # tokens of admitted requests, each admission counted
-    num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache (not computed again)
-    num_draft_tokens: int = 0  # speculative decoding: drafts verified
-    num_accepted_tokens: int = 0  # of those, accepted
-    num_verifications: int = 0  # (request, step) pairs that verified drafts
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """The share of admitted requests' tokens found in the prefix cache (0 before any)."""
-        return self.num_prefix_hit_tokens / self.num_prefix_queried_tokens if self.num_prefix_queried_tokens else 0.0
+from stages.scheduler.speculation import Speculation
+from stages.scheduler.stats import SchedulerStats
+from stages.scheduler.step_entries import plain_entries, speculative_entries
 
 
 def _greedy_fill(need: np.ndarray, budget: int) -> np.ndarray:
@@ -145,13 +126,7 @@ class Scheduler:
         return SchedulerStats(len(self._waiting), len(self._running), self._num_draining,
                               manager.num_free_blocks, manager.num_used_blocks,
                               manager.num_cached_blocks, self.num_preemptions, self.num_prefix_queried_tokens,
-                              self.num_prefix_hit_tokens, *self._speculation_counts())
-
-    def _speculation_counts(self) -> tuple[int, int, int]:
-        if self.spec is None:
-            return 0, 0, 0
-        counters = self.spec.counters
-        return counters.num_draft_tokens, counters.num_accepted_tokens, counters.num_verifications
+                              self.num_prefix_hit_tokens, *(() if self.spec is None else self.spec.counts()))
 
     def num_computed_tokens(self, req_id: int) -> int:
         row = self._requests[req_id].row
@@ -356,26 +331,10 @@ class Scheduler:
         rows = plan.rows.astype(np.int64)
         rows_t.num_in_flight[rows] -= plan.num_scheduled_tokens
         rows_t.num_steps_in_flight[rows] -= 1
-        if plan.speculates:
-            sample_rows = plan.sampled_rows.astype(np.int64)
-            entries = speculative_entries(rows_t, self.spec, sample_rows, plan.draft_counts[plan.sample],
-                                          output.token_ids, self._stop_tokens, self.max_model_len)
-            output_index, live, token_ids, position = entries.index, entries.rows, entries.token_ids, entries.position
-            stop, length = entries.stop, entries.length
-            rows_t.token_ids[live, position] = token_ids
-        else:
-            sampled = output.rows.astype(np.int64)
-            rows_t.num_placeholders[sampled] -= 1
-            output_index = np.flatnonzero(~rows_t.finished[sampled])
-            live = sampled[output_index]
-            token_ids = np.asarray(output.token_ids, dtype=np.int32)[output_index]
-            position = rows_t.num_known[live]
-            rows_t.token_ids[live, position] = token_ids
-            rows_t.num_known[live] = position + 1
-            num_outputs = position + 1 - rows_t.num_prompt[live]
-            stop = self._stop_tokens(live, token_ids) & (num_outputs >= rows_t.min_tokens[live])
-            length = (num_outputs >= rows_t.max_tokens[live]) | (position + 1 >= self.max_model_len)
-        result = StepUpdate(plan.step, rows_t.req_id[live], token_ids, output_index, [], output, admitted)
+        read = speculative_entries if plan.speculates else plain_entries
+        entries = read(rows_t, self.spec, plan, output, self._stop_tokens, self.max_model_len)
+        live, stop, length = entries.rows, entries.stop, entries.length
+        result = StepUpdate(plan.step, rows_t.req_id[live], entries.token_ids, entries.index, [], output, admitted)
         self._commit_blocks(rows)  # before finishing: a finished request may release its blocks now
         if self.kv.windowed:  # then blocks behind a window: committed first, they stay cached
             next_positions = rows_t.num_computed[rows] - rows_t.num_in_flight[rows]

@@ -71,57 +71,11 @@ class Speculation:
         fits = np.cumsum(drafts) <= max(budget, 0)
         return np.where(fits, drafts, 0)
 
+    def counts(self) -> tuple[int, int, int]:
+        """(drafts verified, accepted, verifications) so far."""
+        counters = self.counters
+        return counters.num_draft_tokens, counters.num_accepted_tokens, counters.num_verifications
+
     def lagged(self, rows: np.ndarray) -> np.ndarray:
         """Rows whose last scheduled step verified drafts and is still unprocessed."""
         return self.drafts_in_flight[rows] > 0
-
-
-@dataclass(slots=True)
-class Entries:
-    """The output entries a processed step adds to its requests, in order (several per row for a
-    row that verified drafts), and the outcome of the last one of each row."""
-
-    index: np.ndarray  # int64: index into the step's output arrays
-    rows: np.ndarray  # int64: each entry's row
-    token_ids: np.ndarray  # int32
-    position: np.ndarray  # int64: the token's position in its row
-    stop: np.ndarray  # bool: a stop token (only ever an entry that ends its row's run)
-    length: np.ndarray  # bool: max_tokens or max_model_len reached (likewise)
-
-
-def speculative_entries(rows_t, spec: Speculation, sample_rows: np.ndarray, drafts: np.ndarray,
-                        token_ids: np.ndarray, stop_of, max_model_len: int) -> Entries:
-    """Read a step whose sampled rows `sample_rows` (int64, each once) verified `drafts` each: row i
-    has 1 + drafts[i] entries in `token_ids`, its accepted tokens then -1. Rolls each row's
-    num_computed back by its rejected drafts and counts them; `stop_of(rows, token_ids)` marks stop
-    tokens. Entries after the first that ends a row, and those of finished rows, are dropped."""
-    counts = 1 + drafts
-    rows_t.num_placeholders[sample_rows] -= counts
-    group = np.repeat(np.arange(len(sample_rows)), counts)
-    starts = np.cumsum(counts) - counts
-    rank = np.arange(group.shape[0]) - starts[group]
-    entry_rows = sample_rows[group]
-    token_ids = np.asarray(token_ids, np.int32)
-    valid = token_ids >= 0
-    produced = np.bincount(group, weights=valid, minlength=len(sample_rows)).astype(np.int64)
-    rows_t.num_computed[sample_rows] -= counts - produced  # rejected drafts were computed for nothing
-    speculated = drafts > 0
-    spec.drafts_in_flight[sample_rows] -= drafts
-    counters = spec.counters
-    counters.num_draft_tokens += int(drafts.sum())
-    counters.num_accepted_tokens += int((produced[speculated] - 1).sum())
-    counters.num_verifications += int(speculated.sum())
-
-    valid &= ~rows_t.finished[entry_rows]
-    position = rows_t.num_known[entry_rows] + rank
-    num_outputs = position + 1 - rows_t.num_prompt[entry_rows]
-    stop = stop_of(entry_rows, token_ids) & (num_outputs >= rows_t.min_tokens[entry_rows])
-    length = (num_outputs >= rows_t.max_tokens[entry_rows]) | (position + 1 >= max_model_len)
-    ends = (stop | length) & valid
-    ends_before = np.cumsum(ends) - ends
-    ends_before -= (np.cumsum(ends) - ends)[starts][group]  # within the row's own entries
-    keep = valid & (ends_before == 0)
-    index = np.flatnonzero(keep)
-    kept_rows = entry_rows[index]
-    rows_t.num_known[sample_rows] += np.bincount(group[index], minlength=len(sample_rows))
-    return Entries(index, kept_rows, token_ids[index], position[index], stop[index], length[index])

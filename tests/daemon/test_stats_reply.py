@@ -12,7 +12,7 @@ from pipeline.engine.inprocess import InProcessBackend
 from pipeline.protocol import FrameDecoder, ServerMessage, SpeculativeCounts, StatsReply, encode_frame
 from pipeline.serve.stage_backend import StageBackend
 from pipeline.serve.status import stats_reply
-from stages.scheduler.scheduler import SchedulerStats
+from stages.scheduler.stats import SchedulerStats
 from stages.status import SchedulerCounters, StatusBoard
 
 pytestmark = pytest.mark.timeout(30)
