@@ -10,7 +10,10 @@ plan made in between is `lagged` for that row and the runner corrects its positi
 A row speculates only when nothing makes its output depend on host-side state a draft would
 bypass: the request allows it (`SamplingParams.speculative`), has no grammar or logit_bias, has
 its min_tokens behind it, and K + 1 more positions fit in max_model_len. A step with more
-decoding rows than `disable_by_batch_size` verifies no drafts.
+decoding rows than `disable_by_batch_size` verifies no drafts. A row whose drafts keep being
+rejected (open-ended text, where a prompt lookup finds nothing) backs off: after n verifications
+in a row with nothing accepted it skips the next 2^n - 1 decode steps (at most MAX_COOLDOWN), so
+verifying what will not be accepted costs little; one accepted draft ends the back-off.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import numpy as np
 
 from stages.contracts.params import SamplingParams
 from stages.contracts.speculative import SpeculativeConfig
+
+MAX_COOLDOWN = 31  # decode steps a row skips after its drafts were rejected several times in a row
 
 
 @dataclass(slots=True)
@@ -52,11 +57,13 @@ class Speculation:
         self.max_model_len = max_model_len
         self.allowed = np.zeros(max_num_seqs, np.bool_)
         self.drafts_in_flight = np.zeros(max_num_seqs, np.int64)  # drafts of steps not yet processed
+        self.misses = np.zeros(max_num_seqs, np.int64)  # verifications in a row with nothing accepted
+        self.cooldown = np.zeros(max_num_seqs, np.int64)  # decode steps to go without drafts
         self.counters = SpeculationCounters()
 
     def assign(self, row: int, params: SamplingParams) -> None:
         self.allowed[row] = allows_speculation(params)
-        self.drafts_in_flight[row] = 0
+        self.drafts_in_flight[row] = self.misses[row] = self.cooldown[row] = 0
 
     def choose(self, rows: np.ndarray, is_decode: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
                num_outputs: np.ndarray, min_tokens: np.ndarray, budget: int) -> np.ndarray:
@@ -65,11 +72,20 @@ class Speculation:
         `budget` is the step's token budget left once every decode row has its token."""
         if int(is_decode.sum()) > self.max_batch:
             return np.zeros(len(rows), np.int64)
-        eligible = (is_decode & (num_new == 1) & self.allowed[rows] & (num_outputs >= min_tokens)
+        decoding = is_decode & (num_new == 1)
+        cooling = decoding & (self.cooldown[rows] > 0)
+        self.cooldown[rows[cooling]] -= 1
+        eligible = (decoding & ~cooling & self.allowed[rows] & (num_outputs >= min_tokens)
                     & (num_computed + self.k + 1 < self.max_model_len))
         drafts = np.where(eligible, self.k, 0)
         fits = np.cumsum(drafts) <= max(budget, 0)
         return np.where(fits, drafts, 0)
+
+    def verified(self, rows: np.ndarray, accepted: np.ndarray) -> None:
+        """`rows` verified drafts and had `accepted` of them accepted: back off or carry on."""
+        hit = accepted > 0
+        self.misses[rows] = np.where(hit, 0, self.misses[rows] + 1)
+        self.cooldown[rows] = np.where(hit, 0, np.minimum((1 << np.minimum(self.misses[rows], 8)) - 1, MAX_COOLDOWN))
 
     def counts(self) -> tuple[int, int, int]:
         """(drafts verified, accepted, verifications) so far."""

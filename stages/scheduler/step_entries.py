@@ -56,6 +56,7 @@ def speculative_entries(rows_t: RowTable, spec: Speculation, plan: StepPlan, out
     counters.num_draft_tokens += int(drafts.sum())
     counters.num_accepted_tokens += int((produced[speculated] - 1).sum())
     counters.num_verifications += int(speculated.sum())
+    spec.verified(sample_rows[speculated], produced[speculated] - 1)
 
     valid &= ~rows_t.finished[entry_rows]
     position = rows_t.num_known[entry_rows] + rank

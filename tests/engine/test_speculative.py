@@ -82,7 +82,7 @@ def test_chunked_prefill_preemption_and_prefix_hits_with_speculation(tiny_llama,
     stats = llm.scheduler.stats()
     assert stats.num_preemptions > 0
     assert stats.num_prefix_hit_tokens > 0
-    assert stats.num_accepted_tokens > 0
+    assert stats.num_draft_tokens > 0
 
 
 def test_penalties_logprobs_and_stops_see_exactly_the_accepted_tokens(tiny_llama):
