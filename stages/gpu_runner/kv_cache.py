@@ -19,15 +19,16 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 
 
 def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                          memory_bytes: int | None) -> int:
-    """How many blocks fit in `memory_bytes` (default: 1 GiB on CPU, a share of free memory on CUDA)."""
+                          memory_bytes: int | None, extra_block_bytes: int = 0) -> int:
+    """How many blocks fit in `memory_bytes` (default: 1 GiB on CPU, a share of free memory on CUDA),
+    each also taking `extra_block_bytes` (a draft model's KV of the same block)."""
     if memory_bytes is None:
         if device.type == "cuda":
             free_bytes, _ = torch.cuda.mem_get_info(device)
             memory_bytes = int(free_bytes * DEFAULT_GPU_MEMORY_FRACTION)
         else:
             memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-    num_blocks = memory_bytes // kv_block_bytes(config, block_size, dtype)
+    num_blocks = memory_bytes // (kv_block_bytes(config, block_size, dtype) + extra_block_bytes)
     if num_blocks < 1:
         raise ValueError(f"KV cache budget of {memory_bytes} bytes holds no block of "
                          f"{kv_block_bytes(config, block_size, dtype)} bytes")
@@ -35,7 +36,7 @@ def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dty
 
 
 def kv_pool_sizes(config: ModelConfig, engine: EngineConfig, dtype: torch.dtype,
-                  device: torch.device) -> tuple[int, int]:
+                  device: torch.device, extra_block_bytes: int = 0) -> tuple[int, int]:
     """(blocks of KV group 0, blocks of group 1): the local layers of a model that mixes them with
     global ones (0 for any other). A local layer holds a window's blocks per row, so its pool is
     sized for what the rows can hold at once, and the rest of the memory goes to group 0."""
@@ -47,7 +48,7 @@ def kv_pool_sizes(config: ModelConfig, engine: EngineConfig, dtype: torch.dtype,
         window_need = engine.max_num_seqs * (-(-windows[1] // bs) + 2) + 2 * -(-engine.max_num_batched_tokens // bs)
     if engine.num_kv_blocks is not None:
         return engine.num_kv_blocks, min(engine.num_kv_blocks, window_need)
-    total = num_blocks_for_budget(config, bs, dtype, device, engine.kv_cache_memory_bytes)
+    total = num_blocks_for_budget(config, bs, dtype, device, engine.kv_cache_memory_bytes, extra_block_bytes)
     if not window_need:
         return total, 0
     num_local = sum(config.kv_group(i) for i in range(config.num_layers))

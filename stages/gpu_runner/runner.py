@@ -90,7 +90,10 @@ class ModelRunner:
         self.attention_backend = make_attention_backend(config.attention_backend, self.device, self.block_size)
         self.model.backend = self.attention_backend
         self.kv_group_windows = self.config.kv_group_windows
-        num_kv_blocks, num_window_blocks = kv_pool_sizes(shard, config, self.dtype, self.device)
+        # A draft model is loaded before the KV pool is sized: its weights and its KV per block count.
+        draft = load_draft(config, self)
+        extra = 0 if draft is None else draft.block_bytes(self.block_size, self.dtype)
+        num_kv_blocks, num_window_blocks = kv_pool_sizes(shard, config, self.dtype, self.device, extra)
         if tp is not None:  # the block tables are shared: every rank holds as many blocks
             num_kv_blocks, num_window_blocks = tp.agree_min(num_kv_blocks), tp.agree_min(num_window_blocks)
         self.num_kv_blocks, self.num_window_blocks = num_kv_blocks, num_window_blocks
@@ -109,7 +112,7 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         self.speculator: Speculator | None = None
         if config.speculative is not None:
-            self.speculator = make_speculator(config, self)
+            self.speculator = make_speculator(config, self, draft)
         self.constraints = RowConstraints(self.max_num_seqs, self.vocab_size, self.eos_token_ids, self.tokenizer_path,
                                           self.device)
         self.kv_connector = kv_connector
@@ -293,14 +296,21 @@ class ModelRunner:
             host_logprob_token_ids=host[2], ready=ready)
 
 
-def make_speculator(config: EngineConfig, runner: ModelRunner) -> Speculator:
-    """The speculator of `config.speculative`, with its draft model loaded for method draft_model."""
-    spec, tp = config.speculative, runner.tp
-    draft = None
-    if spec.method == "draft_model" and (tp is None or tp.is_driver):  # rank 0 proposes, whole
-        from stages.gpu_runner.speculative.draft_model import DraftModelProposer
+def load_draft(config: EngineConfig, runner: ModelRunner):
+    """The draft model of method draft_model, loaded whole on rank 0 (which proposes), else None."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model" or not (runner.tp is None or runner.tp.is_driver):
+        return None
+    from stages.gpu_runner.speculative.draft_model import DraftModelProposer
 
-        draft = DraftModelProposer(spec, runner)
+    return DraftModelProposer(spec, runner)
+
+
+def make_speculator(config: EngineConfig, runner: ModelRunner, draft) -> Speculator:
+    """The speculator of `config.speculative`, proposing with `draft` (load_draft) for draft_model."""
+    spec, tp = config.speculative, runner.tp
+    if draft is not None:
+        draft.bind(runner)
     speculator = Speculator(spec, runner.batch, draft, share=None if tp is None else tp.broadcast_tokens)
     if spec.method == "draft_model" and draft is None:
         speculator.proposer = None

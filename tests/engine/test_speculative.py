@@ -171,3 +171,41 @@ def test_sliding_window_layers_under_speculation(tmp_path_factory):
                            speculative_config=NGRAM, **options)
         assert outputs == expected
         assert llm.scheduler.stats().num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup": 2}, "unknown key 'prompt_lookup'"),
+    ({"method": "medusa", "num_speculative_tokens": 3}, "speculative_config.method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+    ({"method": "ngram"}, "speculative_config.num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min 4 exceeds prompt_lookup_max 2"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model must name"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/nonexistent/draft"}, "speculative_config.model"),
+    ("ngram", "must be a JSON object"),
+])
+def test_a_bad_speculative_config_is_refused_naming_the_key(tiny_llama, config, named):
+    with pytest.raises(ValueError, match=named):
+        small_llm(tiny_llama, speculative_config=config)
+
+
+def test_a_draft_model_with_a_larger_vocabulary_is_refused(tiny_llama, tmp_path):
+    draft = make_tiny_model(tmp_path / "big-vocab", "llama", seed=1, num_layers=1, vocab_size=2048)
+    with pytest.raises(ValueError, match="vocabulary"):
+        small_llm(tiny_llama, speculative_config={"method": "draft_model", "model": str(draft),
+                                                  "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("text, named", [
+    ("{not json", "--speculative-config is not valid JSON"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "lookahead": 1}', "unknown key 'lookahead'"),
+    ('{"method": "draft_model", "num_speculative_tokens": 3, "model": "/nonexistent/x.gguf"}',
+     "speculative_config.model"),
+])
+def test_pipeline_start_refuses_a_bad_speculative_config(tiny_llama, text, named):
+    from pipeline.cli import build_parser, engine_config
+    from pipeline.errors import PipelineError
+
+    args = build_parser().parse_args(["start", "--model", str(tiny_llama), "--speculative-config", text])
+    with pytest.raises(PipelineError, match=named):
+        engine_config(args)

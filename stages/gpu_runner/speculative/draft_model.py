@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from stages.contracts.speculative import SpeculativeConfig
-from stages.gpu_runner.kv_cache import allocate_kv_caches
+from stages.gpu_runner.kv_cache import allocate_kv_caches, kv_block_bytes
 from stages.gpu_runner.loader import load_model
 from stages.gpu_runner.model_config import load_model_config
 from stages.gpu_runner.step_inputs import StepInputs
@@ -20,8 +20,8 @@ from stages.gpu_runner.step_inputs import StepInputs
 
 class DraftModelProposer:
     def __init__(self, spec: SpeculativeConfig, runner) -> None:
-        """`runner`: the ModelRunner whose device, dtype, attention backend, block tables and KV
-        pool size the draft shares."""
+        """Load the draft's weights. `runner`: the ModelRunner whose device, dtype, attention backend
+        and vocabulary the draft shares (its block tables and KV pool come with `bind`)."""
         config = load_model_config(spec.model)
         if config.vocab_size > runner.vocab_size:
             raise ValueError(f"speculative_config.model {spec.model}: its vocabulary ({config.vocab_size} tokens) "
@@ -30,13 +30,23 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config.model {spec.model}: a draft model with sliding-window layers "
                              f"is not supported")
         self.k = spec.num_speculative_tokens
+        self.config = config
         self.model = load_model(spec.model, device=runner.device, dtype=runner.dtype,
                                 max_positions=runner.max_model_len, config=config)
         self.backend = runner.attention_backend
         self.model.backend = self.backend
+        self.batch = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of the draft's KV per block (the KV pool is sized for both models)."""
+        return kv_block_bytes(self.config, block_size, dtype)
+
+    def bind(self, runner) -> None:
+        """Allocate the draft's KV cache over the runner's pool and read its block tables."""
         self.batch = runner.batch
         # One block more than the pool: the scratch block padding rows write to, as the target's.
-        self.kv_caches = allocate_kv_caches(config, runner.num_kv_blocks + 1, runner.block_size, runner.dtype,
+        self.kv_caches = allocate_kv_caches(self.config, runner.num_kv_blocks + 1, runner.block_size, runner.dtype,
                                             runner.device)
 
     def observe(self, inputs: StepInputs) -> None:
