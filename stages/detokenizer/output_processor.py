@@ -137,9 +137,9 @@ class OutputProcessor:
                 decoded = _DecodedRows()
         for row in rest:
             stream = streams[row]
-            if stream is None:
-                continue  # ended here by a stop string; the scheduler has not heard yet
             req_id, index, token_id = int(req_ids[row]), int(entries.output_index[row]), int(step_token_ids[row])
+            if stream is None or self._streams.get(req_id) is not stream:
+                continue  # ended by a stop string (maybe at an earlier token of this step); the scheduler has not heard yet
             if decoded is not None and plain[row]:
                 decoded.add(req_id, token_id, stream.detokenizer.add([token_id]).text)
                 continue

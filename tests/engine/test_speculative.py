@@ -209,3 +209,16 @@ def test_pipeline_start_refuses_a_bad_speculative_config(tiny_llama, text, named
     args = build_parser().parse_args(["start", "--model", str(tiny_llama), "--speculative-config", text])
     with pytest.raises(PipelineError, match=named):
         engine_config(args)
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_request_there(tiny_llama):
+    """Several tokens of one request arrive in one step: those after the stop string are dropped."""
+    spec = small_llm(tiny_llama, speculative_config={"method": "draft_model", "model": str(tiny_llama),
+                                                      "num_speculative_tokens": 5})
+    full = spec.generate([REPEATED], GREEDY)[0]
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])
+    plain = small_llm(tiny_llama).generate([REPEATED], params)[0]
+    got = spec.generate([REPEATED], params)[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (plain.text, plain.token_ids, "stop")
+    assert len(got.token_ids) < len(full.token_ids)
