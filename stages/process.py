@@ -220,6 +220,9 @@ def run_stage(spec_json: str, serve: Callable[[StageContext], None]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = json.loads(spec_json)
     set_process_title(f"pipeline: {spec['name']}")
+    cores = stage_cores(spec["name"], EngineConfig.from_dict(spec["config"]), sorted(os.sched_getaffinity(0)))
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
     try:
         code = _serve(StageContext(spec), serve)
     finally:
@@ -244,6 +247,27 @@ def _serve(ctx: StageContext, serve: Callable[[StageContext], None]) -> int:
         ctx.board.set_error(ctx.index, f"{ctx.name}: {type(exc).__name__}: {exc}")
         return EXIT_ERROR
     return 0
+
+
+def stage_cores(name: str, config: EngineConfig, cores: list[int]) -> list[int] | None:
+    """The cores stage `name` keeps to when the model runs on the CPU: the runner all of `cores`
+    but the last, every other stage the last. A forward's threads wait for each other at every
+    operator, so one of them preempted by a tokenizer, scheduler or detokenizer wakeup stalls the
+    whole step; the other stages' work is small and fits on one core. None (stay where started)
+    on a GPU, under tensor parallelism (each rank sets its own threads), or with a single core."""
+    on_cpu = config.device == "cpu" or (config.device == "auto" and not _cuda_driver_present())
+    if not on_cpu or len(cores) < 2 or config.tensor_parallel_size > 1 or config.simulated_device_ms is not None:
+        return None
+    return cores[:-1] if name == "runner" else cores[-1:]
+
+
+def _cuda_driver_present() -> bool:
+    """Whether the CUDA driver library loads: what "auto" then resolves to, asked without torch."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def set_process_title(title: str) -> None:

@@ -40,6 +40,10 @@ if TYPE_CHECKING:
     from stages.gpu_runner.input_batch import InputBatch
     from stages.gpu_runner.static_decode import StaticDecodeInputs
 
+# The CPU decode path multiplies kv_heads times the needed work (see _spread_decode_attention);
+# past this many KV heads the padded SDPA kernel is the cheaper one.
+MAX_SPREAD_KV_HEADS = 4
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -126,11 +130,34 @@ def _gather(flat_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor
 def _decode_attention(query: torch.Tensor, flat_cache: torch.Tensor, batch: DecodeBatch, scale: float) -> torch.Tensor:
     """query [d, num_heads, head_dim] -> [d, num_heads, head_dim]."""
     keys, values = _gather(flat_cache, batch.key_slots)  # [d, ctx, kv_heads, head_dim]
+    if query.device.type == "cpu" and keys.shape[2] <= MAX_SPREAD_KV_HEADS:
+        return _spread_decode_attention(query, keys, values, batch.mask, scale)
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.mask, scale=scale,
         enable_gqa=keys.shape[2] != query.shape[1],
     )  # [d, heads, 1, head_dim]
     return out.squeeze(2)
+
+
+def _spread_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """Decode attention on the CPU in two batched matmuls per step, the scores and softmax in float32.
+
+    Each head's query is spread into a zero row as wide as all KV heads (its own KV head's
+    columns hold it), so one [heads, kv_width] x [kv_width, ctx] product per row scores every head
+    against its own KV head straight from the gathered keys: no padded flash kernel, no copy of the
+    keys into a per-head layout. The zeros cost kv_heads times the (small) multiply work."""
+    d, num_keys, num_kv_heads, head_dim = keys.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    width = num_kv_heads * head_dim
+    spread = query.new_zeros(d, num_kv_heads, group, num_kv_heads, head_dim)
+    spread.diagonal(dim1=1, dim2=3).copy_(query.view(d, num_kv_heads, group, head_dim).permute(0, 2, 3, 1))
+    scores = torch.bmm(spread.view(d, num_heads, width), keys.view(d, num_keys, width).transpose(1, 2)).float()
+    scores.mul_(scale).masked_fill_(~mask.view(d, 1, num_keys), float("-inf"))
+    probs = scores.softmax(dim=-1).to(values.dtype)
+    out = torch.bmm(probs, values.view(d, num_keys, width)).view(d, num_kv_heads, group, num_kv_heads, head_dim)
+    return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(d, num_heads, head_dim)
 
 
 def _prefill_attention(query: torch.Tensor, flat_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:

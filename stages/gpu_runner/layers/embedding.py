@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from stages.gpu_runner.layers.linear import linear
 from stages.gpu_runner.parallel import TensorParallel, vocab_shard_size
 
 
@@ -30,7 +31,7 @@ def lm_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TensorParallel | N
               softcap: float | None, out: torch.Tensor | None) -> torch.Tensor | None:
     """Normed hidden [n, hidden] -> float32 logits [n, vocab] (into `out` if given); under tensor
     parallelism rank 0 gets the gathered logits and the other ranks None."""
-    logits = torch.matmul(hidden, weight.t())
+    logits = linear(hidden, weight, None)
     if tp is not None:
         logits = tp.gather_logits(logits, vocab_size)
         if logits is None:

@@ -4,10 +4,15 @@ A rank holds its shard: column-parallel layers its own output rows (heads, inter
 columns), read from the checkpoint by `parallel.shard_tensor`; a row-parallel layer its input
 columns, followed by the all-reduce that sums the ranks' parts. Checkpoints keep q, k and v (and
 gate and up) apart; `PACKED` names where each lands in its merged layer.
+
+On the CPU a projection runs through oneDNN with its weight reordered once into oneDNN's own
+blocked layout (`linear`): at a decode step's shapes that is 1.3-1.7x the speed of the plain
+matmul (MKL's, for float32), which reorders nothing but has no AVX-512 path on every CPU.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from stages.gpu_runner.parallel import TensorParallel
@@ -19,6 +24,31 @@ PACKED = {
 }
 
 
+# The batch size oneDNN picks the packed layout for: a decode step's; any batch size may use it.
+PACK_BATCH_HINT = 32
+_PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear; on the CPU through oneDNN with `weight` packed for it (kept on the weight itself,
+    repacked when the weight is written in place)."""
+    if x.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] in oneDNN's blocked layout, made once per version of the weight."""
+    # Inference tensors keep no version counter: they cannot be written outside inference mode.
+    version = 0 if weight.is_inference() else weight._version
+    packed = getattr(weight, "onednn_packed", None)
+    if packed is None or packed[0] != version:
+        with torch.no_grad():
+            packed = (version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT))
+        weight.onednn_packed = packed
+    return packed[1]
+
+
 class MergedColumnLinear(nn.Linear):
     """Several projections of one input in one matmul; forward returns the parts."""
 
@@ -27,7 +57,7 @@ class MergedColumnLinear(nn.Linear):
         self.out_sizes = out_sizes
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return super().forward(x).split(self.out_sizes, dim=-1)
+        return linear(x, self.weight, self.bias).split(self.out_sizes, dim=-1)
 
     @torch.no_grad()
     def load_part(self, index: int, kind: str, tensor: torch.Tensor) -> None:
@@ -44,5 +74,5 @@ class RowLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
+        out = linear(x, self.weight, self.bias)
         return out if self.tp is None else self.tp.all_reduce(out)

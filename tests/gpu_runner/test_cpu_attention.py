@@ -1,0 +1,111 @@
+"""The torch backend's paged attention against attention computed row by row in float64: decode
+rows of unequal contexts (padded keys masked), GQA, sliding windows, prefill chunks over a cached
+prefix, mixed steps, and low-precision caches."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from stages.gpu_runner.attention import TorchBackend, paged_attention, step_attention_metadata, write_kv
+from stages.gpu_runner.step_layout import StepLayout
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+
+
+class Step:
+    """One step's rows: `context[i]` positions each, the last `scheduled[i]` of them computed now."""
+
+    def __init__(self, context: list[int], scheduled: list[int], *, num_heads: int = 6, num_kv_heads: int = 2,
+                 head_dim: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.context, self.scheduled = context, scheduled
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        num_rows = len(context)
+        blocks_per_row = -(-max(context) // BLOCK_SIZE)
+        # Rows own scattered blocks, as a long-running cache hands them out.
+        perm = torch.randperm(NUM_BLOCKS, generator=gen)[:num_rows * blocks_per_row]
+        self.block_table = perm.view(num_rows, blocks_per_row).to(torch.int32)
+        self.cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(dtype)
+        num_tokens = sum(scheduled)
+        self.query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+        self.rows = np.arange(num_rows)
+
+    def slots(self, row: int, positions: range) -> torch.Tensor:
+        return torch.tensor([int(self.block_table[row, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+                             for p in positions], dtype=torch.int64)
+
+    def metadata(self):
+        scheduled = np.array(self.scheduled, dtype=np.int64)
+        context = np.array(self.context, dtype=np.int64)
+        query_start = np.concatenate([[0], np.cumsum(scheduled)])
+        layout = StepLayout(rows=self.rows, computed=context - scheduled, scheduled=scheduled, query_start=query_start)
+        arrays = [torch.from_numpy(np.asarray(a, dtype=np.int64)) for a in TorchBackend(BLOCK_SIZE).host_arrays(layout)]
+        slot_mapping = torch.cat([self.slots(i, range(c - s, c)) for i, (c, s) in
+                                  enumerate(zip(self.context, self.scheduled))])
+        return step_attention_metadata(layout, arrays, slot_mapping, self.block_table, BLOCK_SIZE)
+
+    def reference(self, window: int | None) -> torch.Tensor:
+        """float64 attention, each query over its row's keys up to its own position (and window)."""
+        out = torch.empty(self.query.shape, dtype=torch.float64)
+        group = self.num_heads // self.num_kv_heads
+        token = 0
+        for row, (ctx, num) in enumerate(zip(self.context, self.scheduled)):
+            slots = self.slots(row, range(ctx))
+            keys = self.cache[0].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+            values = self.cache[1].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+            for pos in range(ctx - num, ctx):
+                first = 0 if window is None else max(0, pos - window + 1)
+                scores = torch.einsum("hd,khd->hk", self.query[token].double(), keys[first:pos + 1]) * self.scale
+                out[token] = torch.einsum("hk,khd->hd", scores.softmax(-1), values[first:pos + 1])
+                token += 1
+        return out
+
+    def attend(self, window: int | None = None) -> torch.Tensor:
+        return paged_attention(self.query, self.cache, self.metadata().for_window(window), self.scale)
+
+
+def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_of_unequal_contexts(dtype: torch.dtype) -> None:
+    step = Step([1, 7, 16, 23, 9], [1, 1, 1, 1, 1], dtype=dtype)
+    assert_close(step.attend(), step.reference(None), dtype)
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 3, 6])
+def test_grouped_and_multi_head_keys(num_kv_heads: int) -> None:
+    step = Step([5, 12, 30], [1, 1, 1], num_kv_heads=num_kv_heads)
+    assert_close(step.attend(), step.reference(None), torch.float32)
+
+
+@pytest.mark.parametrize("window", [1, 4, 6, 13, 64])
+def test_decode_rows_in_a_sliding_window(window: int) -> None:
+    step = Step([3, 9, 17, 30], [1, 1, 1, 1])
+    assert_close(step.attend(window), step.reference(window), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_chunks_over_a_cached_prefix(dtype: torch.dtype) -> None:
+    step = Step([10, 21], [10, 6], dtype=dtype)
+    assert_close(step.attend(), step.reference(None), dtype)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_mixed_step(window: int | None) -> None:
+    step = Step([8, 19, 3, 26], [1, 7, 3, 1])
+    assert_close(step.attend(window), step.reference(window), torch.float32)
+
+
+def test_written_keys_are_read_back() -> None:
+    step = Step([6, 11], [1, 1])
+    meta = step.metadata()
+    key = torch.randn(2, step.num_kv_heads, step.head_dim)
+    value = torch.randn(2, step.num_kv_heads, step.head_dim)
+    write_kv(step.cache, key, value, meta.slot_mapping)
+    assert_close(step.attend(), step.reference(None), torch.float32)
