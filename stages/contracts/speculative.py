@@ -12,9 +12,11 @@ from dataclasses import asdict, dataclass
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
-# Decoding rows above which a step verifies no drafts, unless the config says otherwise
-# (tools/bench_spec.py measures the crossover: at 16 streams verification no longer pays on CPU).
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# Decoding rows above which a step verifies no drafts, unless the config says otherwise: on CPU
+# (tools/bench_spec.py) 16 streams copying a passage, the most a prompt lookup can get accepted,
+# no longer gain from drafts. Below it each row's drafts must pay for themselves (speculation.py
+# in the scheduler).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
          "disable_by_batch_size")
 

@@ -10,10 +10,16 @@ plan made in between is `lagged` for that row and the runner corrects its positi
 A row speculates only when nothing makes its output depend on host-side state a draft would
 bypass: the request allows it (`SamplingParams.speculative`), has no grammar or logit_bias, has
 its min_tokens behind it, and K + 1 more positions fit in max_model_len. A step with more
-decoding rows than `disable_by_batch_size` verifies no drafts. A row whose drafts keep being
-rejected (open-ended text, where a prompt lookup finds nothing) backs off: after n verifications
-in a row with nothing accepted it skips the next 2^n - 1 decode steps (at most MAX_COOLDOWN), so
-verifying what will not be accepted costs little; one accepted draft ends the back-off.
+decoding rows than `disable_by_batch_size` verifies no drafts.
+
+Drafts must also pay for themselves. A step of B decoding rows costs about c0 + c1 * B: reading
+the weights (c0) does not grow with the tokens, the arithmetic (c1 per token) does. K drafts of
+one row add K * c1 and bring the drafts it gets accepted, so they pay when the row's accepted
+drafts per verification exceed K * B / (FREE_TOKENS + B), with FREE_TOKENS = c0 / c1: a row
+needs more accepted drafts the larger the batch. Each row keeps a running mean of its accepted
+drafts; below the bar it backs off (after n such verifications in a row it skips 2^n - 1 decode
+steps, at most MAX_COOLDOWN) and then verifies once more to see whether its text has turned
+repetitive.
 """
 from __future__ import annotations
 
@@ -24,7 +30,11 @@ import numpy as np
 from stages.contracts.params import SamplingParams
 from stages.contracts.speculative import SpeculativeConfig
 
-MAX_COOLDOWN = 31  # decode steps a row skips after its drafts were rejected several times in a row
+MAX_COOLDOWN = 31  # decode steps a row skips after its drafts did not pay several times in a row
+# c0 / c1 above: how many tokens a decode step computes for about the price of reading the weights.
+# On the 2-core AVX-512 machine a SmolLM2-135M step of 5 tokens costs 1.35x one of 1 (r = 10; 8 is
+# taken, erring towards fewer drafts).
+FREE_TOKENS = 8.0
 
 
 @dataclass(slots=True)
@@ -57,23 +67,29 @@ class Speculation:
         self.max_model_len = max_model_len
         self.allowed = np.zeros(max_num_seqs, np.bool_)
         self.drafts_in_flight = np.zeros(max_num_seqs, np.int64)  # drafts of steps not yet processed
-        self.misses = np.zeros(max_num_seqs, np.int64)  # verifications in a row with nothing accepted
+        self.accepted = np.zeros(max_num_seqs)  # running mean of accepted drafts per verification
+        self.misses = np.zeros(max_num_seqs, np.int64)  # verifications in a row below the bar
         self.cooldown = np.zeros(max_num_seqs, np.int64)  # decode steps to go without drafts
+        self.bar = 0.0  # accepted drafts a verification needs to pay, at the last step's batch
         self.counters = SpeculationCounters()
 
     def assign(self, row: int, params: SamplingParams) -> None:
         self.allowed[row] = allows_speculation(params)
         self.drafts_in_flight[row] = self.misses[row] = self.cooldown[row] = 0
+        self.accepted[row] = self.k  # hopeful until its drafts say otherwise
 
     def choose(self, rows: np.ndarray, is_decode: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
                num_outputs: np.ndarray, min_tokens: np.ndarray, budget: int) -> np.ndarray:
         """Drafts (0 or K) for each of the running `rows` this step. `is_decode` rows that got their
         one token (`num_new`) may speculate; num_computed and num_outputs are before this step;
         `budget` is the step's token budget left once every decode row has its token."""
-        if int(is_decode.sum()) > self.max_batch:
+        batch = int(is_decode.sum())
+        if batch > self.max_batch:
             return np.zeros(len(rows), np.int64)
+        self.bar = self.k * batch / (FREE_TOKENS + batch)
         decoding = is_decode & (num_new == 1)
-        cooling = decoding & (self.cooldown[rows] > 0)
+        paying = self.accepted[rows] >= self.bar
+        cooling = decoding & ~paying & (self.cooldown[rows] > 0)
         self.cooldown[rows[cooling]] -= 1
         eligible = (decoding & ~cooling & self.allowed[rows] & (num_outputs >= min_tokens)
                     & (num_computed + self.k + 1 < self.max_model_len))
@@ -83,9 +99,11 @@ class Speculation:
 
     def verified(self, rows: np.ndarray, accepted: np.ndarray) -> None:
         """`rows` verified drafts and had `accepted` of them accepted: back off or carry on."""
-        hit = accepted > 0
-        self.misses[rows] = np.where(hit, 0, self.misses[rows] + 1)
-        self.cooldown[rows] = np.where(hit, 0, np.minimum((1 << np.minimum(self.misses[rows], 8)) - 1, MAX_COOLDOWN))
+        mean = self.accepted[rows] = 0.5 * self.accepted[rows] + 0.5 * accepted
+        paying = mean >= self.bar
+        self.misses[rows] = np.where(paying, 0, self.misses[rows] + 1)
+        self.cooldown[rows] = np.where(paying, 0,
+                                       np.minimum((1 << np.minimum(self.misses[rows], 8)) - 1, MAX_COOLDOWN))
 
     def counts(self) -> tuple[int, int, int]:
         """(drafts verified, accepted, verifications) so far."""

@@ -1,42 +1,62 @@
-"""A row whose drafts keep being rejected verifies fewer and fewer of them; one hit resets it."""
+"""Drafts must pay for themselves: a row whose drafts are rarely accepted verifies fewer and fewer
+of them, the more so in a larger batch; a row whose drafts are accepted keeps verifying them."""
 from __future__ import annotations
 
 import numpy as np
 
 from stages.contracts.params import SamplingParams
 from stages.contracts.speculative import SpeculativeConfig
-from stages.scheduler.speculation import MAX_COOLDOWN, Speculation
+from stages.scheduler.speculation import FREE_TOKENS, MAX_COOLDOWN, Speculation
 
 
-def _choose(spec: Speculation, rows: np.ndarray) -> np.ndarray:
+def _choose(spec: Speculation, rows: np.ndarray, batch: int | None = None) -> np.ndarray:
     n = len(rows)
+    decode = np.ones(n, bool) if batch is None else np.arange(n) < batch
     ones = np.ones(n, np.int64)
-    return spec.choose(rows, np.ones(n, bool), ones, np.full(n, 10), np.full(n, 5), np.zeros(n, np.int64), 1000)
+    return spec.choose(rows, decode, ones, np.full(n, 10), np.full(n, 5), np.zeros(n, np.int64), 1000)
 
 
-def test_rejected_rows_back_off_exponentially_and_a_hit_resets_them() -> None:
-    spec = Speculation(SpeculativeConfig("ngram", 3), max_num_seqs=2, max_model_len=100)
+def _speculation(num_rows: int, k: int = 4, **config) -> Speculation:
+    spec = Speculation(SpeculativeConfig("ngram", k, **config), max_num_seqs=num_rows, max_model_len=100)
+    for row in range(num_rows):
+        spec.assign(row, SamplingParams())
+    return spec
+
+
+def test_rows_whose_drafts_do_not_pay_back_off_exponentially_and_probe_again() -> None:
+    spec = _speculation(2)
     rows = np.array([0, 1])
-    for row in rows:
-        spec.assign(int(row), SamplingParams())
-    skipped = []
-    for _ in range(6):  # row 0 misses every time; row 1 always has a draft accepted
+    gaps, gap = [], 0
+    for _ in range(60):  # row 0's drafts are never accepted, row 1 gets 3 of 4
         drafts = _choose(spec, rows)
-        assert drafts[1] == 3
+        assert drafts[1] == 4
         if drafts[0]:
-            spec.verified(np.array([0, 1]), np.array([0, 2]))
-            skipped.append(0)
+            gaps.append(gap)
+            gap = 0
+            spec.verified(rows, np.array([0, 3]))
         else:
-            skipped[-1] += 1
-            spec.verified(np.array([1]), np.array([2]))
-    assert skipped[:2] == [1, 3]  # 2^n - 1 decode steps without drafts after n misses in a row
-    while not _choose(spec, rows)[0]:
-        pass
-    spec.verified(np.array([0]), np.array([1]))
-    assert _choose(spec, rows)[0] == 3  # the hit ended the back-off
-    spec.misses[0] = 40
+            gap += 1
+            spec.verified(rows[1:], np.array([3]))
+    # hopeful at first (a mean of K), then 1, 3, 7, ... decode steps apart
+    assert gaps[:7] == [0, 0, 0, 1, 3, 7, 15]
+    spec.verified(np.array([0]), np.array([4]))  # its text turned repetitive
+    assert _choose(spec, rows)[0] == 4
+    spec.misses[0], spec.accepted[0] = 40, 0.0
     spec.verified(np.array([0]), np.array([0]))
     assert spec.cooldown[0] == MAX_COOLDOWN
+
+
+def test_the_bar_rises_with_the_batch() -> None:
+    """One accepted draft of four per verification pays in a batch of 2 rows, not in one of 16."""
+    k = 4
+    for batch, pays in ((2, True), (16, False)):
+        assert (1.0 >= k * batch / (FREE_TOKENS + batch)) == pays
+        spec = _speculation(batch, k)
+        spec.accepted[:] = 1.0
+        rows = np.arange(batch)
+        assert (_choose(spec, rows) == k).all()  # a verification tells
+        spec.verified(rows, np.ones(batch, np.int64))
+        assert (_choose(spec, rows) == k).all() == pays
 
 
 def test_a_large_batch_and_requests_that_opt_out_get_no_drafts() -> None:
