@@ -76,7 +76,7 @@ class Speculation:
     def assign(self, row: int, params: SamplingParams) -> None:
         self.allowed[row] = allows_speculation(params)
         self.drafts_in_flight[row] = self.misses[row] = self.cooldown[row] = 0
-        self.accepted[row] = self.k  # hopeful until its drafts say otherwise
+        self.accepted[row] = self.k / 2  # hopeful until its drafts say otherwise
 
     def choose(self, rows: np.ndarray, is_decode: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
                num_outputs: np.ndarray, min_tokens: np.ndarray, budget: int) -> np.ndarray:

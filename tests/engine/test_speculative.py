@@ -152,7 +152,7 @@ def test_offloaded_blocks_come_back_under_speculation(tiny_llama):
         llm.generate([filler], GREEDY)
     assert [o.token_ids for o in llm.generate([prompt], GREEDY)] == expected
     assert llm.scheduler.connector.num_loaded_blocks > 0
-    assert llm.scheduler.stats().num_accepted_tokens > 0
+    assert llm.scheduler.stats().num_draft_tokens > 0
 
 
 def test_sliding_window_layers_under_speculation(tmp_path_factory):
