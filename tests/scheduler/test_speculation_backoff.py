@@ -51,7 +51,7 @@ def test_the_bar_rises_with_the_batch() -> None:
     k = 4
     for batch, pays in ((2, True), (16, False)):
         assert (1.0 >= k * batch / (FREE_TOKENS + batch)) == pays
-        spec = _speculation(batch, k)
+        spec = _speculation(batch, k, disable_by_batch_size=64)
         spec.accepted[:] = 1.0
         rows = np.arange(batch)
         assert (_choose(spec, rows) == k).all()  # a verification tells
