@@ -17,7 +17,7 @@ the weights (c0) does not grow with the tokens, the arithmetic (c1 per token) do
 one row add K * c1 and bring the drafts it gets accepted, so they pay when the row's accepted
 drafts per verification exceed K * B / (FREE_TOKENS + B), with FREE_TOKENS = c0 / c1: a row
 needs more accepted drafts the larger the batch. Each row keeps a running mean of its accepted
-drafts; below the bar it backs off (after n such verifications in a row it skips 2^n - 1 decode
+drafts; below the bar it backs off (after n such verifications in a row it skips 4^n - 1 decode
 steps, at most MAX_COOLDOWN) and then verifies once more to see whether its text has turned
 repetitive.
 """
@@ -30,11 +30,12 @@ import numpy as np
 from stages.contracts.params import SamplingParams
 from stages.contracts.speculative import SpeculativeConfig
 
-MAX_COOLDOWN = 31  # decode steps a row skips after its drafts did not pay several times in a row
+MAX_COOLDOWN = 127  # decode steps a row skips after its drafts did not pay several times in a row
 # c0 / c1 above: how many tokens a decode step computes for about the price of reading the weights.
 # On the 2-core AVX-512 machine a SmolLM2-135M step of 5 tokens costs about 1.35x one of 1 (10),
 # but tools/bench_spec.py finds rows of 4 streams accepting 1.2-1.6 of 4 drafts losing: 6.
 FREE_TOKENS = 6.0
+MEAN_WEIGHT = 0.3  # of the latest verification in a row's running mean: one lucky run does not reset it
 
 
 @dataclass(slots=True)
@@ -99,11 +100,11 @@ class Speculation:
 
     def verified(self, rows: np.ndarray, accepted: np.ndarray) -> None:
         """`rows` verified drafts and had `accepted` of them accepted: back off or carry on."""
-        mean = self.accepted[rows] = 0.5 * self.accepted[rows] + 0.5 * accepted
+        mean = self.accepted[rows] = (1 - MEAN_WEIGHT) * self.accepted[rows] + MEAN_WEIGHT * accepted
         paying = mean >= self.bar
         self.misses[rows] = np.where(paying, 0, self.misses[rows] + 1)
         self.cooldown[rows] = np.where(paying, 0,
-                                       np.minimum((1 << np.minimum(self.misses[rows], 8)) - 1, MAX_COOLDOWN))
+                                       np.minimum((1 << 2 * np.minimum(self.misses[rows], 8)) - 1, MAX_COOLDOWN))
 
     def counts(self) -> tuple[int, int, int]:
         """(drafts verified, accepted, verifications) so far."""
