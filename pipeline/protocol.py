@@ -39,6 +39,7 @@ from msgspec import Meta, Struct
 
 from pipeline.errors import ErrorCode, PipelineError, ProtocolError
 from stages.contracts.params import MAX_TOKEN_ID, InvalidParams, SamplingParams
+from stages.contracts.speculative import SpeculativeCounts
 
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES_LIMIT = 2**32 - 1  # what the 4-byte header can express
@@ -211,36 +212,6 @@ class HealthReply(Struct, tag="health_reply"):
     shutdown_grace_s: float = 0.0  # how long a SIGTERM lets requests in flight finish
     http_url: str | None = None  # where the OpenAI HTTP API listens, when the daemon serves it
     delta_frames: bool = False  # it sends `Deltas` frames to requests that ask for them
-
-
-@dataclasses.dataclass(slots=True)
-class SpeculativeCounts:
-    """Speculative decoding's totals: drafts verified, drafts accepted, and (request, step) pairs
-    that verified drafts. All 0 where nothing speculates."""
-
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_verifications: int = 0
-
-    def since(self, before: SpeculativeCounts) -> SpeculativeCounts:
-        """What was counted between `before` and these (a count that fell started again from 0)."""
-        def rise(now: int, then: int) -> int:
-            return now - then if now >= then else now
-
-        return SpeculativeCounts(rise(self.num_draft_tokens, before.num_draft_tokens),
-                                 rise(self.num_accepted_tokens, before.num_accepted_tokens),
-                                 rise(self.num_verifications, before.num_verifications))
-
-    @property
-    def draft_acceptance_rate(self) -> float:
-        """The share of verified drafts accepted (0 before any)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a verifying step gives a request on average: its accepted drafts and the one
-        token the target samples after them (0 before any)."""
-        return 1 + self.num_accepted_tokens / self.num_verifications if self.num_verifications else 0.0
 
 
 class StatsReply(Struct, tag="stats_reply"):

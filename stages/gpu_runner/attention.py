@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.gpu_runner.backend import check_window, window_blocks
-from stages.gpu_runner.step_layout import StepLayout
+from stages.gpu_runner.step_layout import StepLayout, concat_ranges
 from stages.gpu_runner.layers.norm import RMSNorm, rms_norm
 from stages.gpu_runner.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -335,9 +335,7 @@ class TorchBackend:
 
     def host_arrays(self, layout: StepLayout) -> list[np.ndarray]:
         is_decode, is_verify = _row_kinds(layout)
-        starts, scheduled = layout.query_start[:-1][is_verify], layout.scheduled[is_verify]
-        verify_token_idx = np.repeat(starts, scheduled) + np.arange(int(scheduled.sum())) \
-            - np.repeat(np.cumsum(scheduled) - scheduled, scheduled)
+        verify_token_idx = concat_ranges(layout.query_start[:-1][is_verify], layout.scheduled[is_verify])
         return [layout.query_start[:-1][is_decode], layout.rows[is_decode], layout.context[is_decode],
                 np.flatnonzero(is_decode), verify_token_idx, layout.rows[is_verify], layout.computed[is_verify],
                 np.flatnonzero(is_verify)]

@@ -311,10 +311,8 @@ def make_speculator(config: EngineConfig, runner: ModelRunner, draft) -> Specula
     spec, tp = config.speculative, runner.tp
     if draft is not None:
         draft.bind(runner)
-    speculator = Speculator(spec, runner.batch, draft, share=None if tp is None else tp.broadcast_tokens)
-    if spec.method == "draft_model" and draft is None:
-        speculator.proposer = None
-    return speculator
+    # A tensor-parallel rank other than 0 has no draft model (proposer None): it receives the drafts.
+    return Speculator(spec, runner.batch, draft, share=None if tp is None else tp.broadcast_tokens)
 
 
 def make_attention_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:

@@ -17,7 +17,7 @@ import torch
 from stages.gpu_runner.backend import AttentionBackend
 from stages.gpu_runner.input_batch import InputBatch, TableWrites
 from stages.contracts.plan import StepPlan
-from stages.gpu_runner.step_layout import step_layout, token_slots
+from stages.gpu_runner.step_layout import concat_ranges, step_layout, token_slots
 
 
 @dataclass(slots=True)
@@ -113,10 +113,9 @@ def build_step_inputs(plan: StepPlan, batch: InputBatch, writes: TableWrites, de
     width = batch.max_model_len
     layout = step_layout(plan)
     rows, scheduled, cu, context = layout.rows, layout.scheduled, layout.query_start, layout.context
-    num_tokens = int(cu[-1])
 
     token_rows = np.repeat(rows, scheduled)
-    positions = np.repeat(layout.computed - cu[:-1], scheduled) + np.arange(num_tokens, dtype=np.int64)
+    positions = concat_ranges(layout.computed, scheduled)
     slots = token_slots(batch.block_table_host, batch.block_size, token_rows, positions)
     windowed = batch.window_block_table is not None
     window_slots = token_slots(batch.window_block_table_host, batch.block_size, token_rows, positions) \
@@ -161,7 +160,6 @@ def build_speculative_inputs(plan: StepPlan, batch: InputBatch, writes: TableWri
     width, bs = batch.max_model_len, batch.block_size
     layout = step_layout(plan)
     rows, scheduled, cu, context = layout.rows, layout.scheduled, layout.query_start, layout.context
-    num_tokens = int(cu[-1])
     n = len(rows)
     drafts = layout.drafts
     verify = drafts > 0
@@ -172,10 +170,9 @@ def build_speculative_inputs(plan: StepPlan, batch: InputBatch, writes: TableWri
                          f"after its last token and sample")
 
     token_layout_index = np.repeat(np.arange(n), scheduled)
-    positions = np.repeat(layout.computed - cu[:-1], scheduled) + np.arange(num_tokens, dtype=np.int64)
+    positions = concat_ranges(layout.computed, scheduled)
     counts = np.where(sample, 1 + drafts, 0)
-    logits_index = np.repeat(cu[1:] - counts, counts) + np.arange(int(counts.sum())) \
-        - np.repeat(np.cumsum(counts) - counts, counts)
+    logits_index = concat_ranges(cu[1:] - counts, counts)
     entry_layout_index = np.repeat(np.arange(n), counts)
     plain = sample & ~verify
     plain_entries = np.flatnonzero(plain[entry_layout_index])

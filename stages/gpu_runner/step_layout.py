@@ -33,6 +33,13 @@ def step_layout(plan: StepPlan) -> StepLayout:
                       scheduled=scheduled, query_start=np.concatenate(([0], np.cumsum(scheduled))), drafts=drafts)
 
 
+def concat_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """int64: range(starts[i], starts[i] + counts[i]) for each i, one after another."""
+    counts = np.asarray(counts, np.int64)
+    return np.repeat(np.asarray(starts, np.int64) - (np.cumsum(counts) - counts), counts) \
+        + np.arange(int(counts.sum()), dtype=np.int64)
+
+
 def token_slots(block_table_host: np.ndarray, block_size: int, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """int64 KV slots of (row, position) pairs, from a host mirror of a block table."""
     bs = block_size

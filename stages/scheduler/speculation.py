@@ -23,12 +23,10 @@ repetitive.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from stages.contracts.params import SamplingParams
-from stages.contracts.speculative import SpeculativeConfig
+from stages.contracts.speculative import SpeculativeConfig, SpeculativeCounts
 
 MAX_COOLDOWN = 127  # decode steps a row skips after its drafts did not pay several times in a row
 # c0 / c1 above: how many tokens a decode step computes for about the price of reading the weights.
@@ -36,22 +34,6 @@ MAX_COOLDOWN = 127  # decode steps a row skips after its drafts did not pay seve
 # but tools/bench_spec.py finds rows of 4 streams accepting 1.2-1.6 of 4 drafts losing: 6.
 FREE_TOKENS = 6.0
 MEAN_WEIGHT = 0.3  # of the latest verification in a row's running mean: one lucky run does not reset it
-
-
-@dataclass(slots=True)
-class SpeculationCounters:
-    num_draft_tokens: int = 0  # drafts verified
-    num_accepted_tokens: int = 0  # of those, accepted
-    num_verifications: int = 0  # (row, step) pairs that verified drafts
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a verifying row gets per step: its accepted drafts plus one."""
-        return 1.0 + self.num_accepted_tokens / self.num_verifications if self.num_verifications else 0.0
 
 
 def allows_speculation(params: SamplingParams) -> bool:
@@ -72,7 +54,7 @@ class Speculation:
         self.misses = np.zeros(max_num_seqs, np.int64)  # verifications in a row below the bar
         self.cooldown = np.zeros(max_num_seqs, np.int64)  # decode steps to go without drafts
         self.bar = 0.0  # accepted drafts a verification needs to pay, at the last step's batch
-        self.counters = SpeculationCounters()
+        self.counters = SpeculativeCounts()
 
     def assign(self, row: int, params: SamplingParams) -> None:
         self.allowed[row] = allows_speculation(params)

@@ -20,7 +20,7 @@ from stages.gpu_runner.input_batch import InputBatch
 from stages.gpu_runner.sampler import Sampler, SamplerOutput, SamplingMetadata, _logprobs
 from stages.gpu_runner.speculative.ngram import NgramProposer
 from stages.gpu_runner.speculative.rejection import verify
-from stages.gpu_runner.step_inputs import SpecInputs, StepInputs
+from stages.gpu_runner.step_inputs import SpecInputs, StepInputs, to_device
 
 
 class Speculator:
@@ -70,7 +70,7 @@ class Speculator:
         num_entries = len(spec.plain_entries) + len(spec.verify_entries)
         device = batch.device
         tokens = torch.empty(num_entries, dtype=torch.int32, device=device)
-        plain_index, verify_index = _index(spec.plain_entries, device), _index(spec.verify_entries, device)
+        plain_index, verify_index = to_device(spec.plain_entries, device), to_device(spec.verify_entries, device)
         if logits is not None:
             if len(spec.plain_entries):
                 tokens.index_copy_(0, plain_index, sample_plain(logits[plain_index]).token_ids)
@@ -100,7 +100,7 @@ class Speculator:
         rows = np.repeat(spec.verify_rows, k + 1)
         num_tokens = np.repeat(spec.verify_planned_start, k + 1) + 1 + np.tile(np.arange(k + 1), d)
         meta = SamplingMetadata.for_rows(batch, rows, num_tokens, eos_token_ids)
-        planned = _index(np.repeat(spec.verify_planned_start, k + 1), logits.device)
+        planned = to_device(np.repeat(spec.verify_planned_start, k + 1), logits.device)
         shift_meta(meta, planned - torch.repeat_interleave(spec.verify_start, k + 1))
         return verify(logits, self._drafts, meta, sampler)[0]
 
@@ -128,8 +128,3 @@ def _entry_rows(inputs: StepInputs) -> np.ndarray:
     rows[spec.plain_entries] = inputs.sampled_rows
     rows[spec.verify_entries] = np.repeat(spec.verify_rows, spec.num_drafts + 1)
     return rows
-
-
-def _index(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(np.ascontiguousarray(array, np.int64))
-    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
