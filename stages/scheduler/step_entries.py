@@ -64,8 +64,8 @@ def speculative_entries(rows_t: RowTable, spec: Speculation, plan: StepPlan, out
     stop = stop_of(entry_rows, token_ids) & (num_outputs >= rows_t.min_tokens[entry_rows])
     length = (num_outputs >= rows_t.max_tokens[entry_rows]) | (position + 1 >= max_model_len)
     ends = (stop | length) & valid
-    ends_before = np.cumsum(ends) - ends
-    ends_before -= (np.cumsum(ends) - ends)[starts][group]  # within the row's own entries
+    ends_before = np.cumsum(ends) - ends  # over the whole step, then within each row's own entries
+    ends_before -= ends_before[starts][group]
     keep = valid & (ends_before == 0)
     index = np.flatnonzero(keep)
     kept_rows, kept_position, kept_tokens = entry_rows[index], position[index], token_ids[index]
