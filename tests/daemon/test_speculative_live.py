@@ -17,7 +17,6 @@ from pipeline import LLM, SamplingParams
 from pipeline.client import AsyncClient, Client, Completion
 from pipeline.models.tiny_model import make_tiny_model
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPTS = [f"{i}: one two three, one two three, one two three, one two" for i in range(6)]
 TOKENS = 160
 
@@ -31,8 +30,12 @@ def test_speculating_streams_equal_the_offline_engine_across_a_runner_kill(
     params[-1] = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, speculative=False)
     llm = LLM(model, device=engine_device(), max_model_len=2048, num_kv_blocks=512, block_size=16)
     expected = llm.generate(PROMPTS, params)
+    # The draft is the target itself: every draft is accepted whatever the batch's timing, so the
+    # streams are mid-speculation when the runner dies and the acceptance check cannot depend on when
+    # a row's back-off ends (an n-gram row's drafts on this random model sometimes never pay).
+    oracle = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
     directory = short_dir()
-    daemon = start_daemon(model, directory, ["--speculative-config", json.dumps(NGRAM), "--stall-seconds", "1"])
+    daemon = start_daemon(model, directory, ["--speculative-config", json.dumps(oracle), "--stall-seconds", "1"])
     try:
         socket_path = daemon.socket_path
         with Client(socket_path) as client:  # unbroken first
@@ -46,7 +49,7 @@ def test_speculating_streams_equal_the_offline_engine_across_a_runner_kill(
         with Client(socket_path) as client:  # drafting was on after the restart too
             stats = client.stats()
         assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
-        assert 0 < stats.speculative.draft_acceptance_rate <= 1
+        assert stats.speculative.draft_acceptance_rate == 1.0, stats.speculative
     finally:
         daemon.stop()
         shutil.rmtree(directory.parent, ignore_errors=True)
