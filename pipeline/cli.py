@@ -131,6 +131,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "auto picks triton on CUDA, torch on CPU")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="never capture CUDA graphs: decode steps run eagerly on CUDA too")
+    parser.add_argument("--cpu-placement", choices=["auto", "split", "shared"], default="auto",
+                        help="model on the CPU: split (the runner on all cores but one, the other stages on that one), "
+                             "shared (the runner on every core, the others anywhere); auto splits from 8 cores on")
     add_rank_options(parser)  # `start` is the head: its --node-rank stays 0
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, with vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 3, '
@@ -193,7 +196,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, num_tokenizers=args.num_tokenizers,
             async_scheduling=not args.no_async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
             kv_connector=args.kv_connector, attention_backend=args.attention_backend,
-            enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+            enforce_eager=args.enforce_eager, cpu_placement=args.cpu_placement,
+            tensor_parallel_size=args.tensor_parallel_size,
             nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
             master_port=args.master_port, speculative_config=speculative)
     except ValueError as exc:

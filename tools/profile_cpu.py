@@ -1,4 +1,4 @@
-"""The top operators of a CPU decode step: torch.profiler over the offline engine's decode-only steps.
+"""The top operators of a CPU decode (or prefill) step: torch.profiler over the offline engine's steps.
 
 Usage: python tools/profile_cpu.py [--model FILE.gguf|DIR] [--dtype bfloat16] [--batch 32]
        [--input-len 128] [--output-len 64] [--threads N] [--top 15] [--json]
@@ -29,11 +29,13 @@ from stages.contracts.params import SamplingParams  # noqa: E402
 from stages.gpu_runner.static_decode import is_decode_only  # noqa: E402
 
 
-class DecodeProfiler:
-    """Wraps a runner's execute: decode-only steps run under torch.profiler, one capture each."""
+class StepProfiler:
+    """Wraps a runner's execute: decode-only steps (or, with `prefill`, the others) run under
+    torch.profiler, one capture each."""
 
-    def __init__(self, runner: object) -> None:
+    def __init__(self, runner: object, prefill: bool = False) -> None:
         self.runner = runner
+        self.prefill = prefill
         self.execute = runner.execute
         self.self_us: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
@@ -41,7 +43,7 @@ class DecodeProfiler:
         self.enabled = False
 
     def __call__(self, plan: object) -> object:
-        if not (self.enabled and is_decode_only(plan)):
+        if not self.enabled or is_decode_only(plan) == self.prefill:
             return self.execute(plan)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             start = time.perf_counter()
@@ -69,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--prefill", action="store_true", help="profile the steps with prompt tokens instead")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.threads is not None:
@@ -79,17 +82,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = [rng.integers(100, llm.vocab_size - 100, args.input_len).tolist() for _ in range(args.batch)]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))  # warm-up
-    profiler = DecodeProfiler(llm.runner)
+    profiler = StepProfiler(llm.runner, args.prefill)
     llm.runner.execute = profiler
     profiler.enabled = True
     llm.generate(prompts, params)
     rows = profiler.top(args.top)
     step_ms = 1e3 * float(np.median(profiler.step_s))
     if args.json:
-        print(json.dumps({"dtype": args.dtype, "batch": args.batch, "threads": torch.get_num_threads(),
+        print(json.dumps({"steps_profiled": "prefill" if args.prefill else "decode", "dtype": args.dtype, "batch": args.batch, "threads": torch.get_num_threads(),
                           "steps": len(profiler.step_s), "step_ms_p50": step_ms, "ops": rows}))
         return 0
-    print(f"{len(profiler.step_s)} decode steps, batch {args.batch}, {args.dtype}, {torch.get_num_threads()} threads: "
+    kind = "prefill" if args.prefill else "decode"
+    print(f"{len(profiler.step_s)} {kind} steps, batch {args.batch}, {args.dtype}, {torch.get_num_threads()} threads: "
           f"{step_ms:.1f} ms per step (median, under the profiler)")
     print(f"{'operator':<56} {'share':>6} {'calls/step':>10} {'us/call':>9}")
     for row in rows:

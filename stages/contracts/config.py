@@ -16,6 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CONNECTORS = ("offload",)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
+CPU_PLACEMENTS = ("auto", "split", "shared")  # stages/process.py stage_cores
 TOKENIZER_FILE = "tokenizer.json"
 MIN_MAILBOX_SLOTS = 3  # two steps in flight (async) plus the one being written
 MAX_TOKENIZERS = 32
@@ -56,6 +57,10 @@ class EngineConfig:
     mailbox_slots: int = 8  # token mailbox slots: more than the steps that can be in flight
     attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA, torch on CPU)
     enforce_eager: bool = False  # never capture CUDA graphs; decode runs eagerly on CUDA too
+    # Where stages run when the model runs on the CPU (stages/process.py stage_cores): split (the
+    # runner on all cores but one, the other stages on that one), shared (the runner on every core,
+    # the others wherever the OS puts them), auto (split from SPLIT_MIN_CORES cores on).
+    cpu_placement: str = "auto"
     start_timeout_s: float = 300.0  # how long the stages may take to load the model and get ready
     # Tensor parallelism: runner ranks of one torch.distributed group (gloo on CPU, NCCL on CUDA),
     # spread over `nnodes` machines; this one is `node_rank` (0: the head, which runs the daemon).
@@ -77,6 +82,7 @@ class EngineConfig:
         _check_choice("device", self.device, DEVICES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("cpu_placement", self.cpu_placement, CPU_PLACEMENTS)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_tokenizers", "mailbox_slots",
                      "tensor_parallel_size", "nnodes"):
             check_positive(name, getattr(self, name))

@@ -11,7 +11,9 @@ query token (decodes, and one-token prefill chunks) are attended together in one
 their keys padded to the longest context among them and masked (one fused SDPA call, GQA
 without repeating keys); longer prefill chunks are
 attended row by row, each against its own cached prefix plus itself, causally. Everything here
-is sized from host-known numbers, so nothing waits on the device.
+is sized from host-known numbers, so nothing waits on the device. On the CPU, decode and verify
+rows go to the compiled kernel of cpu_kernels/attention.c instead, which reads each row's keys in
+place by slot and skips the masked ones (no gathered copy, no padding), where it is built.
 
 Sliding-window layers read the metadata's variant for their window, built on the step's first
 layer with that window and kept for the others: decode rows gather only the blocks that can
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from stages.gpu_runner import cpu_kernels
 from stages.gpu_runner.backend import check_window, window_blocks
 from stages.gpu_runner.step_layout import StepLayout, concat_ranges
 from stages.gpu_runner.layers.norm import RMSNorm, rms_norm
@@ -127,8 +130,18 @@ def _gather(flat_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor
             flat_cache[1].index_select(0, flat_slots).view(shape))
 
 
+def _native(query: torch.Tensor) -> bool:
+    """Whether the compiled CPU kernel (cpu_kernels) attends these queries."""
+    return (query.device.type == "cpu" and cpu_kernels.supports(query.dtype, query.shape[-1])
+            and cpu_kernels.library() is not None)
+
+
 def _decode_attention(query: torch.Tensor, flat_cache: torch.Tensor, batch: DecodeBatch, scale: float) -> torch.Tensor:
     """query [d, num_heads, head_dim] -> [d, num_heads, head_dim]."""
+    if _native(query):
+        d, num_keys = batch.key_slots.shape
+        return cpu_kernels.paged_attention(query.unsqueeze(1), flat_cache, batch.key_slots,
+                                           batch.mask.view(d, 1, num_keys), scale).squeeze(1)
     keys, values = _gather(flat_cache, batch.key_slots)  # [d, ctx, kv_heads, head_dim]
     if query.device.type == "cpu" and keys.shape[2] <= MAX_SPREAD_KV_HEADS:
         return _spread_decode_attention(query, keys, values, batch.mask, scale)
@@ -174,6 +187,9 @@ def _prefill_attention(query: torch.Tensor, flat_cache: torch.Tensor, chunk: Pre
 def _verify_attention(query: torch.Tensor, flat_cache: torch.Tensor, batch: VerifyBatch, scale: float) -> torch.Tensor:
     """query [d * q, num_heads, head_dim] of the verifying rows -> the same shape."""
     d, q = batch.rows.shape[0], batch.num_queries
+    if _native(query):
+        return cpu_kernels.paged_attention(query.view(d, q, *query.shape[1:]), flat_cache, batch.key_slots,
+                                           batch.mask.view(d, q, -1), scale).view(query.shape)
     keys, values = _gather(flat_cache, batch.key_slots)  # [d, ctx, kv_heads, head_dim]
     out = F.scaled_dot_product_attention(
         query.view(d, q, *query.shape[1:]).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
@@ -367,6 +383,8 @@ class TorchBackend:
     def rotary(self, query: torch.Tensor, key: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope
+        if cpu_kernels.elementwise_ready(query, key, cos, sin):
+            return cpu_kernels.rotary(query, cos, sin), cpu_kernels.rotary(key, cos, sin)
         return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
 
     def qk_norm_rotary(self, query: torch.Tensor, key: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
@@ -374,9 +392,13 @@ class TorchBackend:
         return self.rotary(self.rms_norm(query, q_norm), self.rms_norm(key, k_norm), rope)
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        if cpu_kernels.elementwise_ready(x, norm.weight):
+            return cpu_kernels.rms_norm(x, norm.weight, norm.eps, norm.unit_offset)[0]
         return rms_norm(x, norm.weight, norm.eps, norm.unit_offset)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        if cpu_kernels.elementwise_ready(x, residual, norm.weight):
+            return cpu_kernels.rms_norm(x, norm.weight, norm.eps, norm.unit_offset, residual)
         residual = x + residual
         return self.rms_norm(residual, norm), residual
 

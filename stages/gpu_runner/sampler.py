@@ -8,6 +8,9 @@ Seeded rows draw their noise from a counter-based hash of (seed, output_pos, voc
 seeded request gets the same tokens whatever else is in its batch, however its prompt was
 chunked, and in async as in sync mode. Sampling is an exponential race: token =
 argmax(probs / E) with E ~ Exp(1) per vocab entry, which picks token i with probability probs[i].
+On the CPU, unseeded rows invert their cumulative distribution instead (one uniform per row,
+fused with temperature and softmax where the compiled kernels are built: cpu_kernels): the same
+distribution, without a vocabulary of exponentials drawn one at a time.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import numpy as np
 import torch
 
 from stages.contracts.params import SamplingParams
+from stages.gpu_runner import cpu_kernels
 from stages.gpu_runner.input_batch import InputBatch, SamplingColumns
 from stages.gpu_runner.step_inputs import to_device
 
@@ -234,11 +238,32 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs, logprob_token_ids)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        if logits.device.type == "cpu" and cpu_kernels.library() is not None:
+            return self._sample_on_cpu(logits, meta)
         return self.race(sampling_probs(logits, meta), meta)
+
+    def _sample_on_cpu(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """`_sample` with the compiled CPU sampler: unseeded rows draw from their filtered logits
+        in one fused pass (temperature, softmax and the draw together, at one uniform each);
+        seeded rows race with their own noise."""
+        temperature = meta.temperature
+        if meta.any_min_p or meta.any_top_p or meta.any_top_k:
+            logits, temperature = sampling_logits(logits, meta), torch.ones_like(temperature)
+        if meta.num_seeded < meta.num_rows:
+            points = torch.rand(meta.num_rows, generator=self.generator, dtype=torch.float64)
+            tokens = cpu_kernels.sample_logits(logits, temperature, points)
+        else:
+            tokens = torch.empty(meta.num_rows, dtype=torch.int64)
+        if meta.num_seeded:
+            rows = logits.index_select(0, meta.seeded_rows).div_(temperature[meta.seeded_rows].unsqueeze(1))
+            tokens.index_copy_(0, meta.seeded_rows, self._seeded_race(rows.softmax(dim=-1), meta))
+        return tokens
 
     def race(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """One token per row, drawn with probability proportional to `probs` [n, vocab] (which need
         not sum to 1): a seeded row's noise depends only on its seed and output position."""
+        if probs.device.type == "cpu":
+            return self._invert(probs, meta)
         noise = torch.empty_like(probs)
         if meta.num_seeded < meta.num_rows:
             noise.exponential_(generator=self.generator)
@@ -248,6 +273,28 @@ class Sampler:
         # exponential_ may return exactly 0; 0/0 would be NaN, which argmax would pick.
         noise.clamp_min_(torch.finfo(torch.float32).tiny)
         return probs.div_(noise).argmax(dim=-1)
+
+    def _invert(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """`race` on the CPU, where a vocabulary of exponentials costs more than the forward's
+        attention (torch draws them one by one): unseeded rows invert their cumulative
+        distribution (float64) at one uniform each; seeded rows race with their own noise."""
+        if meta.num_seeded < meta.num_rows:
+            cumulative = probs.cumsum(dim=-1, dtype=torch.float64)
+            point = torch.rand(meta.num_rows, 1, generator=self.generator, dtype=torch.float64)
+            # right=True: the first token whose cumulative sum exceeds the point, never one of probability 0
+            tokens = torch.searchsorted(cumulative, point.mul_(cumulative[:, -1:]), right=True).squeeze(1)
+            tokens.clamp_max_(probs.shape[1] - 1)
+        else:
+            tokens = torch.empty(meta.num_rows, dtype=torch.int64)
+        if meta.num_seeded:
+            tokens.index_copy_(0, meta.seeded_rows, self._seeded_race(probs.index_select(0, meta.seeded_rows), meta))
+        return tokens
+
+    @staticmethod
+    def _seeded_race(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The race of the seeded rows alone (`probs` [num_seeded, vocab], in meta.seeded_rows' order)."""
+        noise = _seeded_exponential(meta.seeds, meta.seeded_output_pos, probs.shape[1], probs.device)
+        return probs.div_(noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
 
     def uniform(self, meta: SamplingMetadata) -> torch.Tensor:
         """float32 [n] in (0, 1), one per row; a seeded row's depends only on its seed and output
@@ -261,6 +308,12 @@ class Sampler:
 def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """The distribution each row samples from: temperature, then min-p, top-k and top-p, then
     softmax. `logits` (float32, penalties applied) is overwritten."""
+    return sampling_logits(logits, meta).softmax(dim=-1)
+
+
+def sampling_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """`sampling_probs` before its softmax: the logits divided by the temperature, -inf where
+    min-p, top-k or top-p drop a token. `logits` is overwritten."""
     logits = logits.div_(meta.temperature.unsqueeze(1))
     if meta.any_min_p:
         probs = logits.softmax(dim=-1)
@@ -270,7 +323,7 @@ def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         logits = _top_k_top_p_sorted(logits, meta)
     elif meta.any_top_k:
         logits = _top_k(logits, meta)
-    return logits.softmax(dim=-1)
+    return logits
 
 
 def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -42,7 +42,7 @@ def serve(ctx: StageContext) -> None:
 def serve_rank(ctx: StageContext, tp: TensorParallel | None) -> None:
     config = ctx.config
     if stage_cores(ctx.name, config, list(range(os.cpu_count() or 1))) is not None:
-        # The cores run_stage left this process (all but one): one forward thread on each.
+        # The cores run_stage left this process: one forward thread on each.
         torch.set_num_threads(len(os.sched_getaffinity(0)))
     runner = build_runner(config, tp)
     if tp is not None and not tp.is_driver:

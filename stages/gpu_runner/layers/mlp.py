@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stages.gpu_runner import cpu_kernels
 from stages.gpu_runner.layers.linear import MergedColumnLinear, RowLinear
 from stages.gpu_runner.model_config import ModelConfig
 from stages.gpu_runner.parallel import TensorParallel
@@ -22,9 +23,12 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedColumnLinear(shard.hidden_size, [inter, inter], bias=shard.mlp_bias)
         self.down_proj = RowLinear(inter, shard.hidden_size, bias=shard.mlp_bias, tp=tp)
         self.act = _ACTIVATIONS[shard.hidden_act]
+        self.swiglu = shard.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
+        if self.swiglu and cpu_kernels.elementwise_ready(gate, up):
+            return self.down_proj(cpu_kernels.silu_and_mul(gate, up))
         return self.down_proj(self.act(gate) * up)
 
     @staticmethod
