@@ -12,13 +12,14 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from stages.contracts.config import EngineConfig
+from stages.contracts.config import CPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pipeline.client import Client
 from pipeline.serve.config import DaemonConfig
 from pipeline.serve.model import DEFAULT_MODEL_NAME
 from pipeline.errors import DaemonNotRunning, PipelineError
 from pipeline.paths import default_socket_path
 from stages.contracts.params import InvalidParams
+from stages.process import model_on_cpu
 
 API_KEY_ENV = "PIPELINE_API_KEY"
 DETACH_READY_TIMEOUT_S = 300.0  # building the default model and spawning the stages
@@ -119,7 +120,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-num-seqs", type=positive_int, default=256)
     parser.add_argument("--max-model-len", type=positive_int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                        help="tokens computed per step, all rows together (default: 8192; 2048 for a model on the CPU)")
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--num-kv-blocks", type=positive_int, default=None)
     parser.add_argument("--num-tokenizers", type=positive_int, default=1)
@@ -189,10 +191,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the options ask for; without --model, the default model."""
     model = _resolved_model(args.model)
     speculative = _speculative_config(args.speculative_config)
+    step_tokens = args.max_num_batched_tokens
+    if step_tokens is None:
+        step_tokens = CPU_MAX_NUM_BATCHED_TOKENS if model_on_cpu(args.device) else EngineConfig().max_num_batched_tokens
     try:
         return EngineConfig(
             model=model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, max_num_batched_tokens=step_tokens,
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, num_tokenizers=args.num_tokenizers,
             async_scheduling=not args.no_async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
             kv_connector=args.kv_connector, attention_backend=args.attention_backend,

@@ -263,13 +263,17 @@ def stage_cores(name: str, config: EngineConfig, cores: list[int]) -> list[int] 
     detokenizer wakeup stalls the step); shared, the runner all of them and the others anywhere
     (None). None (stay where started) on a GPU, under tensor parallelism (each rank sets its own
     threads), or with a single core."""
-    on_cpu = config.device == "cpu" or (config.device == "auto" and not _cuda_driver_present())
-    if not on_cpu or len(cores) < 2 or config.tensor_parallel_size > 1 or config.simulated_device_ms is not None:
+    if not model_on_cpu(config.device) or len(cores) < 2 or config.tensor_parallel_size > 1 or config.simulated_device_ms is not None:
         return None
     split = config.cpu_placement == "split" or (config.cpu_placement == "auto" and len(cores) >= SPLIT_MIN_CORES)
     if not split:
         return cores if name == "runner" else None
     return cores[:-1] if name == "runner" else cores[-1:]
+
+
+def model_on_cpu(device: str) -> bool:
+    """Whether EngineConfig.device `device` puts the model on the CPU ("auto": no CUDA driver)."""
+    return device == "cpu" or (device == "auto" and not _cuda_driver_present())
 
 
 def _cuda_driver_present() -> bool:

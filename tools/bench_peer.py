@@ -1,7 +1,7 @@
 """Side by side with vLLM's CPU build: the same checkpoint served by each, driven by vLLM's own load generator.
 
 Usage: python tools/bench_peer.py --vllm-venv V [--model FILE.gguf] [--dtype float32 bfloat16]
-       [--concurrency 32 64] [--num-prompts 64] [--pipeline-only] [--json]
+       [--concurrency 32 64] [--num-prompts 64] [--pipeline-only] [--pipeline-option ARG ...] [--json]
 
 For each dtype it serves the model with `pipeline start --port` and then with `V/bin/vllm serve`
 (one server at a time), runs `V/bin/vllm bench serve --dataset-name random --random-input-len 128
@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[32, 64])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--pipeline-only", action="store_true", help="skip vLLM's server")
+    parser.add_argument("--pipeline-option", action="append", default=[], metavar="ARG",
+                        help="one more argument of `pipeline start` (repeat for more), e.g. --pipeline-option="
+                             "--cpu-placement=split")
     parser.add_argument("--result-dir", type=Path, default=None, help="keep the runs' logs and JSON here")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
@@ -232,8 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 measured["vllm"] = measure("vllm", vllm_command(args.vllm_venv, checkpoint, dtype, port), vllm_env(),
                                            port, args, checkpoint, dtype, result_dir)
             port = free_port()
-            measured["pipeline"] = measure("pipeline", pipeline_command(model, dtype, port, run_dir), dict(os.environ),
-                                           port, args, checkpoint, dtype, result_dir)
+            command = pipeline_command(model, dtype, port, run_dir) + args.pipeline_option
+            measured["pipeline"] = measure("pipeline", command, dict(os.environ), port, args, checkpoint, dtype,
+                                           result_dir)
             for concurrency in args.concurrency:
                 rows.append({"dtype": dtype, "concurrency": concurrency,
                              **{engine: runs[concurrency] for engine, runs in measured.items()}})

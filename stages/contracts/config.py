@@ -17,6 +17,11 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CONNECTORS = ("offload",)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
 CPU_PLACEMENTS = ("auto", "split", "shared")  # stages/process.py stage_cores
+# `pipeline start`'s step token budget for a model on the CPU: there a step of 8192 prompt tokens
+# holds every stream's first token back while it runs, and 2048 fill the cores as well
+# (tools/bench_peer.py: the 20M Llama at 64 streams, TTFT p50 1.2 s against 2.0 s, tok/s 1416
+# against 1316; SmolLM2 bfloat16 at 32 streams, TTFT p50 1.6 s against 2.4 s, tok/s 426 against 425).
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
 TOKENIZER_FILE = "tokenizer.json"
 MIN_MAILBOX_SLOTS = 3  # two steps in flight (async) plus the one being written
 MAX_TOKENIZERS = 32
@@ -45,6 +50,7 @@ class EngineConfig:
     max_num_seqs: int = 256  # batch rows: requests holding KV at once
     max_model_len: int | None = None  # prompt + outputs of one request; None: the model's, bounded by the KV pool
     max_num_batched_tokens: int = 8192  # tokens computed per step, all rows together
+    # (`pipeline start` takes CPU_MAX_NUM_BATCHED_TOKENS for a model on the CPU unless told)
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: as many as kv_cache_memory_bytes holds
     kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, most of the free memory on CUDA

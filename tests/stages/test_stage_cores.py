@@ -1,7 +1,7 @@
-"""Where each stage runs when the model runs on the CPU: split (the runner on all cores but one,
+"""A model on the CPU, where each stage runs: split (the runner on all cores but one,
 the other stages on that one) or shared (the runner on every core, the others anywhere), auto
 splitting from SPLIT_MIN_CORES cores on; left alone on a GPU, under tensor parallelism and on one
-core."""
+core. And `pipeline start`'s step token budget there."""
 from __future__ import annotations
 
 import pytest
@@ -44,3 +44,18 @@ def test_placement_is_left_alone_where_it_cannot_help() -> None:
     assert stage_cores("runner", EngineConfig(model="m", device="cpu"), [5]) is None
     assert stage_cores("runner", EngineConfig(model="m", device="cuda"), [0, 1]) is None
     assert stage_cores("runner", EngineConfig(model="m", device="cpu", tensor_parallel_size=2), [0, 1]) is None
+
+
+def test_pipeline_start_takes_a_smaller_step_token_budget_for_a_model_on_the_cpu(tmp_path) -> None:
+    from pipeline.cli import build_parser, engine_config
+    from pipeline.models.tiny_model import make_tiny_model
+    from stages.contracts.config import CPU_MAX_NUM_BATCHED_TOKENS
+
+    model = str(make_tiny_model(tmp_path / "tiny", "llama", seed=0))
+
+    def budget(*options: str) -> int:
+        return engine_config(build_parser().parse_args(["start", "--model", model, *options])).max_num_batched_tokens
+
+    assert budget("--device", "cpu") == CPU_MAX_NUM_BATCHED_TOKENS
+    assert budget("--device", "cuda") == EngineConfig().max_num_batched_tokens
+    assert budget("--device", "cpu", "--max-num-batched-tokens", "4096") == 4096
