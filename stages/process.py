@@ -263,7 +263,8 @@ def stage_cores(name: str, config: EngineConfig, cores: list[int]) -> list[int] 
     detokenizer wakeup stalls the step); shared, the runner all of them and the others anywhere
     (None). None (stay where started) on a GPU, under tensor parallelism (each rank sets its own
     threads), or with a single core."""
-    if not model_on_cpu(config.device) or len(cores) < 2 or config.tensor_parallel_size > 1 or config.simulated_device_ms is not None:
+    if (not model_on_cpu(config.device) or len(cores) < 2 or config.tensor_parallel_size > 1
+            or config.simulated_device_ms is not None):
         return None
     split = config.cpu_placement == "split" or (config.cpu_placement == "auto" and len(cores) >= SPLIT_MIN_CORES)
     if not split:

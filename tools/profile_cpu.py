@@ -88,11 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     llm.generate(prompts, params)
     rows = profiler.top(args.top)
     step_ms = 1e3 * float(np.median(profiler.step_s))
-    if args.json:
-        print(json.dumps({"steps_profiled": "prefill" if args.prefill else "decode", "dtype": args.dtype, "batch": args.batch, "threads": torch.get_num_threads(),
-                          "steps": len(profiler.step_s), "step_ms_p50": step_ms, "ops": rows}))
-        return 0
     kind = "prefill" if args.prefill else "decode"
+    if args.json:
+        print(json.dumps({"steps_profiled": kind, "dtype": args.dtype, "batch": args.batch,
+                          "threads": torch.get_num_threads(), "steps": len(profiler.step_s), "step_ms_p50": step_ms,
+                          "ops": rows}))
+        return 0
     print(f"{len(profiler.step_s)} {kind} steps, batch {args.batch}, {args.dtype}, {torch.get_num_threads()} threads: "
           f"{step_ms:.1f} ms per step (median, under the profiler)")
     print(f"{'operator':<56} {'share':>6} {'calls/step':>10} {'us/call':>9}")

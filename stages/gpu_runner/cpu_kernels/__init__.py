@@ -1,5 +1,6 @@
-"""Native CPU kernels (attention.c, sample.c, elementwise.c): C sources beside this file, compiled on first use with the machine's C
-compiler for the machine's own CPU (-march=native), cached, and called through ctypes.
+"""Native CPU kernels (attention.c, sample.c, elementwise.c): C sources beside this file, compiled
+on first use with the machine's C compiler for the machine's own CPU (-march=native), cached, and
+called through ctypes; a wrapper called where they are not built raises RuntimeError.
 
 Where no compiler is found, the build fails, or PIPELINE_CPU_KERNELS=0, `library()` is None and
 callers keep their plain-torch path. The cache is PIPELINE_KERNEL_CACHE, else
@@ -72,16 +73,25 @@ def library() -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("CPU kernels not built (%s): CPU attention and sampling stay in plain torch", detail)
         return None
-    lib.paged_attention.restype = None
-    lib.paged_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
-    lib.sample_logits.restype = None
-    lib.sample_logits.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.rms_norm.restype = lib.silu_and_mul.restype = lib.rotary.restype = None
-    lib.rms_norm.argtypes = [pointer, size, pointer, pointer, pointer, pointer, size, size, ctypes.c_float,
-                             ctypes.c_int, ctypes.c_int]
-    lib.silu_and_mul.argtypes = [pointer, pointer, size, pointer, size, size, ctypes.c_int]
-    lib.rotary.argtypes = [pointer, size, pointer, pointer, pointer, size, size, size, ctypes.c_int]
+    pointer, size, real, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "paged_attention": [pointer] * 6 + [size] * 6 + [real, flag],
+        "sample_logits": [pointer] * 4 + [size] * 2,
+        "rms_norm": [pointer, size, pointer, pointer, pointer, pointer, size, size, real, flag, flag],
+        "silu_and_mul": [pointer, pointer, size, pointer, size, size, flag],
+        "rotary": [pointer, size, pointer, pointer, pointer, size, size, size, flag],
+    }
+    for name, argtypes in signatures.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = None, argtypes
+    return lib
+
+
+def _built(caller: str) -> ctypes.CDLL:
+    """`library()`, for a kernel's wrapper: a RuntimeError naming `caller` where it is not built."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"{caller}: the CPU kernels are not built (see cpu_kernels.library)")
     return lib
 
 
@@ -97,11 +107,8 @@ def paged_attention(query: torch.Tensor, flat_cache: torch.Tensor, slots: torch.
                     scale: float) -> torch.Tensor:
     """query [rows, queries, heads, head_dim] over keys read in place: flat_cache
     [2, num_slots, kv_heads, head_dim] (keys, values), slots int64 [rows, num_keys], mask bool
-    [rows, queries, num_keys] -> out like query. CPU tensors of one SUPPORTED dtype; `library()`
-    must not be None."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("paged_attention: the CPU kernels are not built (see cpu_kernels.library)")
+    [rows, queries, num_keys] -> out like query. CPU tensors of one SUPPORTED dtype.""" 
+    lib = _built("paged_attention")
     rows, queries, heads, head_dim = query.shape
     kv_heads = flat_cache.shape[2]
     if flat_cache.dtype != query.dtype or not supports(query.dtype, head_dim) or heads % kv_heads:
@@ -121,10 +128,8 @@ def paged_attention(query: torch.Tensor, flat_cache: torch.Tensor, slots: torch.
 def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
     """One token per row of float32 `logits` [rows, vocab], drawn with probability
     softmax(logits / temperature) by inverting the cumulative distribution at `points` (float64
-    [rows], in [0, 1)); -inf logits are never drawn. int64 [rows]. `library()` must not be None."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("sample_logits: the CPU kernels are not built (see cpu_kernels.library)")
+    [rows], in [0, 1)); -inf logits are never drawn. int64 [rows]."""
+    lib = _built("sample_logits")
     if logits.dim() != 2 or logits.dtype != torch.float32 or points.dtype != torch.float64:
         raise ValueError(f"sample_logits: float32 [rows, vocab] logits and float64 points, not {logits.dtype} "
                          f"{tuple(logits.shape)} and {points.dtype}")
@@ -158,10 +163,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     out = torch.empty(x.shape, dtype=x.dtype)
     residual_in = None if residual is None else residual.contiguous()
     residual_out = None if residual is None else torch.empty_like(out)
-    library().rms_norm(rows.data_ptr(), rows.stride(0), None if residual_in is None else residual_in.data_ptr(),
-                       None if residual_out is None else residual_out.data_ptr(), weight.contiguous().data_ptr(),
-                       out.data_ptr(), rows.shape[0], rows.shape[1], eps, int(unit_offset),
-                       int(x.dtype == torch.bfloat16))
+    lib = _built("rms_norm")
+    lib.rms_norm(rows.data_ptr(), rows.stride(0), None if residual_in is None else residual_in.data_ptr(),
+                 None if residual_out is None else residual_out.data_ptr(), weight.contiguous().data_ptr(),
+                 out.data_ptr(), rows.shape[0], rows.shape[1], eps, int(unit_offset), int(x.dtype == torch.bfloat16))
     return out, residual_out
 
 
@@ -171,8 +176,9 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.stride() != up.stride() or gate.stride(-1) != 1:
         gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty(gate.shape, dtype=gate.dtype)
-    library().silu_and_mul(gate.data_ptr(), up.data_ptr(), gate.stride(0), out.data_ptr(), gate.shape[0],
-                           gate.shape[1], int(gate.dtype == torch.bfloat16))
+    lib = _built("silu_and_mul")
+    lib.silu_and_mul(gate.data_ptr(), up.data_ptr(), gate.stride(0), out.data_ptr(), gate.shape[0], gate.shape[1],
+                     int(gate.dtype == torch.bfloat16))
     return out
 
 
@@ -183,6 +189,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         x = x.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    library().rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), x.shape[0],
-                     x.shape[1], x.shape[2], int(x.dtype == torch.bfloat16))
+    lib = _built("rotary")
+    lib.rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+               x.shape[2], int(x.dtype == torch.bfloat16))
     return out

@@ -39,12 +39,22 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 #endif
 }
 
-/* Fetch the cache lines of `bytes` bytes at `at` ahead of their use. */
-static inline void prefetch(const void *at, int64_t bytes) {
-    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch((const char *)at + offset);
+#define AHEAD 4  /* keys whose lines are fetched ahead of the one in use */
+
+/* Fetch the cache lines of key j + AHEAD's slot (`slot_bytes` at `base`) ahead of their use. */
+static inline void fetch_ahead(const void *base, const int64_t *slots, int64_t j, int64_t num_keys,
+                               int64_t slot_bytes) {
+    if (j + AHEAD >= num_keys) return;
+    const char *at = (const char *)base + slots[j + AHEAD] * slot_bytes;
+    for (int64_t offset = 0; offset < slot_bytes; offset += 64) __builtin_prefetch(at + offset);
 }
 
-#define AHEAD 4  /* keys whose lines are fetched ahead of the one in use */
+/* Whether any of the row's `queries` sees key j. */
+static inline int seen(const uint8_t *mask, int64_t queries, int64_t num_keys, int64_t j) {
+    int any = 0;
+    for (int64_t i = 0; i < queries; i++) any |= mask[i * num_keys + j];
+    return any;
+}
 
 /* One row: `width` = queries * heads query vectors q [width, head_dim] (already scaled), query
  * i's heads at rows i * heads.. of q. Each key is read once for all KV heads (its slot's bytes are
@@ -56,11 +66,8 @@ static void attend(const float *q, int64_t width, int64_t heads, const void *key
     const int64_t group = heads / kv_heads, slot_width = kv_heads * head_dim;
     const int64_t slot_bytes = slot_width * (bf16 ? 2 : 4);
     for (int64_t j = 0; j < num_keys; j++) {
-        int seen = 0;
-        for (int64_t i = 0; i < queries; i++) seen |= mask[i * num_keys + j];
-        if (j + AHEAD < num_keys)
-            prefetch((const char *)keys + slots[j + AHEAD] * slot_bytes, slot_bytes);
-        if (seen) load_row(keys, slots[j] * slot_width, bf16, vector, slot_width);
+        fetch_ahead(keys, slots, j, num_keys, slot_bytes);
+        if (seen(mask, queries, num_keys, j)) load_row(keys, slots[j] * slot_width, bf16, vector, slot_width);
         for (int64_t m = 0; m < width; m++)
             scores[m * num_keys + j] = mask[(m / heads) * num_keys + j]
                 ? dot(q + m * head_dim, vector + (m % heads) / group * head_dim, head_dim) : -INFINITY;
@@ -84,11 +91,8 @@ static void attend(const float *q, int64_t width, int64_t heads, const void *key
     }
     memset(acc, 0, sizeof(float) * width * head_dim);
     for (int64_t j = 0; j < num_keys; j++) {
-        int seen = 0;
-        for (int64_t i = 0; i < queries; i++) seen |= mask[i * num_keys + j];
-        if (j + AHEAD < num_keys)
-            prefetch((const char *)values + slots[j + AHEAD] * slot_bytes, slot_bytes);
-        if (!seen) continue;
+        fetch_ahead(values, slots, j, num_keys, slot_bytes);
+        if (!seen(mask, queries, num_keys, j)) continue;
         load_row(values, slots[j] * slot_width, bf16, vector, slot_width);
         for (int64_t m = 0; m < width; m++) {
             const float p = scores[m * num_keys + j], *vm = vector + (m % heads) / group * head_dim;

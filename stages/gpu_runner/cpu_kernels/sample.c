@@ -15,6 +15,14 @@
 
 #define BLOCK 64  /* tokens whose weights the second pass sums at once before it scans them */
 
+/* The weights exp((l - top) * scale) of tokens [start, end), summed in float32. */
+static inline float block_weight(const float *l, int64_t start, int64_t end, float top, float scale) {
+    float block = 0.0f;
+#pragma omp simd reduction(+ : block)
+    for (int64_t i = start; i < end; i++) block += exp_approx((l[i] - top) * scale);
+    return block;
+}
+
 /* logits [rows, vocab]; inverse_temperature and points (in [0, 1)) [rows]; tokens [rows] out. */
 void sample_logits(const float *logits, const float *inverse_temperature, const double *points, int64_t *tokens,
                    int64_t rows, int64_t vocab) {
@@ -27,21 +35,14 @@ void sample_logits(const float *logits, const float *inverse_temperature, const 
         /* Both passes add the same float block sums in the same order, so the second reaches
          * the first's total exactly. */
         double total = 0.0;
-        for (int64_t start = 0; start < vocab; start += BLOCK) {
-            const int64_t end = start + BLOCK < vocab ? start + BLOCK : vocab;
-            float block = 0.0f;
-#pragma omp simd reduction(+ : block)
-            for (int64_t i = start; i < end; i++) block += exp_approx((l[i] - top) * scale);
-            total += block;
-        }
+        for (int64_t start = 0; start < vocab; start += BLOCK)
+            total += block_weight(l, start, start + BLOCK < vocab ? start + BLOCK : vocab, top, scale);
         const double target = points[row] * total;
         double running = 0.0;
         int64_t token = -1;
         for (int64_t start = 0; start < vocab && token < 0; start += BLOCK) {
             const int64_t end = start + BLOCK < vocab ? start + BLOCK : vocab;
-            float block = 0.0f;
-#pragma omp simd reduction(+ : block)
-            for (int64_t i = start; i < end; i++) block += exp_approx((l[i] - top) * scale);
+            const float block = block_weight(l, start, end, top, scale);
             if (running + block <= target && end < vocab) {
                 running += block;
                 continue;
