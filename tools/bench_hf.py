@@ -43,7 +43,7 @@ from bench_e2e import engine_options, start_daemon  # noqa: E402
 
 from pipeline.client import AsyncClient  # noqa: E402
 from stages.contracts.params import SamplingParams  # noqa: E402
-from pipeline.cli import positive_int  # noqa: E402
+from pipeline.options import positive_int  # noqa: E402
 from pipeline.bench.serve_bench import range_arg  # noqa: E402
 from pipeline.bench.workload import BenchRequest, random_requests  # noqa: E402
 from pipeline.models.tiny_model import make_tiny_model  # noqa: E402

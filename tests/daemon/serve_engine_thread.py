@@ -16,7 +16,7 @@ import sys
 from engine_thread_backend import EngineThreadBackend
 from poisoned_tokenizer import PoisonedStageBackend
 
-from pipeline.cli import add_daemon_options, add_engine_options, daemon_config, engine_config
+from pipeline.options import add_daemon_options, add_engine_options, daemon_config, engine_config
 from pipeline.serve.daemon import run_daemon
 
 BACKENDS = {"engine-thread": EngineThreadBackend, "poisoned-tokenizer": PoisonedStageBackend}

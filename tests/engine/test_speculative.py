@@ -200,7 +200,8 @@ def test_a_draft_model_with_a_larger_vocabulary_is_refused(tiny_llama, tmp_path)
      "speculative_config.model"),
 ])
 def test_pipeline_start_refuses_a_bad_speculative_config(tiny_llama, text, named):
-    from pipeline.cli import build_parser, engine_config
+    from pipeline.cli import build_parser
+    from pipeline.options import engine_config
     from pipeline.errors import PipelineError
 
     args = build_parser().parse_args(["start", "--model", str(tiny_llama), "--speculative-config", text])

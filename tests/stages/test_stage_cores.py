@@ -47,7 +47,8 @@ def test_placement_is_left_alone_where_it_cannot_help() -> None:
 
 
 def test_pipeline_start_takes_a_smaller_step_token_budget_for_a_model_on_the_cpu(tmp_path) -> None:
-    from pipeline.cli import build_parser, engine_config
+    from pipeline.cli import build_parser
+    from pipeline.options import engine_config
     from pipeline.models.tiny_model import make_tiny_model
     from stages.contracts.config import CPU_MAX_NUM_BATCHED_TOKENS
 
