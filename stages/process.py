@@ -91,6 +91,7 @@ class StageContext:
         # A stage (re)started after a capture began joins at the next one; a stop finds it idle.
         self._profile_generation = self.board.profile_generation()
         self._last_input_s = time.monotonic()
+        self.cores: list[int] | None = None  # the cores run_stage kept this stage to (stage_cores); None: not pinned
 
     # ---- this stage's ends of the links
 
@@ -220,11 +221,12 @@ def run_stage(spec_json: str, serve: Callable[[StageContext], None]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = json.loads(spec_json)
     set_process_title(f"pipeline: {spec['name']}")
-    cores = stage_cores(spec["name"], EngineConfig.from_dict(spec["config"]), sorted(os.sched_getaffinity(0)))
-    if cores is not None:
-        os.sched_setaffinity(0, cores)
     try:
-        code = _serve(StageContext(spec), serve)
+        ctx = StageContext(spec)
+        ctx.cores = stage_cores(ctx.name, ctx.config, sorted(os.sched_getaffinity(0)))
+        if ctx.cores is not None:
+            os.sched_setaffinity(0, ctx.cores)
+        code = _serve(ctx, serve)
     finally:
         # The status board and the mailbox keep their names for restarted stages while the daemon
         # lives; a daemon killed outright cannot remove them, so its stages do as they exit.

@@ -11,8 +11,6 @@ shard (runner.py has them receive the sampled ids from rank 0 on the device).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from shm.mailbox import MailboxWriter, create_mailbox
@@ -24,7 +22,7 @@ from stages.gpu_runner.build import build_runner, model_limits
 from stages.gpu_runner.model_config import load_model_config, resolve_device
 from stages.gpu_runner.parallel import TensorParallel, check_tensor_parallel, naming_lost_peers
 from stages.gpu_runner.runner import ModelRunner
-from stages.process import StageContext, run_stage, stage_cores
+from stages.process import StageContext, run_stage
 
 MAILBOX_WAIT_S = 60.0  # consumers release a slot within a step or two; longer means they are stuck
 
@@ -41,9 +39,8 @@ def serve(ctx: StageContext) -> None:
 
 def serve_rank(ctx: StageContext, tp: TensorParallel | None) -> None:
     config = ctx.config
-    if stage_cores(ctx.name, config, list(range(os.cpu_count() or 1))) is not None:
-        # The cores run_stage left this process: one forward thread on each.
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    if ctx.cores is not None:  # run_stage pinned the runner: one forward thread on each of its cores
+        torch.set_num_threads(len(ctx.cores))
     runner = build_runner(config, tp)
     if tp is not None and not tp.is_driver:
         follow_plans(ctx, runner)
