@@ -218,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_daemon_options(start)
     start.add_argument("--detach", action="store_true", help="run in the background; return once it serves")
     start.add_argument("--nsys", action="store_true",
-                       help="run under `nsys launch` (Nsight Systems must be on PATH) so that tools/profile.py can "
-                            "record an .nsys-rep of the running daemon: nsys cannot attach to one started without it")
+                       help="run under `nsys launch` (Nsight Systems must be on PATH) so that "
+                            "tools/profiling/profile_daemon.py can record an .nsys-rep of the running daemon: "
+                            "nsys cannot attach to one started without it")
     start.set_defaults(handler=_start)
     worker = commands.add_parser("worker", help="run this machine's tensor-parallel ranks of a daemon started "
                                  "with --nnodes on the head machine")

@@ -11,8 +11,8 @@ instructions, which order everything before them against everything after (about
 With PIPELINE_SHM_MEMBARRIER=1, where Linux offers membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED),
 the barrier is asymmetric instead: the side about to sleep forces a full barrier on every CPU
 running a registered ring process, so publishing a record needs no barrier at all. That pays
-where records are many and sleeps rare (tools/bench_ipc.py, 64-byte records back to back: 1.7 M
-records/s with it, 1.4 M without). Here it is the other way round: every stage sleeps
+where records are many and sleeps rare (tools/micro/bench_ipc.py, 64-byte records back to back:
+1.7 M records/s with it, 1.4 M without). Here it is the other way round: every stage sleeps
 once or more a device step and publishes about as often, and each membarrier interrupts every
 other CPU (the daemon streaming 256 requests on the simulated device spent 1.76 µs of CPU per
 token with it, 1.56 µs without).

@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
-
-from pipeline.models.tiny_model import ARCHITECTURES, PRESETS, make_tiny_model  # noqa: E402
+from pipeline.models.tiny_model import ARCHITECTURES, PRESETS, make_tiny_model
 
 __all__ = ["make_tiny_model"]
 

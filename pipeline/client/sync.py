@@ -179,7 +179,8 @@ class Client:
 
     def profile(self, action: str, directory: str | Path | None = None) -> list[str]:
         """Starts (into `directory`) or stops a torch.profiler capture in every stage; a stop returns
-        the Chrome-trace files written. See `Profile`; tools/profile.py is the command for it."""
+        the Chrome-trace files written. See `Profile`; tools/profiling/profile_daemon.py is the command
+        for it."""
         return unary_reply(self._round_trip(profile_message(action, directory)), ProfileReply).paths
 
     def close(self) -> None:

@@ -1,5 +1,5 @@
 """A tiny random checkpoint built once into the user's cache: the model of the host-overhead
-benchmark (tools/bench_overhead.py) when it is given none, where per-step host work, not the
+benchmark (tools/bench/bench_overhead.py) when it is given none, where per-step host work, not the
 forward, should dominate. Its text is meaningless (random weights). The daemon's default model is
 a real one (checkpoints.py)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""tools/bench_hf.py end to end: transformers and a live daemon on one tiny checkpoint, one JSON object out."""
+"""tools/bench/bench_hf.py end to end: transformers and a live daemon on one tiny checkpoint, one JSON object out."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_hf.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench" / "bench_hf.py"
 
 
 @pytest.mark.timeout(90)

@@ -175,7 +175,7 @@ def test_input_batch_benchmark_prints_one_json_object():
     import sys
     from pathlib import Path
 
-    tool = Path(__file__).resolve().parents[2] / "tools" / "bench_input_batch.py"
+    tool = Path(__file__).resolve().parents[2] / "tools" / "micro" / "bench_input_batch.py"
     done = subprocess.run([sys.executable, str(tool), "--json", "--quick"], capture_output=True, text=True,
                           timeout=60, check=True)
     result = json.loads(done.stdout)

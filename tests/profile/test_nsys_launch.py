@@ -1,5 +1,5 @@
-"""`pipeline start --nsys` and the nsys commands of tools/profile.py (nsys itself is not installed
-here: a stand-in on PATH records how it was called)."""
+"""`pipeline start --nsys` and the nsys commands of tools/profiling/profile_daemon.py (nsys itself is
+not installed here: a stand-in on PATH records how it was called)."""
 from __future__ import annotations
 
 import os
@@ -21,7 +21,7 @@ from pipeline.serve.nsys import (
 
 pytestmark = pytest.mark.timeout(30)
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "profile.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "profiling" / "profile_daemon.py"
 FAKE_NSYS = """#!/bin/sh
 printf '%s\\n' "$@" > "$NSYS_ARGS_FILE"
 printf '%s\\n' "${PIPELINE_NSYS_SESSION}" > "$NSYS_ARGS_FILE.session"

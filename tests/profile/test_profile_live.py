@@ -1,5 +1,5 @@
-"""The torch.profiler fallback against a live daemon: tools/profile.py says why nsys is not used
-and writes one Chrome trace per stage holding that stage's loop phases; bad requests are refused."""
+"""The torch.profiler fallback against a live daemon: tools/profiling/profile_daemon.py says why nsys is
+not used and writes one Chrome trace per stage holding that stage's loop phases; bad requests are refused."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,7 @@ from pipeline.errors import InvalidRequest
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not REAL_BACKEND, reason="profiling needs the real stage processes")]
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "profile.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "profiling" / "profile_daemon.py"
 PHASES = {
     "runner": {"step", "execute", "prepare_inputs", "forward", "sample", "publish"},
     "scheduler": {"drain_inputs", "schedule", "write_plan", "apply_step"},

@@ -1,9 +1,11 @@
-"""The scripts in tools/ run as scripts: tools/profile.py must not shadow the standard library's
-`profile`, which torch reaches through cProfile as soon as it runs a model."""
+"""The scripts in tools/ run as scripts from any directory: none shadows a standard-library module
+(tools/profiling/profile_daemon.py is not `profile`, which torch reaches through cProfile as soon as it
+runs a model), none touches sys.path, and none imports another script."""
 from __future__ import annotations
 
+import ast
 import json
-import re
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,28 +13,49 @@ from pathlib import Path
 import pytest
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
-SCRIPTS = sorted(p for p in TOOLS.glob("*.py") if p.name != "checkout_path.py")
+MODULES = sorted(TOOLS.rglob("*.py"))
+SCRIPTS = [p for p in MODULES if 'if __name__ == "__main__":' in p.read_text()]
+FOLDERS = sorted({p.parent for p in MODULES})
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_every_tool_puts_the_checkout_first_before_importing_anything_of_its_own(script: Path) -> None:
-    source = script.read_text()
-    first_own_import = re.search(r"^(from|import) (pipeline|stages|shm|bench_\w+)\b", source, re.M)
-    guard = re.search(r"^import checkout_path\b", source, re.M)
-    assert guard is not None, f"{script.name} does not import checkout_path"
-    assert first_own_import is None or guard.start() < first_own_import.start(), script.name
+def test_no_tool_file_or_folder_shadows_a_standard_library_module() -> None:
+    names = {p.stem: p for p in MODULES} | {folder.name: folder for folder in FOLDERS}
+    assert {name: str(path) for name, path in names.items() if name in sys.stdlib_module_names} == {}
 
 
-def test_with_the_path_a_tool_sees_torch_imports_the_standard_profile_module() -> None:
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import checkout_path, cProfile, profile; "
-            "print(profile.__file__)")
-    run = subprocess.run([sys.executable, "-c", code, str(TOOLS)], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: str(p.relative_to(TOOLS.parent)))
+def test_with_a_tools_folder_first_on_the_path_torch_imports_the_standard_profile_module(folder: Path) -> None:
+    """Python puts a script's own folder first on sys.path: what cProfile finds there."""
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import cProfile, profile; print(profile.__file__)"
+    run = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    assert Path(run.stdout.strip()).parent != TOOLS
+    assert Path(run.stdout.strip()).parent != folder
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda p: str(p.relative_to(TOOLS)))
+def test_no_tool_touches_sys_path_or_imports_a_script_or_a_private_name(module: Path) -> None:
+    tree = ast.parse(module.read_text())
+    assert "sys.path" not in {ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    siblings = {p.stem: p for p in MODULES if p.parent == module.parent}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in siblings:
+            assert siblings[node.module] not in SCRIPTS, f"{module.name} imports the script {node.module}"
+            assert not [a.name for a in node.names if a.name.startswith("_")], module.name
+        elif isinstance(node, ast.Import):
+            assert not [a.name for a in node.names if siblings.get(a.name) in SCRIPTS], module.name
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(TOOLS)))
+def test_every_script_answers_help_from_another_directory(script: Path, tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=110,
+                         cwd=tmp_path, stdin=subprocess.DEVNULL, env=os.environ)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "usage" in run.stdout.lower(), run.stdout[:500]
 
 
 def quick_json_report(script: str, timeout_s: float, *args: str) -> dict:
-    """What `tools/<script> --quick --json [args]` prints, parsed."""
+    """What `tools/<script> --quick --json [args]` prints, parsed (`script` relative to tools/)."""
     run = subprocess.run([sys.executable, str(TOOLS / script), "--quick", "--json", *args], capture_output=True,
                          text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
     assert run.returncode == 0, run.stderr
@@ -41,14 +64,14 @@ def quick_json_report(script: str, timeout_s: float, *args: str) -> dict:
 
 @pytest.mark.timeout(120)
 def test_bench_e2e_quick_runs_the_model_in_process_and_reports_both_paths() -> None:
-    report = quick_json_report("bench_e2e.py", timeout_s=110)
+    report = quick_json_report("bench/bench_e2e.py", timeout_s=110)
     assert report["daemon_tok_s"] > 0 and report["offline_tok_s"] > 0
     assert report["ratio"] == pytest.approx(report["daemon_tok_s"] / report["offline_tok_s"])
 
 
 @pytest.mark.timeout(180)
 def test_bench_recovery_quick_kills_every_stage_and_loses_no_request() -> None:
-    report = quick_json_report("bench_recovery.py", timeout_s=170)
+    report = quick_json_report("bench/bench_recovery.py", timeout_s=170)
     assert [row["stage"] for row in report["stages"]] == ["runner", "scheduler", "detokenizer", "tokenizer0"]
     assert all(row["lost"] == 0 and 0 < row["first_resumed_ms"] <= row["all_resumed_ms"] for row in report["stages"])
     # The frontend's stages restart alone: the resumed requests' replays find the engine's prefix cache.
@@ -58,7 +81,7 @@ def test_bench_recovery_quick_kills_every_stage_and_loses_no_request() -> None:
 
 @pytest.mark.timeout(150)
 def test_bench_router_quick_reports_every_policy_and_the_routers_cost() -> None:
-    report = quick_json_report("bench_router.py", timeout_s=140)
+    report = quick_json_report("bench/bench_router.py", timeout_s=140)
     assert (report["replicas"], report["conversations"], report["turns"]) == (3, 4, 2)
     assert set(report["policies"]) == {"prefix", "round-robin", "least-load"}
     for policy, row in report["policies"].items():
@@ -79,7 +102,7 @@ def test_bench_router_quick_reports_every_policy_and_the_routers_cost() -> None:
 
 @pytest.mark.timeout(300)
 def test_bench_overhead_quick_reports_every_batch_of_both_daemons_as_one_json_object() -> None:
-    report = quick_json_report("bench_overhead.py", timeout_s=290)
+    report = quick_json_report("bench/bench_overhead.py", timeout_s=290)
     assert report["device_ms"] == 5.0
     for mode in ("async", "sync"):
         assert set(report[mode]) == {"1", "64", "256"}
@@ -91,7 +114,7 @@ def test_bench_overhead_quick_reports_every_batch_of_both_daemons_as_one_json_ob
 
 @pytest.mark.timeout(150)
 def test_bench_overhead_structured_reports_each_fraction_and_the_mask_time() -> None:
-    report = quick_json_report("bench_overhead.py", 140, "--batches", "64", "--structured", "0,1")
+    report = quick_json_report("bench/bench_overhead.py", 140, "--batches", "64", "--structured", "0,1")
     for mode in ("async", "sync"):
         assert set(report[mode]) == {"64 s0", "64 s1"}
         for batch in report[mode].values():
@@ -101,7 +124,7 @@ def test_bench_overhead_structured_reports_each_fraction_and_the_mask_time() -> 
 
 @pytest.mark.timeout(150)
 def test_bench_overhead_http_measures_the_daemons_cpu_of_sse_streams_without_delivery() -> None:
-    report = quick_json_report("bench_overhead.py", 140, "--batches", "64", "--http", "--stream-interval", "2")
+    report = quick_json_report("bench/bench_overhead.py", 140, "--batches", "64", "--http", "--stream-interval", "2")
     assert report["http"] is True and report["stream_interval"] == 2
     for mode in ("async", "sync"):
         batch = report[mode]["64"]
@@ -110,7 +133,7 @@ def test_bench_overhead_http_measures_the_daemons_cpu_of_sse_streams_without_del
 
 
 def test_bench_grammar_quick_measures_llguidance_on_the_tiny_vocabulary() -> None:
-    report = quick_json_report("bench_grammar.py", 120, "--library", "llguidance")
+    report = quick_json_report("micro/bench_grammar.py", 120, "--library", "llguidance")
     tiny = report["llguidance"]["tiny_1024"]
     assert set(tiny["compile_ms"]) == {"json_schema", "json_object", "regex", "choice", "lark"}
     assert 0 < tiny["mask_us_p50"] <= tiny["mask_us_p99"] and tiny["num_tokens"] > 20
@@ -119,7 +142,7 @@ def test_bench_grammar_quick_measures_llguidance_on_the_tiny_vocabulary() -> Non
 def test_bench_overhead_clients_run_in_a_process_without_torch() -> None:
     """Its clients are measured: torch's objects would make every full garbage collection there a long pause."""
     code = "import sys; sys.path.insert(0, sys.argv[1]); import bench_overhead; print('torch' in sys.modules)"
-    run = subprocess.run([sys.executable, "-c", code, str(TOOLS)], capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-c", code, str(TOOLS / "bench")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "False"
 
@@ -144,8 +167,8 @@ def check_quick_gpu_bench(report: dict) -> None:
 
 def test_bench_gpu_refuses_unknown_sections_and_bad_batches() -> None:
     for args, message in ((["--sections", "floor,gpu"], "unknown ['gpu']"), (["--batches", "1,x"], "--batches")):
-        run = subprocess.run([sys.executable, str(TOOLS / "bench_gpu.py"), "--quick", *args], capture_output=True,
-                             text=True, timeout=60, stdin=subprocess.DEVNULL)
+        run = subprocess.run([sys.executable, str(TOOLS / "gpu" / "bench_gpu.py"), "--quick", *args],
+                             capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
         assert run.returncode == 2 and message in run.stderr
 
 
@@ -153,14 +176,14 @@ def test_steady_decode_excludes_prefill_and_the_finishing_steps() -> None:
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_gpu; "
             "print(bench_gpu.steady_step_times({'step_ends': [0.0, 5.0, 6.0, 6.5, 7.5, 9.0, 20.0], "
             "'all_started': 1, 'first_finished': 4}))")
-    run = subprocess.run([sys.executable, "-c", code, str(TOOLS)], capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-c", code, str(TOOLS / "gpu")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[1.0, 0.5, 1.0]"
 
 
 @pytest.mark.timeout(200)
 def test_gpu_check_dry_run_walks_every_phase_and_writes_the_summary(tmp_path: Path) -> None:
-    run = subprocess.run(["bash", str(TOOLS / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
+    run = subprocess.run(["bash", str(TOOLS / "gpu" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=190, stdin=subprocess.DEVNULL)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -179,13 +202,14 @@ def test_gpu_check_dry_run_walks_every_phase_and_writes_the_summary(tmp_path: Pa
 
 
 def test_gpu_check_refuses_an_unknown_argument(tmp_path: Path) -> None:
-    run = subprocess.run(["bash", str(TOOLS / "gpu_check.sh"), "--fast"], capture_output=True, text=True, timeout=30)
+    run = subprocess.run(["bash", str(TOOLS / "gpu" / "gpu_check.sh"), "--fast"], capture_output=True, text=True,
+                         timeout=30)
     assert run.returncode == 2 and "unknown argument '--fast'" in run.stderr
 
 
 @pytest.mark.timeout(150)
 def test_bench_tp_quick_reports_one_and_two_ranks_side_by_side() -> None:
-    report = quick_json_report("bench_tp.py", timeout_s=140)
+    report = quick_json_report("micro/bench_tp.py", timeout_s=140)
     layers = report["model"]["num_layers"]
     one, two = report["ranks"]["1"], report["ranks"]["2"]
     for batch in ("batch1", "batch32"):

@@ -1,4 +1,4 @@
-"""What tools/bench_overhead.py computes from one run of a batch: the steady window of the simulated
+"""What tools/bench/bench_overhead.py computes from one run of a batch: the steady window of the simulated
 device's timeline, step time, device idle, delivery latency and CPU time per step.
 
 Inputs are plain arrays: the timeline the simulated device wrote (stages/gpu_runner/simulated.py),
@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import checkout_path  # noqa: F401 - first: the checkout on sys.path, not tools/ (see there)
 import numpy as np
 
-from stages.gpu_runner.simulated_steps import SimulatedTokens  # noqa: E402
+from stages.gpu_runner.simulated_steps import SimulatedTokens
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Downloads into .whl/ the wheels the GPU machine lacks, for tools/gpu_check.sh to install there.
+# Downloads into .whl/ the wheels the GPU machine lacks, for tools/gpu/gpu_check.sh to install there.
 #
 # Run it here, in the checkout, with network access: the GPU machine has none. It fetches cp312
 # manylinux x86-64 wheels (the GPU machine's python3 is 3.12) with --no-deps, then checks every
@@ -7,10 +7,10 @@
 # list below) and the wheels fetched: a need met by neither is an error. .whl/ is kept out of git
 # through .git/info/exclude; it travels to the GPU machine as a carried path.
 #
-#     tools/gpu_wheels.sh [DIR]        # default DIR: .whl in the checkout's root
+#     tools/gpu/gpu_wheels.sh [DIR]        # default DIR: .whl in the checkout's root
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 DEST="${1:-$ROOT/.whl}"
 PYTHON="${PYTHON:-python3}"
 

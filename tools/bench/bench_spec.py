@@ -1,6 +1,6 @@
 """Speculative decoding against none, side by side in one run, on a real model.
 
-Usage: python tools/bench_spec.py [--model DIR_OR_GGUF] [--speculative-config JSON] [--streams 1 4 16]
+Usage: python tools/bench/bench_spec.py [--model DIR_OR_GGUF] [--speculative-config JSON] [--streams 1 4 16]
                                   [--max-tokens 128] [--dtype float32] [--json]
 
 For each task and number of concurrent streams, the offline engine generates (greedy) with
@@ -17,12 +17,10 @@ import argparse
 import json
 import time
 
-import checkout_path  # noqa: F401 - first: the checkout on sys.path, not tools/ (see there)
-
-from pipeline import LLM, SamplingParams  # noqa: E402
-from pipeline.models.checkpoints import resolve_model  # noqa: E402
-from pipeline.serve.openai.chat import ChatTemplate  # noqa: E402
-from pipeline.serve.openai.schemas import ChatMessage  # noqa: E402
+from pipeline import LLM, SamplingParams
+from pipeline.models.checkpoints import resolve_model
+from pipeline.serve.openai.chat import ChatTemplate
+from pipeline.serve.openai.schemas import ChatMessage
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 PASSAGES = [

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one command for a GPU machine: install the carried wheels, print versions, run the CUDA
-# tests, the engine, daemon, HTTP and recovery tests on the GPU, then tools/bench_gpu.py.
+# tests, the engine, daemon, HTTP and recovery tests on the GPU, then tools/gpu/bench_gpu.py.
 #
-#     tools/gpu_check.sh [--dry-run] [--out DIR]
+#     tools/gpu/gpu_check.sh [--dry-run] [--out DIR]
 #
 # Each phase has its own time limit, the benchmark whatever is left of 530 s, so the whole fits in
 # 9 minutes with the wheels' install; a failing
@@ -11,14 +11,14 @@
 # (DIR/<phase>.log); the benchmark's results so far are in DIR/bench.json. DIR defaults to $OUT
 # when set, else $TMPDIR/pipeline-gpu-check. The exit code is 0 when no phase failed.
 #
-# On the GPU machine, run from the checkout's root with .whl/ carried (tools/gpu_wheels.sh fills
+# On the GPU machine, run from the checkout's root with .whl/ carried (tools/gpu/gpu_wheels.sh fills
 # it here): the wheels go to /tmp/site, and python3 there (which holds torch) runs everything with
 # PYTHONPATH=/tmp/site:. --dry-run walks the same phases on a machine without a GPU, with the
 # checkout's .venv python: it installs nothing, skips the CUDA tests, only collects the device tests
 # with --device cuda, and runs bench_gpu.py --quick.
 set -uo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 2
 
 DRY_RUN=0
@@ -108,7 +108,7 @@ install_wheels() {
     shopt -s nullglob
     local wheels=(.whl/*.whl)
     if [ ${#wheels[@]} = 0 ]; then
-        echo "no wheels in .whl/: run tools/gpu_wheels.sh on a machine with network access and carry .whl" >&2
+        echo "no wheels in .whl/: run tools/gpu/gpu_wheels.sh on a machine with network access and carry .whl" >&2
         return 1
     fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
@@ -156,11 +156,11 @@ if [ "$DRY_RUN" = 1 ]; then
     skip_phase cuda_tests 120 "dry run: needs a GPU"
     # Collected only: proves the --device option and the files' imports without running them twice.
     run_phase device_tests 150 "$PY" -m pytest -q --co --device cuda -p no:cacheprovider "${DEVICE_TESTS[@]}"
-    run_phase bench "$(bench_limit)" "$PY" tools/bench_gpu.py --quick --json --out "$OUT_DIR/bench.json"
+    run_phase bench "$(bench_limit)" "$PY" tools/gpu/bench_gpu.py --quick --json --out "$OUT_DIR/bench.json"
 else
     run_phase cuda_tests 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider
     run_phase device_tests 150 "$PY" -m pytest -q --device cuda -p no:cacheprovider "${DEVICE_TESTS[@]}"
-    run_phase bench "$(bench_limit)" "$PY" tools/bench_gpu.py --json --out "$OUT_DIR/bench.json" --model-dir "$BENCH_MODEL_DIR"
+    run_phase bench "$(bench_limit)" "$PY" tools/gpu/bench_gpu.py --json --out "$OUT_DIR/bench.json" --model-dir "$BENCH_MODEL_DIR"
 fi
 echo "summary: $OUT_DIR/summary.json"
 cat "$OUT_DIR/summary.json"

@@ -1,6 +1,6 @@
 """The top operators of a CPU decode (or prefill) step: torch.profiler over the offline engine's steps.
 
-Usage: python tools/profile_cpu.py [--model FILE.gguf|DIR] [--dtype bfloat16] [--batch 32]
+Usage: python tools/profiling/profile_cpu.py [--model FILE.gguf|DIR] [--dtype bfloat16] [--batch 32]
        [--input-len 128] [--output-len 64] [--threads N] [--top 15] [--json]
 
 `--batch` prompts of `--input-len` random token ids are prefilled (not profiled), then each step in
@@ -17,16 +17,14 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 
-import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from pipeline.engine.llm import LLM  # noqa: E402
-from pipeline.models.checkpoints import default_model_file  # noqa: E402
-from stages.contracts.params import SamplingParams  # noqa: E402
-from stages.gpu_runner.static_decode import is_decode_only  # noqa: E402
+from pipeline.engine.llm import LLM
+from pipeline.models.checkpoints import default_model_file
+from stages.contracts.params import SamplingParams
+from stages.gpu_runner.static_decode import is_decode_only
 
 
 class StepProfiler:
@@ -63,7 +61,7 @@ class StepProfiler:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tools/profile_cpu.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tools/profiling/profile_cpu.py", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF file or checkpoint directory (default: SmolLM2-135M)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--batch", type=int, default=32)

@@ -13,7 +13,7 @@ Greedy outputs are compared token for token and the matches reported, not assert
 padding changes the batched arithmetic a little in transformers, so a padded prompt may diverge
 once two candidates are close; an unpadded one (the longest prompt of its batch) should match.
 
-    python tools/bench_hf.py [--json] [--model DIR] [--num-prompts N] [--batch-size B]
+    python tools/bench/bench_hf.py [--json] [--model DIR] [--num-prompts N] [--batch-size B]
         [--input-len A:B] [--output-len A:B] [--seed S] [--threads T] [--max-num-seqs M] [--quick]
 
 Without --model it builds a random checkpoint with pipeline.models.tiny_model (preset 20m; tiny with --quick).
@@ -35,18 +35,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+import torch
 
-import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
-import torch  # noqa: E402
-from bench_e2e import engine_options, start_daemon  # noqa: E402
-
-from pipeline.client import AsyncClient  # noqa: E402
-from stages.contracts.params import SamplingParams  # noqa: E402
-from pipeline.options import positive_int  # noqa: E402
-from pipeline.bench.serve_bench import range_arg  # noqa: E402
-from pipeline.bench.workload import BenchRequest, random_requests  # noqa: E402
-from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
+from pipeline.bench.daemon import engine_options, start_daemon
+from pipeline.bench.serve_bench import range_arg
+from pipeline.bench.workload import BenchRequest, random_requests
+from pipeline.client import AsyncClient
+from pipeline.models.tiny_model import make_tiny_model
+from pipeline.options import positive_int
+from stages.contracts.params import SamplingParams
 
 BLOCK_SIZE = 16
 MIN_TOKEN_ID = 2  # random prompts skip the tiny models' BOS (0) and EOS (1)

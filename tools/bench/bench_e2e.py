@@ -7,7 +7,7 @@ tokens/s of each and daemon/offline; `--compare-sync` adds a daemon with --no-as
 `--backend engine-thread` serves the daemon with the test double of the stage processes (the
 offline engine in a thread, tests/daemon/engine_thread_backend.py) instead of the real backend.
 
-    python tools/bench_e2e.py [--quick] [--json] [--compare-sync] [--backend real|engine-thread]
+    python tools/bench/bench_e2e.py [--quick] [--json] [--compare-sync] [--backend real|engine-thread]
 """
 from __future__ import annotations
 
@@ -16,24 +16,19 @@ import asyncio
 import json
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from pipeline.client import AsyncClient, Client  # noqa: E402
-from pipeline.errors import DaemonNotRunning, PipelineError  # noqa: E402
-from stages.contracts.params import SamplingParams  # noqa: E402
-from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
+from pipeline.bench.daemon import engine_options, start_daemon
+from pipeline.client import AsyncClient
+from pipeline.models.tiny_model import make_tiny_model
+from stages.contracts.params import SamplingParams
 
 SEED = 0
-START_TIMEOUT_S = 300.0
 
 
 def workload(num_requests: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int],
@@ -45,37 +40,6 @@ def workload(num_requests: int, prompt_lens: tuple[int, int], output_lens: tuple
         max_tokens = int(rng.integers(output_lens[0], output_lens[1] + 1))
         requests.append((prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
     return requests
-
-
-def engine_options(max_model_len: int, num_kv_blocks: int) -> list[str]:
-    return ["--device", "cpu", "--max-model-len", str(max_model_len), "--num-kv-blocks", str(num_kv_blocks),
-            "--block-size", "16"]
-
-
-def start_daemon(model: Path, directory: Path, backend: str, options: list[str],
-                 checkout: Path | None = None) -> subprocess.Popen:
-    """The daemon of `checkout` (default: this one), answering on directory/pipeline.sock."""
-    socket_path = directory / "pipeline.sock"
-    if backend == "real":
-        command = [sys.executable, "-m", "pipeline.cli", "start"]
-    else:
-        command = [sys.executable, str(ROOT / "tests" / "daemon" / "serve_engine_thread.py")]
-    command += ["--model", str(model), "--socket", str(socket_path), *options]
-    log = open(directory / "daemon.log", "wb")  # noqa: SIM115 - lives as long as the daemon
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               cwd=checkout)  # `python -m` imports the package of its working directory
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"daemon exited with {process.returncode}: {(directory / 'daemon.log').read_text()}")
-        try:
-            with Client(socket_path, timeout_s=5) as client:
-                client.health()
-            return process
-        except (DaemonNotRunning, OSError, PipelineError):
-            time.sleep(0.05)
-    process.kill()
-    raise RuntimeError("daemon did not start in time")
 
 
 def run_daemon_workload(socket_path: Path, requests: list[tuple[list[int], SamplingParams]]) -> tuple[float, int]:

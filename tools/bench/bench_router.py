@@ -12,7 +12,7 @@ daemon in the same run: the latency it adds to a one-token request (median of se
 and the CPU time the router process spends per streamed chunk (the daemon's own per chunk beside
 it, for scale) on the serving benchmark's streamed workload.
 
-    python tools/bench_router.py [--quick] [--json]
+    python tools/bench/bench_router.py [--quick] [--json]
 """
 from __future__ import annotations
 
@@ -29,20 +29,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
+import httpx
+import numpy as np
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-from bench_e2e import engine_options, start_daemon  # noqa: E402
-from bench_http import _run as run_bench  # noqa: E402
-from bench_http import cpu_s  # noqa: E402
-from pipeline.bench.multiturn import fleet_prefix_hit_tokens, run_workload, scrape_metric  # noqa: E402
-from pipeline.bench.targets import HttpTarget  # noqa: E402
-from pipeline.bench.workload import random_requests  # noqa: E402
-from pipeline.client import Client  # noqa: E402
-from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
-from pipeline.router.affinity import affinity_hit_rate  # noqa: E402
-from pipeline.router.prefix import PrefixKeyer  # noqa: E402
+from pipeline.bench.daemon import cpu_s, engine_options, run_target, start_daemon
+from pipeline.bench.multiturn import fleet_prefix_hit_tokens, run_workload, scrape_metric
+from pipeline.bench.targets import HttpTarget
+from pipeline.bench.workload import random_requests
+from pipeline.client import Client
+from pipeline.models.tiny_model import make_tiny_model
+from pipeline.router.affinity import affinity_hit_rate
+from pipeline.router.prefix import PrefixKeyer
 
 POLICIES = ("prefix", "round-robin", "least-load")
 NUM_REPLICAS = 3
@@ -132,7 +129,7 @@ def streamed_cost(direct: str, routed: str, router_pid: int, daemon_pid: int, re
     for _ in range(rounds):
         for name, url in (("direct", direct), ("router", routed)):
             router_before, daemon_before = cpu_s(router_pid), cpu_s(daemon_pid)
-            result = asyncio.run(run_bench(lambda url=url: HttpTarget(url), requests))
+            result = asyncio.run(run_target(lambda url=url: HttpTarget(url), requests))
             router_used, daemon_used = cpu_s(router_pid) - router_before, cpu_s(daemon_pid) - daemon_before
             chunks = sum(len(record.chunk_tokens) for record in result.records)
             runs[name].append({"output_tok_s": result.metrics.output_throughput,

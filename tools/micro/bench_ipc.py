@@ -7,7 +7,7 @@ Two processes (the second started with 'spawn'), 64-byte and 4 KiB messages:
     divided by the time from the first send to the acknowledgement.
 All transports run in one invocation, so the ratios are measured side by side.
 
-    python tools/bench_ipc.py [--quick] [--json]
+    python tools/micro/bench_ipc.py [--quick] [--json]
 """
 from __future__ import annotations
 
@@ -21,13 +21,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from shm.naming import new_instance_id, unlink_instance  # noqa: E402
-from shm.ring import RingReader, RingWriter  # noqa: E402
-from shm.segment import RingSegment  # noqa: E402
+from shm.naming import new_instance_id, unlink_instance
+from shm.ring import RingReader, RingWriter
+from shm.segment import RingSegment
 
 SIZES_BYTES = (64, 4096)
 RING_CAPACITY_BYTES = 1 << 20

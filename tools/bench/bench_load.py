@@ -6,7 +6,7 @@ the same config, tokenizer and chat template), so both serve the same weights. E
 answered a one-token request; the GGUF's first start also builds its metadata directory (cold),
 the later ones reuse it (warm).
 
-    python tools/bench_load.py [--model FILE.gguf] [--rounds N] [--json]
+    python tools/bench/bench_load.py [--model FILE.gguf] [--rounds N] [--json]
 """
 from __future__ import annotations
 
@@ -22,13 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import checkout_path  # noqa: F401 - first: the checkout on sys.path, not tools/ (see there)
-
-from pipeline.client import Client  # noqa: E402
-from pipeline.errors import PipelineError  # noqa: E402
-from pipeline.models.checkpoints import default_model_file, resolve_model  # noqa: E402
-from stages.gpu_runner.loaders.gguf import GGUFSource  # noqa: E402
-from stages.gpu_runner.model_config import load_model_config  # noqa: E402
+from pipeline.client import Client
+from pipeline.errors import PipelineError
+from pipeline.models.checkpoints import default_model_file, resolve_model
+from stages.gpu_runner.loaders.gguf import GGUFSource
+from stages.gpu_runner.model_config import load_model_config
 
 START_TIMEOUT_S = 300.0
 OPTIONS = ["--device", "cpu", "--max-model-len", "2048", "--num-kv-blocks", "256"]

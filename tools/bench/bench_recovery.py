@@ -9,7 +9,7 @@ one, the prompt tokens the resumed requests' replays found in the prefix cache (
 has an empty one), and the requests lost: ended with an error, or with output other than the
 offline engine's for the same requests.
 
-    python tools/bench_recovery.py [--quick] [--json]
+    python tools/bench/bench_recovery.py [--quick] [--json]
 """
 from __future__ import annotations
 
@@ -25,13 +25,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import checkout_path  # noqa: F401 - first: the checkout on sys.path, not tools/ (see there)
-
-from bench_e2e import engine_options, start_daemon  # noqa: E402
-from pipeline import LLM, SamplingParams  # noqa: E402
-from pipeline.bench.workload import mixed_params  # noqa: E402
-from pipeline.client import AsyncClient, Client, Completion  # noqa: E402
-from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
+from pipeline import LLM, SamplingParams
+from pipeline.bench.daemon import engine_options, start_daemon
+from pipeline.bench.workload import mixed_params
+from pipeline.client import AsyncClient, Client, Completion
+from pipeline.models.tiny_model import make_tiny_model
 
 STAGES = ["runner", "scheduler", "detokenizer", "tokenizer0"]
 NUM_STREAMS = 16

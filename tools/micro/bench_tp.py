@@ -10,7 +10,7 @@
     an all-gather of the pairs), at batch 1 and 32;
   - weight bytes each rank holds.
 
-    python tools/bench_tp.py [--quick] [--json]
+    python tools/micro/bench_tp.py [--quick] [--json]
 """
 from __future__ import annotations
 
@@ -26,18 +26,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
+import numpy as np
+import torch
+import torch.distributed as dist
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from pipeline import LLM, SamplingParams  # noqa: E402
-from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
-from shm.naming import new_instance_id, unlink_instance  # noqa: E402
-from shm.ring import RingReader, RingWriter  # noqa: E402
-from shm.segment import RingSegment  # noqa: E402
-from stages.gpu_runner.parallel import PlanBroadcast, TensorParallel, join_group, leave_group, weight_bytes  # noqa: E402
+from pipeline import LLM, SamplingParams
+from pipeline.models.tiny_model import make_tiny_model
+from shm.naming import new_instance_id, unlink_instance
+from shm.ring import RingReader, RingWriter
+from shm.segment import RingSegment
+from stages.gpu_runner.parallel import PlanBroadcast, TensorParallel, join_group, leave_group, weight_bytes
 
 FULL = dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, head_dim=64, intermediate_size=2816,
             vocab_size=8192, max_position_embeddings=1024)

@@ -14,7 +14,7 @@ static (bucketed) path, with the torch backend and, when triton is installed, th
 launches outside the decode forward: on CUDA with the triton backend that forward is one graph
 replay, so outside + 1 is the step's launches there.
 
-Usage: python tools/bench_runner.py [--json] [--batches 1,32,256] [--steps N] [--model-dir DIR]
+Usage: python tools/micro/bench_runner.py [--json] [--batches 1,32,256] [--steps N] [--model-dir DIR]
                                     [--launch-batches 1,64] [--no-triton]
 """
 from __future__ import annotations
@@ -29,16 +29,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from safetensors import safe_open
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
-import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
-from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
-from stages.contracts.params import SamplingParams  # noqa: E402
-from stages.contracts.config import EngineConfig  # noqa: E402
-from stages.gpu_runner.runner import ModelRunner  # noqa: E402
-from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
-from stages.contracts.plan import NewRequest, StepPlan  # noqa: E402
+from pipeline.models.tiny_model import make_tiny_model
+from stages.contracts.config import EngineConfig
+from stages.contracts.params import SamplingParams
+from stages.contracts.plan import NewRequest, StepPlan
+from stages.gpu_runner.runner import ModelRunner
 
 PROMPT_LEN = 64
 BLOCK_SIZE = 16

@@ -20,11 +20,11 @@ row decoding, warm-up and tail cut off) it measures, per daemon and batch, the m
 `--baseline DIR` also measures the daemons of another checkout of this repository (made with
 `git worktree add DIR REV`) in the same rounds: a fix's effect, side by side with the old code.
 `--structured 0,0.5,1` measures, for each FRACTION, batches whose first round(FRACTION x batch)
-requests are constrained by a JSON schema (STRUCTURED_SCHEMA: a long array of small objects, so
-no row finishes its grammar within the run); the runner does the real grammar work per step on
-the simulated device (stages/gpu_runner/simulated.py), and the table adds the grammar library's
-per-token mask time (tools/bench_grammar.py). A constrained row's tokens do not name their step:
-its k-th token came k steps after its first, which is placed at the latest step consistent with
+requests are constrained by a JSON schema (overhead_streams.STRUCTURED_SCHEMA: a long array of
+small objects, so no row finishes its grammar within the run); the runner does the real grammar
+work per step on the simulated device (stages/gpu_runner/simulated.py), and the table adds the
+grammar library's per-token mask time (tools/micro/bench_grammar.py). A constrained row's tokens
+do not name their step: its k-th token came k steps after its first, which is placed at the latest step consistent with
 every token of the row arriving after its step was ready.
 `--pin` pins every thread of the scheduler and the runner to one CPU and the daemons' other
 processes and the clients to a second (os.sched_setaffinity), to see what sharing CPUs costs.
@@ -37,13 +37,12 @@ measured then.
 `--serve SOCKET` only starts the daemon on the simulated device and serves until Ctrl-C, to
 profile it by hand (py-spy, perf); `--http-port` serves the HTTP API too.
 
-    python tools/bench_overhead.py [--json] [--quick] [--device-ms T] [--rounds N] [--baseline DIR]
+    python tools/bench/bench_overhead.py [--json] [--quick] [--device-ms T] [--rounds N] [--baseline DIR]
                                    [--pin] [--http [--stream-interval N]] [--structured FRACTION[,...]]
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import signal
@@ -51,90 +50,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from array import array
-from dataclasses import dataclass
 from pathlib import Path
 
-import checkout_path  # noqa: F401 - first: the checkout on sys.path, not tools/ (see there)
 import numpy as np
 import uvloop
+from overhead_analysis import cpu_ms_per_step, delivery_ms, median_of, step_stats, steady_window
+from overhead_daemons import (BATCHES, BLOCK_SIZE, SEED, TOOLS, Daemon, daemon_command, engine_options, make_model,
+                              pin_processes, start_daemon, wait_serving)
+from overhead_streams import stream_batch, stream_http
 
-from overhead_analysis import (  # noqa: E402
-    CpuSample, cpu_ms_per_step, delivery_ms, median_of, step_stats, steady_window,
-)
-from pipeline.client import AsyncClient, Client  # noqa: E402
-from pipeline.errors import DaemonNotRunning, PipelineError  # noqa: E402
-from stages.contracts.params import SamplingParams  # noqa: E402
-from stages.gpu_runner.simulated_steps import SimulatedTokens, read_timeline  # noqa: E402
+from pipeline.bench.daemon import CHECKOUT
+from stages.gpu_runner.simulated_steps import SimulatedTokens, read_timeline
 
-BATCHES = (1, 64, 256)
 PROMPT_TOKENS = 32
-BLOCK_SIZE = 16
 VOCAB_SIZE = 1024  # the tiny model's
 EOS_TOKEN_IDS = [1]
-START_TIMEOUT_S = 300.0
-CPU_SAMPLE_S = 0.05
-CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-SEED = 0
-STRUCTURED_SCHEMA = json.dumps({"type": "array", "minItems": 1000, "items": {
-    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99999},
-                                     "name": {"type": "string", "maxLength": 16},
-                                     "kind": {"enum": ["alpha", "beta", "gamma"]}, "ok": {"type": "boolean"}},
-    "required": ["id", "name", "kind", "ok"], "additionalProperties": False}})
-
-
-@dataclass(slots=True)
-class Daemon:
-    label: str  # "async", "sync", "baseline async", ...
-    async_scheduling: bool
-    process: subprocess.Popen
-    socket_path: Path
-    trace_path: Path
-    pids: dict[str, int]  # process name -> pid: the daemon and each stage
-    http_url: str | None = None  # its OpenAI API, once it serves (started with `http`)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=60)
-
-
-def engine_options(model: str, device_ms: float, max_model_len: int, async_scheduling: bool,
-                   trace_path: str | None) -> dict:
-    """The EngineConfig of a daemon on the simulated device, as keyword arguments."""
-    return dict(model=model, device="cpu", max_num_seqs=max(BATCHES), max_model_len=max_model_len,
-                num_kv_blocks=max(BATCHES) * -(-max_model_len // BLOCK_SIZE), block_size=BLOCK_SIZE,
-                async_scheduling=async_scheduling, simulated_device_ms=device_ms, simulated_device_trace=trace_path)
-
-
-# The daemon of the checkout in argv[1] on socket argv[2], EngineConfig(**argv[3]) and
-# DaemonConfig(**argv[4]) given as JSON: any checkout of this repository serves this way, with
-# or without HTTP, whatever its own copy of this script can do.
-SERVE_CODE = """import json, logging, sys
-sys.path.insert(0, sys.argv[1])
-from pipeline.serve.config import DaemonConfig
-from pipeline.serve.daemon import run_daemon
-from stages.contracts.config import EngineConfig
-logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-sys.exit(run_daemon(EngineConfig(**json.loads(sys.argv[3])), sys.argv[2], settings=DaemonConfig(**json.loads(sys.argv[4]))))
-"""
-
-
-def make_model(directory: Path) -> Path:
-    """The tiny llama checkpoint, made by another process: torch never enters this one, whose
-    clients are measured (torch's objects would make each full garbage collection here a
-    100 ms pause in the middle of a stream)."""
-    run = subprocess.run([sys.executable, str(checkout_path.TOOLS / "make_tiny_model.py"), str(directory), "--arch",
-                          "llama", "--seed", str(SEED)], capture_output=True, text=True, check=True)
-    return Path(run.stdout.strip())
-
-
-def daemon_command(checkout: Path, socket_path: Path | str, engine: dict, http_port: int | None,
-                   stream_interval: int = 1) -> list[str]:
-    """The command line of `checkout`'s daemon on `socket_path` (SERVE_CODE)."""
-    settings = {"http_port": http_port} | ({"stream_interval": stream_interval} if stream_interval != 1 else {})
-    return [sys.executable, "-c", SERVE_CODE, str(checkout), str(socket_path), json.dumps(engine),
-            json.dumps(settings)]
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -143,187 +73,7 @@ def serve(args: argparse.Namespace) -> int:
 
     model = args.model or str(ensure_default_model())
     engine = engine_options(model, args.device_ms, args.max_model_len, not args.no_async_scheduling, args.trace)
-    os.execv(sys.executable, daemon_command(checkout_path.ROOT, args.serve, engine, args.http_port))
-
-
-def start_daemon(label: str, checkout: Path, model: Path, directory: Path, device_ms: float, max_model_len: int,
-                 async_scheduling: bool, http: bool, stream_interval: int = 1) -> Daemon:
-    """Starts the daemon of `checkout` (with the HTTP API on a free port when `http`); returns
-    before it answers (see wait_serving)."""
-    directory.mkdir(mode=0o700)
-    socket_path, trace_path = directory / "pipeline.sock", directory / "timeline.npy"
-    engine = engine_options(str(model), device_ms, max_model_len, async_scheduling, str(trace_path))
-    log = open(directory / "daemon.log", "wb")  # noqa: SIM115 - lives as long as the daemon
-    command = daemon_command(checkout, socket_path, engine, 0 if http else None, stream_interval)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=checkout)
-    return Daemon(label, async_scheduling, process, socket_path, trace_path, {"daemon": process.pid})
-
-
-def wait_serving(daemon: Daemon) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if daemon.process.poll() is not None:
-            log = (daemon.socket_path.parent / "daemon.log").read_text()
-            raise RuntimeError(f"the {daemon.label} daemon exited with {daemon.process.returncode}:\n{log}")
-        try:
-            with Client(daemon.socket_path, timeout_s=5) as client:
-                health = client.health()
-            if health.status == "ok":
-                daemon.pids.update(health.stage_pids)
-                daemon.http_url = health.http_url
-                return
-        except (DaemonNotRunning, OSError, PipelineError):
-            pass
-        time.sleep(0.1)  # start-up poll: the stages take seconds to come up
-    raise RuntimeError(f"the {daemon.label} daemon did not serve within {START_TIMEOUT_S} s")
-
-
-CRITICAL_PATH_PROCESSES = ("scheduler", "runner")
-
-
-def pin_processes(daemons: list[Daemon]) -> None:
-    """--pin: every thread of the critical path's processes (scheduler, runner) on the first CPU
-    this process may use, every thread of the daemons' other processes and of this one (the
-    clients) on the second."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        raise SystemExit(f"--pin needs two CPUs, this process may use {cpus}")
-    first, rest = {cpus[0]}, {cpus[1]}
-    pids = [(os.getpid(), rest)] + [(pid, first if name in CRITICAL_PATH_PROCESSES else rest)
-                                    for daemon in daemons for name, pid in daemon.pids.items()]
-    for pid, cores in pids:
-        for thread_id in os.listdir(f"/proc/{pid}/task"):
-            os.sched_setaffinity(int(thread_id), cores)
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of process `pid` (all its threads), from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat", "rb") as stat:
-        fields = stat.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S
-
-
-async def sample_cpu(daemon: Daemon, samples: list[CpuSample]) -> None:
-    """Every CPU_SAMPLE_S, the CPU time of the daemon's processes and this one (the clients)."""
-    pids = dict(daemon.pids, client=os.getpid())
-    while True:
-        samples.append(CpuSample(time.monotonic_ns(), {name: cpu_seconds(pid) for name, pid in pids.items()}))
-        await asyncio.sleep(CPU_SAMPLE_S)
-
-
-async def stream_batch(daemon: Daemon, prompts: list[list[int]], num_steps: int, multiplex: bool,
-                       num_constrained: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[CpuSample]]:
-    """Streams one request per prompt at once (all on one connection, read in batches, when
-    `multiplex`), the first `num_constrained` with STRUCTURED_SCHEMA; returns every token's receive
-    time, id and request index, and the CPU samples taken meanwhile."""
-    # Flat arrays, not a list of tuples: objects the collector must walk make its pauses grow.
-    # Per delta its request and token count, per read its time and token count: the clients'
-    # own work, not this recording, should be what the client column measures.
-    received_ids, delta_req, delta_len = array("q"), array("q"), array("q")
-    read_ns, read_len = array("q"), array("q")
-    samples: list[CpuSample] = []
-    params = SamplingParams(max_tokens=num_steps, temperature=0.0, ignore_eos=True)
-    constrained = SamplingParams(max_tokens=num_steps, temperature=0.0, ignore_eos=True, json_schema=STRUCTURED_SCHEMA)
-    params_of = [constrained if index < num_constrained else params for index in range(len(prompts))]
-    client = AsyncClient(daemon.socket_path, multiplex=multiplex)
-
-    async def one(index: int, prompt: list[int]) -> None:
-        async for delta in client.stream(prompt, params_of[index]):
-            received_ids.extend(delta.token_ids)
-            delta_req.append(index)
-            delta_len.append(len(delta.token_ids))
-            read_ns.append(time.monotonic_ns())
-            read_len.append(len(delta.token_ids))
-
-    async def all_in_batches() -> None:
-        async with client.stream_batches(prompts, params_of) as batches:
-            async for batch in batches:
-                read_ns.append(time.monotonic_ns())
-                before = len(received_ids)
-                for index, delta in batch:
-                    received_ids.extend(delta.token_ids)
-                    delta_req.append(index)
-                    delta_len.append(len(delta.token_ids))
-                read_len.append(len(received_ids) - before)
-
-    sampler = asyncio.ensure_future(sample_cpu(daemon, samples))
-    try:
-        if multiplex:
-            await all_in_batches()
-        else:
-            await asyncio.gather(*(one(index, prompt) for index, prompt in enumerate(prompts)))
-    finally:
-        sampler.cancel()
-        await client.close()
-    return (np.repeat(np.frombuffer(read_ns, np.int64), np.frombuffer(read_len, np.int64)),
-            np.frombuffer(received_ids, np.int64),
-            np.repeat(np.frombuffer(delta_req, np.int64), np.frombuffer(delta_len, np.int64)), samples)
-
-
-class SseStream(asyncio.Protocol):
-    """One streamed `/v1/completions` request on a connection of its own, read as bytes: how many
-    `data: {` frames came. Nothing is parsed but the status line."""
-
-    FRAME = b"data: {"
-    END = b"data: [DONE]"
-
-    def __init__(self, request: bytes, index: int) -> None:
-        self.request, self.index = request, index
-        self.num_frames = 0
-        self.ended: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._head = b""  # the response's first bytes, until the status line is checked
-        self._tail = b""  # the last bytes of the previous read: a frame's mark may straddle two reads
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.write(self.request)  # type: ignore[attr-defined]
-
-    def data_received(self, data: bytes) -> None:
-        if self._head is not None:
-            self._head += data
-            if b"\r\n" not in self._head:
-                return
-            if not self._head.startswith(b"HTTP/1.1 200"):
-                self.ended.set_exception(RuntimeError(f"stream {self.index}: {self._head[:500]!r}"))
-                return
-            data, self._head = self._head, None
-        seen = self._tail + data
-        self.num_frames += seen.count(self.FRAME)
-        self._tail = seen[-len(self.END):]
-        if self.END in seen and not self.ended.done():
-            self.ended.set_result(None)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.ended.done():
-            self.ended.set_exception(RuntimeError(f"stream {self.index}: the connection closed before [DONE] ({exc})"))
-
-
-async def stream_http(daemon: Daemon, prompts: list[list[int]], num_steps: int) -> list[CpuSample]:
-    """--http: streams one request per prompt at once from the daemon's /v1/completions, each on
-    its own connection, until every one has ended with [DONE]; returns the CPU samples taken
-    meanwhile. RuntimeError if a stream failed or sent no frame."""
-    host, port = daemon.http_url.removeprefix("http://").rsplit(":", 1)
-    samples: list[CpuSample] = []
-    sampler = asyncio.ensure_future(sample_cpu(daemon, samples))
-    streams, transports = [], []
-    try:
-        for index, prompt in enumerate(prompts):
-            body = json.dumps({"prompt": prompt, "max_tokens": num_steps, "temperature": 0, "ignore_eos": True,
-                               "stream": True}).encode()
-            request = (b"POST /v1/completions HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\n\r\n%b" % (host.encode(), len(body), body))
-            transport, stream = await asyncio.get_running_loop().create_connection(
-                lambda: SseStream(request, index), host, int(port))
-            streams.append(stream)
-            transports.append(transport)
-        await asyncio.gather(*(stream.ended for stream in streams))
-    finally:
-        sampler.cancel()
-        for transport in transports:
-            transport.close()
-    silent = [stream.index for stream in streams if not stream.num_frames]
-    if silent:
-        raise RuntimeError(f"{daemon.label}: streams {silent} ended without a frame")
-    return samples
+    os.execv(sys.executable, daemon_command(CHECKOUT, args.serve, engine, args.http_port))
 
 
 def measure(daemon: Daemon, batch: int, num_steps: int, device_ms: float, rng: np.random.Generator,
@@ -375,8 +125,8 @@ def delivery_by_order_ms(window, received_ns: np.ndarray, requests: np.ndarray) 
 
 
 def grammar_mask_us() -> dict:
-    """llguidance's per-token mask time on the tiny vocabulary (tools/bench_grammar.py --quick)."""
-    run = subprocess.run([sys.executable, str(checkout_path.TOOLS / "bench_grammar.py"), "--quick", "--json",
+    """llguidance's per-token mask time on the tiny vocabulary (tools/micro/bench_grammar.py --quick)."""
+    run = subprocess.run([sys.executable, str(TOOLS / "micro" / "bench_grammar.py"), "--quick", "--json",
                           "--library", "llguidance"], capture_output=True, text=True, check=True)
     tiny = json.loads(run.stdout)["llguidance"]["tiny_1024"]
     return {"p50": tiny["mask_us_p50"], "p99": tiny["mask_us_p99"]}
@@ -385,7 +135,7 @@ def grammar_mask_us() -> dict:
 def run(args: argparse.Namespace) -> dict:
     num_steps = 240 if args.quick else 600
     max_model_len = PROMPT_TOKENS + num_steps + BLOCK_SIZE
-    checkouts = [("", checkout_path.ROOT)] + ([("baseline ", Path(args.baseline).resolve())] if args.baseline else [])
+    checkouts = [("", CHECKOUT)] + ([("baseline ", Path(args.baseline).resolve())] if args.baseline else [])
     rng = np.random.default_rng(SEED)
     with tempfile.TemporaryDirectory(prefix="pl-overhead-") as directory:
         model = make_model(Path(directory) / "model")

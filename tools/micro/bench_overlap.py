@@ -4,7 +4,7 @@ BENCHMARK HARNESS: `SimulatedDevice` is a fake runner whose every step takes a f
 wall time on a simulated device without using the CPU (execute queues the step and records
 when it will be done; to_host sleeps until then). The engine, scheduler and LLM are the real
 ones. exposed = step time - T: the host work the device waited for.
-Usage: python tools/bench_overlap.py [--json] [--device-ms 5] [--batch 256] [--steps 100]
+Usage: python tools/micro/bench_overlap.py [--json] [--device-ms 5] [--batch 256] [--steps 100]
 """
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
-from pipeline.engine.llm import LLM  # noqa: E402
-from stages.contracts.params import SamplingParams  # noqa: E402
-from stages.contracts.outputs import HostStepOutput  # noqa: E402
-from stages.contracts.plan import StepPlan  # noqa: E402
+from pipeline.engine.llm import LLM
+from stages.contracts.outputs import HostStepOutput
+from stages.contracts.params import SamplingParams
+from stages.contracts.plan import StepPlan
 
 VOCAB = 32000
 

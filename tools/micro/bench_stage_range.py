@@ -1,9 +1,9 @@
 """Cost of one stage phase range (`with ctx.range(name):`), measured side by side with no range.
 
-Usage: python tools/bench_stage_range.py [--iterations N] [--json]
+Usage: python tools/micro/bench_stage_range.py [--iterations N] [--json]
 Rows: the loop with no range; with an empty context manager (the floor of any `with`); with a
 phase range and no NVTX tool attached (how a daemon started without `--nsys` runs); the same
-while a torch.profiler capture runs in the process (what the tools/profile.py fallback costs).
+while a torch.profiler capture runs in the process (what the tools/profiling/profile_daemon.py fallback costs).
 Each is the best of --repeats runs.
 """
 from __future__ import annotations
@@ -16,9 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
-
-from stages.profiling import StageProfiler  # noqa: E402
+from stages.profiling import StageProfiler
 
 
 class _Empty:

@@ -2,7 +2,7 @@
 
 Fake step outputs stand in for the runner; the loop is the async one (plan N+1 built before
 step N is applied), so placeholders, one-step-late updates and block growth are all exercised.
-Usage: python tools/bench_scheduler.py [--json] [--steps N]
+Usage: python tools/micro/bench_scheduler.py [--json] [--steps N]
 """
 from __future__ import annotations
 
@@ -13,13 +13,12 @@ from collections import deque
 
 import numpy as np
 
-import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
-from stages.contracts.params import SamplingParams  # noqa: E402
-from stages.contracts.config import EngineConfig, ModelLimits  # noqa: E402
-from stages.contracts.outputs import HostStepOutput  # noqa: E402
-from stages.contracts.plan import StepPlan  # noqa: E402
-from stages.scheduler.scheduler import Scheduler  # noqa: E402
-from stages.scheduler.step_loop import StepLoop  # noqa: E402
+from stages.contracts.config import EngineConfig, ModelLimits
+from stages.contracts.outputs import HostStepOutput
+from stages.contracts.params import SamplingParams
+from stages.contracts.plan import StepPlan
+from stages.scheduler.scheduler import Scheduler
+from stages.scheduler.step_loop import StepLoop
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 32

@@ -9,15 +9,13 @@ CPU per chunk through HTTP less that through the socket: what the HTTP front its
 `--baseline DIR` also runs the daemon of another checkout of this repository (`git worktree add
 DIR REV`) in the same rounds, so a change is measured side by side with the old code.
 
-    python tools/bench_http.py [--quick] [--json] [--rounds N] [--num-prompts N] [--baseline DIR]
+    python tools/bench/bench_http.py [--quick] [--json] [--rounds N] [--num-prompts N] [--baseline DIR]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import os
-import resource
 import shutil
 import signal
 import statistics
@@ -26,28 +24,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
-
-from bench_e2e import engine_options, start_daemon  # noqa: E402
-from pipeline.bench.serve_bench import run_benchmark  # noqa: E402
-from pipeline.bench.targets import HttpTarget, SocketTarget  # noqa: E402
-from pipeline.bench.workload import random_requests  # noqa: E402
-from pipeline.client import Client  # noqa: E402
-from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
-
-def cpu_s(pid: int) -> float:
-    """utime + stime of process `pid`, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+from pipeline.bench.daemon import cpu_s, engine_options, own_cpu_s, run_target, start_daemon
+from pipeline.bench.targets import HttpTarget, SocketTarget
+from pipeline.bench.workload import random_requests
+from pipeline.client import Client
+from pipeline.models.tiny_model import make_tiny_model
 
 
 def start_http_daemon(model: Path, run_dir: Path, checkout: Path | None = None) -> tuple[subprocess.Popen, Path, str]:
-    """The daemon of bench_e2e, serving HTTP on a free port too; (process, socket, HTTP URL)."""
+    """A tiny CPU daemon, serving HTTP on a free port too; (process, socket, HTTP URL)."""
     options = engine_options(max_model_len=1024, num_kv_blocks=4096) + ["--max-num-seqs", "256", "--port", "0"]
     process = start_daemon(model, run_dir, "real", options, checkout)
     socket_path = run_dir / "pipeline.sock"
@@ -57,20 +42,12 @@ def start_http_daemon(model: Path, run_dir: Path, checkout: Path | None = None) 
 
 def measure(target: object, requests: list, pid: int) -> dict[str, float]:
     daemon_before, own_before = cpu_s(pid), own_cpu_s()
-    result = asyncio.run(_run(target, requests))
+    result = asyncio.run(run_target(target, requests))
     daemon_used, own_used = cpu_s(pid) - daemon_before, own_cpu_s() - own_before
     metrics = result.metrics
     chunks = sum(len(record.chunk_tokens) for record in result.records)
     return {"output_tok_s": metrics.output_throughput, "failed": metrics.failed, "chunks": chunks,
             "daemon_cpu_us_per_chunk": daemon_used / chunks * 1e6, "client_cpu_us_per_chunk": own_used / chunks * 1e6}
-
-
-async def _run(make_target: object, requests: list) -> object:
-    target = make_target()
-    try:
-        return await run_benchmark(None, requests, ignore_eos=True, target=target)
-    finally:
-        await target.close()
 
 
 def main() -> int:
