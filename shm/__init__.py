@@ -13,7 +13,8 @@ plus raw arrays, decoded as numpy views into the ring.
 """
 from shm.codec import Layout
 from shm.naming import list_entries, new_instance_id, pid_alive, ring_name, sweep_stale, unlink_instance
-from shm.ring import Record, RecordTooLarge, RingClosed, RingReader, RingTimeout, RingWriter
+from shm.ring import Record, RecordTooLarge, RingClosed, RingTimeout, RingWriter
+from shm.ring_reader import RingReader
 from shm.segment import PeerDied, RingSegment
 
 __all__ = [

@@ -30,7 +30,8 @@ from typing import Any
 
 from shm.mailbox import MailboxReader
 from shm.naming import check_instance_id, pid_alive, ring_name, sweep_stale
-from shm.ring import Record, RingReader, RingTimeout, RingWriter
+from shm.ring import Record, RingTimeout, RingWriter
+from shm.ring_reader import RingReader
 from shm.segment import PeerDied
 from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.topology import (FRONTEND, MAILBOX_READERS, RESTARTS_ALONE, Link, links, segment_link, stages,

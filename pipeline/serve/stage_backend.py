@@ -36,7 +36,8 @@ from pipeline.engine.backend import LIVENESS_CHECK_S, BackendStats, StageHealth
 from pipeline.serve.nsys import SESSION_ENV
 from pipeline.serve.profile_control import ProfileControl
 from shm.naming import pid_alive, ring_name, sweep_stale, unlink_instance
-from shm.ring import Record, RingReader, RingTimeout, RingWriter
+from shm.ring import Record, RingTimeout, RingWriter
+from shm.ring_reader import RingReader
 from shm.segment import PeerDied, RingSegment
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent, TokenTexts

@@ -12,7 +12,8 @@ import os
 from tokenizers import Tokenizer
 
 from shm.mailbox import MailboxReader
-from shm.ring import Record, RingReader, RingWriter
+from shm.ring import Record, RingWriter
+from shm.ring_reader import RingReader
 from stages import messages as msg
 from stages.contracts.outputs import OutputEvent, TokenTexts
 from stages.detokenizer.output_processor import OutputProcessor

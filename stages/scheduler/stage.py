@@ -19,7 +19,8 @@ from collections import deque
 import numpy as np
 
 from shm.mailbox import MailboxReader
-from shm.ring import Record, RingReader, RingWriter
+from shm.ring import Record, RingWriter
+from shm.ring_reader import RingReader
 from stages import messages as msg
 from stages.contracts.outputs import FinishReason, HostStepOutput, StepUpdate
 from stages.contracts.plan import StepPlan

@@ -18,7 +18,8 @@ from pipeline.serve.server import BackendState, DaemonServer
 from pipeline.serve.supervisor import RestartBudget, RestartPolicy, StageSupervisor
 from stages.contracts.config import EngineConfig
 from shm.naming import new_instance_id, unlink_instance
-from shm.ring import RingReader, RingWriter
+from shm.ring import RingWriter
+from shm.ring_reader import RingReader
 from shm.segment import RingSegment
 from stages.contracts.outputs import OutputEvent
 

@@ -11,8 +11,10 @@ import time
 import numpy as np
 
 import shm.ring
+import shm.ring_reader
 from shm.naming import new_instance_id
-from shm.ring import RingReader, RingWriter
+from shm.ring import RingWriter
+from shm.ring_reader import RingReader
 from shm.segment import RingSegment
 
 POOL_BYTES = 1 << 16
@@ -131,7 +133,8 @@ def echo_sleeping(name_in: str, name_out: str, num_records: int, wake_s: float) 
     `wake_s` replaces the bounded-sleep period, so a missed doorbell would stall for that long.
     """
     shm.ring.WAKE_S = wake_s
-    assert shm.ring.PUBLISH_NEEDS_FENCE == (not os.environ.get("PIPELINE_SHM_MEMBARRIER"))
+    assert shm.ring.PUBLISH_NEEDS_FENCE == shm.ring_reader.PUBLISH_NEEDS_FENCE == (
+        not os.environ.get("PIPELINE_SHM_MEMBARRIER"))
     with RingReader.attach(name_in, spin_s=0.0) as reader, RingWriter.attach(name_out, spin_s=0.0) as writer:
         for _ in range(num_records):
             record = reader.read(timeout=None)

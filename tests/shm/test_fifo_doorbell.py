@@ -12,7 +12,8 @@ import shm_procs
 
 from shm.doorbell import FifoDoorbell
 from shm.naming import SHM_DIR, instance_of, ring_name
-from shm.ring import RingClosed, RingReader, RingWriter
+from shm.ring import RingClosed, RingWriter
+from shm.ring_reader import RingReader
 from shm.segment import RingSegment
 
 pytestmark = pytest.mark.timeout(60)

@@ -12,7 +12,7 @@ import pytest
 
 from shm.mailbox import MailboxReader, MailboxWriter, create_mailbox
 from shm.mailbox_layout import PID, REPLACEABLE, Mailbox
-from shm.ring import RingReader
+from shm.ring_reader import RingReader
 from shm.segment import CREATOR_PID_SLOT, WRITER_PID, WRITER_REPLACEABLE, PeerDied, RingSegment
 
 pytestmark = pytest.mark.timeout(30)

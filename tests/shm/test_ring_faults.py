@@ -14,7 +14,8 @@ import pytest
 import shm_procs
 
 from shm.naming import check_instance_id, instance_of, list_entries, pid_alive, sweep_stale, unlink_instance
-from shm.ring import RingReader, RingTimeout, RingWriter
+from shm.ring import RingTimeout, RingWriter
+from shm.ring_reader import RingReader
 from shm.segment import PeerDied, RingSegment
 
 PEER_DIED_WITHIN_S = 1.0

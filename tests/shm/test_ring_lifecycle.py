@@ -8,7 +8,8 @@ import time
 import pytest
 
 from shm.naming import list_entries, new_instance_id, ring_name, unlink_instance
-from shm.ring import RingReader, RingWriter
+from shm.ring import RingWriter
+from shm.ring_reader import RingReader
 from shm.segment import RingSegment
 
 

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shm.ring import RecordTooLarge, RingClosed, RingReader, RingTimeout, RingWriter
+from shm.ring import RecordTooLarge, RingClosed, RingTimeout, RingWriter
+from shm.ring_reader import RingReader
 from shm.segment import RingSegment
 
 

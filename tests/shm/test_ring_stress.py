@@ -10,7 +10,9 @@ import shm_procs
 
 import shm.fence
 import shm.ring
-from shm.ring import RingReader, RingWriter
+import shm.ring_reader
+from shm.ring import RingWriter
+from shm.ring_reader import RingReader
 from shm.segment import RingSegment
 
 NUM_RECORDS = 1_000_000
@@ -55,11 +57,13 @@ def test_no_doorbell_is_lost_when_every_wait_sleeps(instance: str, start_child, 
             pytest.skip("membarrier(GLOBAL_EXPEDITED) is not available here")
         monkeypatch.setattr(shm.fence, "_membarrier", membarrier)
         monkeypatch.setattr(shm.ring, "PUBLISH_NEEDS_FENCE", False)
+        monkeypatch.setattr(shm.ring_reader, "PUBLISH_NEEDS_FENCE", False)
         shm.fence.register_process()
     else:
         monkeypatch.delenv("PIPELINE_SHM_MEMBARRIER", raising=False)
         monkeypatch.setattr(shm.fence, "_membarrier", None)
         monkeypatch.setattr(shm.ring, "PUBLISH_NEEDS_FENCE", True)
+        monkeypatch.setattr(shm.ring_reader, "PUBLISH_NEEDS_FENCE", True)
     monkeypatch.setattr(shm.ring, "WAKE_S", 20.0)
     num_records = 5_000
     to_child = RingSegment.create(instance, "lw-out", 256)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from shm.codec import Layout
-from shm.ring import RingReader, RingWriter
+from shm.ring import RingWriter
+from shm.ring_reader import RingReader
 from shm.segment import RingSegment
 
 STEP = Layout(

@@ -4,7 +4,8 @@ from __future__ import annotations
 from multiprocessing.synchronize import Event
 
 from shm.mailbox import MailboxReader, MailboxWriter
-from shm.ring import RingReader, RingWriter
+from shm.ring import RingWriter
+from shm.ring_reader import RingReader
 from stages import messages as msg
 
 

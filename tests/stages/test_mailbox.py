@@ -13,7 +13,8 @@ import torch
 from stage_procs import consume, hold_forever, produce_then_hang
 
 from shm.naming import list_entries, new_instance_id, unlink_instance
-from shm.ring import RingReader, RingWriter
+from shm.ring import RingWriter
+from shm.ring_reader import RingReader
 from shm.segment import PeerDied, RingSegment
 from shm.mailbox import MailboxReader, MailboxWriter, create_mailbox
 from stages import messages as msg

@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from shm.naming import new_instance_id, unlink_instance
-from shm.ring import RingReader, RingWriter
+from shm.ring import RingWriter
+from shm.ring_reader import RingReader
 from shm.segment import RingSegment
 
 SIZES_BYTES = (64, 4096)

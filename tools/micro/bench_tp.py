@@ -33,7 +33,8 @@ import torch.distributed as dist
 from pipeline import LLM, SamplingParams
 from pipeline.models.tiny_model import make_tiny_model
 from shm.naming import new_instance_id, unlink_instance
-from shm.ring import RingReader, RingWriter
+from shm.ring import RingWriter
+from shm.ring_reader import RingReader
 from shm.segment import RingSegment
 from stages.gpu_runner.parallel import PlanBroadcast, TensorParallel, join_group, leave_group, weight_bytes
 
