@@ -429,7 +429,8 @@ class StageBackend:
         return self._profile.stop()
 
     def health(self) -> list[StageHealth]:
-        return [StageHealth(name, process.pid or 0, _exit_code(process) is None, self._board.stages.heartbeat_age_s(index))
+        stages = self._board.stages
+        return [StageHealth(name, process.pid or 0, _exit_code(process) is None, stages.heartbeat_age_s(index))
                 for index, (name, process) in enumerate(self._procs)]
 
     def stats(self) -> BackendStats:

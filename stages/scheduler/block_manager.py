@@ -30,7 +30,8 @@ def extend_hashes(hashes: list[bytes], token_ids: np.ndarray, num_blocks: int, b
     """`hashes`, a request's chain of block hashes over `token_ids`, extended in place to at
     least `num_blocks` entries."""
     for index in range(len(hashes), num_blocks):
-        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[index * block_size:(index + 1) * block_size]))
+        block = token_ids[index * block_size:(index + 1) * block_size]
+        hashes.append(hash_block(hashes[-1] if hashes else None, block))
     return hashes
 
 

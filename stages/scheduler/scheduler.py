@@ -283,8 +283,9 @@ class Scheduler:
         if not entries:
             return []
         rows, num_computed, num_new, sample, num_blocks = zip(*entries)
-        return [ScheduledRows(np.array(rows, np.int64), np.array(num_computed, np.int64), np.array(num_new, np.int64),
-                              np.array(sample, np.bool_), np.array(num_blocks, np.int64), np.zeros(len(rows), np.int64))]
+        return [ScheduledRows(np.array(rows, np.int64), np.array(num_computed, np.int64),
+                              np.array(num_new, np.int64), np.array(sample, np.bool_), np.array(num_blocks, np.int64),
+                              np.zeros(len(rows), np.int64))]
 
     def _make_room(self, num_new: np.ndarray, blocks_needed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Preempt from the back of the running list until the rest fit; returns the num_new and
