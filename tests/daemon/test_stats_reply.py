@@ -3,6 +3,7 @@ backend's `stats()` and the daemon's `StatsReply`, to what a client reads over t
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ from pipeline.engine.inprocess import InProcessBackend
 from pipeline.protocol import FrameDecoder, ServerMessage, SpeculativeCounts, StatsReply, encode_frame
 from pipeline.serve.stage_backend import StageBackend
 from pipeline.serve.status import stats_reply
-from stages.contracts.counters import PrefixCacheCounts, SchedulerCounters
+from stages.contracts.counters import PrefixCacheCounts, SchedulerCounters, from_ints, num_counts
 from stages.status import StatusBoard
 
 pytestmark = pytest.mark.timeout(30)
@@ -63,3 +64,11 @@ def test_a_backend_that_does_not_speculate_reports_none_drafted() -> None:
     reply = over_the_wire(stats_reply(server_with(backend)))  # type: ignore[arg-type]
     assert reply.speculative == SpeculativeCounts()
     assert (reply.speculative.draft_acceptance_rate, reply.speculative.mean_accepted_length) == (0.0, 0.0)
+
+
+def test_every_speculative_count_reaches_the_client_under_its_own_name() -> None:
+    counts = from_ints(SpeculativeCounts, list(range(1, num_counts(SpeculativeCounts) + 1)))
+    backend = SimpleNamespace(stats=lambda: BackendStats(SchedulerCounters(speculative=counts)))
+    reply = over_the_wire(stats_reply(server_with(backend)))  # type: ignore[arg-type]
+    assert reply.speculative == counts
+    assert all(getattr(reply, name) == value for name, value in asdict(counts).items())

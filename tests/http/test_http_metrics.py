@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.protocol import StatsReply
-from pipeline.serve.metrics import FINISHED_REASONS, Metrics
+from pipeline.protocol import SpeculativeCounts, StatsReply
+from pipeline.serve.metrics import FINISHED_REASONS, STATS_TOTALS, Metrics
 from pipeline.serve.openai.app import OpenAIApi
 
 SPEC_DECODE_SERIES = (
@@ -147,3 +148,9 @@ def test_the_metrics_endpoint_exposes_the_daemons_speculative_counts():
     assert response.status == 200
     assert spec_decode_values(server.metrics) == pytest.approx([12, 9, 4, 0.75, 3.25])
     assert b"pipeline:spec_decode_num_draft_tokens_total{model_name=\"tiny\"} 12.0" in response.body
+
+
+def test_every_speculative_count_is_exposed_as_a_counter():
+    exposed = {field: name for name, _, field in STATS_TOTALS}
+    for count in dataclasses.fields(SpeculativeCounts):
+        assert f"pipeline:spec_decode_{count.name}" == exposed[count.name]
