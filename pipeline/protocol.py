@@ -39,7 +39,7 @@ from msgspec import Meta, Struct
 
 from pipeline.errors import ErrorCode, PipelineError, ProtocolError
 from stages.contracts.params import MAX_TOKEN_ID, InvalidParams, SamplingParams
-from stages.contracts.speculative import SpeculativeCounts
+from stages.contracts.counters import SpeculativeCounts
 
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES_LIMIT = 2**32 - 1  # what the 4-byte header can express
@@ -214,7 +214,17 @@ class HealthReply(Struct, tag="health_reply"):
     delta_frames: bool = False  # it sends `Deltas` frames to requests that ask for them
 
 
-class StatsReply(Struct, tag="stats_reply"):
+def _count_fields(counts: type) -> list[tuple[str, type, int]]:
+    """A field (int, default 0) for each count of a counters dataclass, under the count's name."""
+    return [(f.name, int, 0) for f in dataclasses.fields(counts)]
+
+
+# Speculative decoding's counts since the engine (re)started: drafts verified, drafts accepted,
+# (request, step) pairs that verified drafts, and whatever SpeculativeCounts counts besides.
+_SpeculativeFields = msgspec.defstruct("_SpeculativeFields", _count_fields(SpeculativeCounts), module=__name__)
+
+
+class StatsReply(_SpeculativeFields, tag="stats_reply"):
     num_running_requests: int = 0
     num_waiting_requests: int = 0
     num_finished_requests: int = 0
@@ -235,16 +245,21 @@ class StatsReply(Struct, tag="stats_reply"):
     special_token_ids: list[int] = msgspec.field(default_factory=list)  # ids a prompt of text never holds
     num_resumed_requests: int = 0  # resubmitted to restarted stages after a crash (each time counts)
     num_guard_failed_requests: int = 0  # ended by the poison guard: in flight through two crashes of a stage
-    # speculative decoding, since the engine (re)started: drafts verified, drafts accepted, and
-    # (request, step) pairs that verified drafts
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_verifications: int = 0
 
     @property
     def speculative(self) -> SpeculativeCounts:
         """The speculative decoding counts, with their acceptance rate and mean accepted length."""
-        return SpeculativeCounts(self.num_draft_tokens, self.num_accepted_tokens, self.num_verifications)
+        return SpeculativeCounts(**{name: getattr(self, name) for name in _SpeculativeFields.__struct_fields__})
+
+    @speculative.setter
+    def speculative(self, counts: SpeculativeCounts) -> None:
+        for name in _SpeculativeFields.__struct_fields__:
+            setattr(self, name, getattr(counts, name))
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Used / total KV blocks (0 to 1; 0 before the engine reports any)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 class ProfileReply(Struct, tag="profile_reply"):

@@ -87,10 +87,10 @@ class StageContext:
         self._daemon_pid: int = spec["parent_pid"]
         self._next_daemon_check_s = 0.0  # the first tick checks
         self.board = StatusBoard.open(spec["status"])
-        self.board.mark_started(self.index, os.getpid())
+        self.board.stages.mark_started(self.index, os.getpid())
         self.profiler = StageProfiler(self.name)
         # A stage (re)started after a capture began joins at the next one; a stop finds it idle.
-        self._profile_generation = self.board.profile_generation()
+        self._profile_generation = self.board.profile.generation()
         self._last_input_s = time.monotonic()
         self.cores: list[int] | None = None  # the cores run_stage kept this stage to (stage_cores); None: not pinned
 
@@ -145,16 +145,16 @@ class StageContext:
     def tick(self) -> None:
         """Heartbeat; answers a new profile request; raises StageStop when it is time to go."""
         board = self.board
-        board.beat(self.index)
+        board.stages.beat(self.index)
         if board.stop_requested:
             raise StageStop(0, "stop requested")
         if time.monotonic() >= self._next_daemon_check_s:
             self._check_daemon()
-        if board.profile_generation() != self._profile_generation:
-            request = board.profile_request()
+        if board.profile.generation() != self._profile_generation:
+            request = board.profile.current()
             self._profile_generation = request.generation
-            board.answer_profile(self.index, self.profiler.answer(request))
-            board.beat(self.index)  # starting or writing a capture may take a while
+            board.profile.answer(self.index, self.profiler.answer(request))
+            board.stages.beat(self.index)  # starting or writing a capture may take a while
 
     def _check_daemon(self) -> None:
         """By pid, not by parent: the forkserver this stage was forked from outlives the daemon for
@@ -201,13 +201,13 @@ class StageContext:
         collector, whose every full collection would otherwise walk it again: a pause of tens
         of ms in the middle of a step."""
         gc.freeze()
-        self.board.mark_ready(self.index)
+        self.board.stages.mark_ready(self.index)
 
     def wait_limits(self) -> ModelLimits:
         """The model limits the runner publishes once it has loaded the model."""
         timeout_s = self.config.start_timeout_s
         deadline = time.monotonic() + timeout_s
-        while (limits := self.board.limits()) is None:
+        while (limits := self.board.limits.read()) is None:
             self.tick()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name}: the runner published no model limits within {timeout_s} s")
@@ -244,10 +244,10 @@ def _serve(ctx: StageContext, serve: Callable[[StageContext], None]) -> int:
         return stop.exit_code
     except PeerDied as exc:
         if not ctx.board.stop_requested:  # else the peer stopped as asked, before this stage saw the request
-            ctx.board.set_error(ctx.index, f"{ctx.name}: {exc}")
+            ctx.board.stages.set_error(ctx.index, f"{ctx.name}: {exc}")
             return EXIT_PEER_DIED
     except BaseException as exc:  # noqa: BLE001 - reported to the daemon, then the process ends
-        ctx.board.set_error(ctx.index, f"{ctx.name}: {type(exc).__name__}: {exc}")
+        ctx.board.stages.set_error(ctx.index, f"{ctx.name}: {type(exc).__name__}: {exc}")
         return EXIT_ERROR
     return 0
 

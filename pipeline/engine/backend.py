@@ -7,10 +7,11 @@ by a thread of the daemon's own process. The daemon and the stage supervisor see
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from stages.contracts.config import EngineConfig, ModelLimits
+from stages.contracts.counters import SchedulerCounters
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
 
@@ -29,17 +30,8 @@ class StageHealth:
 
 @dataclass(slots=True)
 class BackendStats:
-    num_waiting: int
-    num_running: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    generated_tokens_per_s: float
-    num_restarts: int
-    prefix_cache_hit_rate: float = 0.0
-    prefix_cache_hit_tokens: int = 0  # admitted tokens found in the prefix cache, since the engine started
-    num_draft_tokens: int = 0  # speculative decoding, since the engine started: drafts verified
-    num_accepted_tokens: int = 0  # of those, accepted
-    num_verifications: int = 0  # (request, step) pairs that verified drafts
+    scheduler: SchedulerCounters = field(default_factory=SchedulerCounters)  # totals since the engine started
+    generated_tokens_per_s: float = 0.0
 
 
 class Backend(Protocol):

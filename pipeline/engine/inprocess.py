@@ -83,14 +83,8 @@ class InProcessBackend:
         return [StageHealth("engine", os.getpid(), self._thread.is_alive(), time.monotonic() - self._heartbeat)]
 
     def stats(self) -> BackendStats:
-        stats = self.llm.scheduler.stats()
         elapsed_s = max(time.monotonic() - self._started_at, 1e-9)
-        return BackendStats(stats.num_waiting, stats.num_running + stats.num_draining, stats.num_used_blocks,
-                            stats.num_free_blocks, self._num_generated / elapsed_s, 0,
-                            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-                            prefix_cache_hit_tokens=stats.num_prefix_hit_tokens,
-                            num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens,
-                            num_verifications=stats.num_verifications)
+        return BackendStats(self.llm.scheduler.stats(), self._num_generated / elapsed_s)
 
     def start_profile(self, directory: str) -> None:
         raise StageFailed("the in-process engine has no stage processes to profile; profile the daemon itself")

@@ -5,17 +5,19 @@ counter. Every series carries a `model_name` label. A request's life is recorded
 calls: `request_arrived` returns its `RequestTimeline`, `tokens_generated` counts each batch of
 output tokens (the first gives the time to first token), and `request_finished` observes the
 latencies and counts the request under its finish reason. Label children are bound once here,
-so a call is a few counter or histogram updates.
+so a call is a few counter or histogram updates. `set_stats` sets every series of STATS_GAUGES
+and STATS_TOTALS from the daemon's stats reply: a count the reply carries is exposed by one row there.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from pipeline.protocol import SpeculativeCounts
+from pipeline.protocol import StatsReply
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
@@ -27,6 +29,32 @@ TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0
                   1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                              120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# Gauges set from a stats reply: (metric, help, the reply's attribute).
+STATS_GAUGES = (
+    ("pipeline:num_requests_running", "Requests the engine is running now.", "num_running_requests"),
+    ("pipeline:num_requests_waiting", "Requests waiting for the engine to start them.", "num_waiting_requests"),
+    ("pipeline:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", "kv_cache_usage"),
+    ("pipeline:prefix_cache_hit_rate", "Share of prompt tokens found in the prefix cache.", "prefix_cache_hit_rate"),
+    ("pipeline:spec_decode_draft_acceptance_rate", "Share of verified draft tokens accepted, since the engine started.",
+     "speculative.draft_acceptance_rate"),
+    ("pipeline:spec_decode_mean_accepted_length", "Tokens a verifying step gives a request on average, since the "
+     "engine started: accepted drafts and one sampled token.", "speculative.mean_accepted_length"),
+)
+# Counters that follow a total of the stats reply (each adds the rise; a total that falls started
+# again from zero, and all of it is new): (metric, help, the reply's attribute). Restarts and
+# requests count since the daemon started, speculative decoding since the engine (re)started.
+STATS_TOTALS = (
+    ("pipeline:stage_restarts", "Times the stage processes were restarted.", "num_restarts"),
+    ("pipeline:requests_resumed", "Requests resubmitted to restarted stages after a crash (each time counts).",
+     "num_resumed_requests"),
+    ("pipeline:requests_failed_by_guard", "Requests ended because they were in flight during two crashes of one "
+     "stage.", "num_guard_failed_requests"),
+    ("pipeline:spec_decode_num_draft_tokens", "Speculative draft tokens verified.", "num_draft_tokens"),
+    ("pipeline:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.", "num_accepted_tokens"),
+    ("pipeline:spec_decode_num_verifications", "Steps of a request that verified speculative drafts.",
+     "num_verifications"),
+)
 
 
 @dataclass(slots=True)
@@ -55,27 +83,10 @@ class Metrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, labels, registry=self.registry, buckets=buckets).labels(model_name)
 
-        self._running = gauge("pipeline:num_requests_running", "Requests the engine is running now.")
-        self._waiting = gauge("pipeline:num_requests_waiting", "Requests waiting for the engine to start them.")
-        self._kv_cache_usage = gauge("pipeline:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.")
-        self._prefix_cache_hit_rate = gauge("pipeline:prefix_cache_hit_rate", "Share of prompt tokens found in the prefix cache.")
+        self._stats_gauges = [(gauge(name, doc), attrgetter(field)) for name, doc, field in STATS_GAUGES]
         self._prompt_tokens = counter("pipeline:prompt_tokens", "Prompt tokens of finished requests.")
         self._generation_tokens = counter("pipeline:generation_tokens", "Output tokens generated.")
-        self._stage_restarts = counter("pipeline:stage_restarts", "Times the stage processes were restarted.")
-        self._resumed = counter("pipeline:requests_resumed",
-                                "Requests resubmitted to restarted stages after a crash (each time counts).")
-        self._guard_failed = counter("pipeline:requests_failed_by_guard",
-                                     "Requests ended because they were in flight during two crashes of one stage.")
-        self._draft_tokens = counter("pipeline:spec_decode_num_draft_tokens", "Speculative draft tokens verified.")
-        self._accepted_tokens = counter("pipeline:spec_decode_num_accepted_tokens",
-                                        "Speculative draft tokens accepted.")
-        self._verifications = counter("pipeline:spec_decode_num_verifications",
-                                      "Steps of a request that verified speculative drafts.")
-        self._acceptance_rate = gauge("pipeline:spec_decode_draft_acceptance_rate",
-                                      "Share of verified draft tokens accepted, since the engine started.")
-        self._mean_accepted_length = gauge("pipeline:spec_decode_mean_accepted_length",
-                                           "Tokens a verifying step gives a request on average, since the engine "
-                                           "started: accepted drafts and one sampled token.")
+        self._stats_totals = [(counter(name, doc), attrgetter(field)) for name, doc, field in STATS_TOTALS]
         success = Counter("pipeline:request_success", "Finished requests, by finish reason.",
                           [*labels, "finished_reason"], registry=self.registry)
         self._success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
@@ -85,7 +96,7 @@ class Metrics:
         self._e2e = histogram("pipeline:e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS_S)
         self._queue_time = histogram("pipeline:request_queue_time_seconds", "Time waiting before the engine started the request.",
                                      REQUEST_LATENCY_BUCKETS_S)
-        self._totals_seen: dict[Counter, int] = {}
+        self._totals_seen: dict[Counter, int] = {}  # the total each counter of STATS_TOTALS last saw
 
     def request_arrived(self, now: float | None = None) -> RequestTimeline:
         return RequestTimeline(time.monotonic() if now is None else now)
@@ -134,35 +145,12 @@ class Metrics:
             decode_s = timeline.last_token_s - timeline.first_token_s
             self._tpot.observe(decode_s / (timeline.num_output_tokens - 1))
 
-    def set_stats(
-        self,
-        *,
-        num_requests_running: int,
-        num_requests_waiting: int,
-        kv_cache_usage: float,
-        prefix_cache_hit_rate: float,
-        num_stage_restarts: int,
-        num_resumed_requests: int = 0,
-        num_guard_failed_requests: int = 0,
-        num_draft_tokens: int = 0,
-        num_accepted_tokens: int = 0,
-        num_verifications: int = 0,
-    ) -> None:
-        """Gauges from a stats snapshot. `kv_cache_usage` is used / total KV blocks (0 to 1); the
-        `num_*` are totals (each counter adds the rise): the restarts and requests since the daemon
-        started, the speculative decoding counts since the engine (re)started, so a count that
-        falls started again from zero and all of it is new."""
-        self._running.set(num_requests_running)
-        self._waiting.set(num_requests_waiting)
-        self._kv_cache_usage.set(kv_cache_usage)
-        self._prefix_cache_hit_rate.set(prefix_cache_hit_rate)
-        speculative = SpeculativeCounts(num_draft_tokens, num_accepted_tokens, num_verifications)
-        self._acceptance_rate.set(speculative.draft_acceptance_rate)
-        self._mean_accepted_length.set(speculative.mean_accepted_length)
-        for counter, total in ((self._stage_restarts, num_stage_restarts), (self._resumed, num_resumed_requests),
-                               (self._guard_failed, num_guard_failed_requests), (self._draft_tokens, num_draft_tokens),
-                               (self._accepted_tokens, num_accepted_tokens), (self._verifications, num_verifications)):
-            seen = self._totals_seen.get(counter, 0)
+    def set_stats(self, stats: StatsReply) -> None:
+        """Every series of STATS_GAUGES and STATS_TOTALS from a stats snapshot."""
+        for gauge, value_of in self._stats_gauges:
+            gauge.set(value_of(stats))
+        for counter, total_of in self._stats_totals:
+            total, seen = total_of(stats), self._totals_seen.get(counter, 0)
             if total != seen:
                 counter.inc(total - seen if total > seen else total)
                 self._totals_seen[counter] = total

@@ -92,11 +92,11 @@ class ProfileControl:
         """Returns once every live stage captures. InvalidRequest for a bad directory or a capture
         already running; StageFailed naming the stages that could not start (the others stop)."""
         with self._exclusive():
-            if self._board.profile_active:
+            if self._board.profile.active:
                 raise InvalidRequest("action", "a profile capture is already running; stop it first")
             real = check_trace_directory(directory)
             try:
-                generation = self._board.request_profile(real)
+                generation = self._board.profile.request(real)
             except ValueError as exc:  # the path does not fit the board
                 raise InvalidRequest("directory", str(exc)) from None
             try:
@@ -114,9 +114,9 @@ class ProfileControl:
         """Ends the capture; returns the trace each live stage wrote. InvalidRequest when none
         runs; StageFailed naming the stages that wrote none."""
         with self._exclusive():
-            if not self._board.profile_active:
+            if not self._board.profile.active:
                 raise InvalidRequest("action", "no profile capture is running; start one first")
-            answers = self._gather(self._board.request_profile(None), "stop")
+            answers = self._gather(self._board.profile.request(None), "stop")
             paths = sorted(a.message for a in answers.values() if a.outcome == ProfileOutcome.WRITTEN)
             failed = {name: a.message for name, a in answers.items() if a.outcome == ProfileOutcome.FAILED}
             if failed:
@@ -137,7 +137,7 @@ class ProfileControl:
         """Every live stage's answer to request `generation`, or StageFailed naming the late ones."""
         deadline = time.monotonic() + self._timeout_s
         while True:
-            answers = {name: self._board.profile_answer(index) for index, name in self._live_stages().items()}
+            answers = {name: self._board.profile.answer_of(index) for index, name in self._live_stages().items()}
             late = [name for name, answer in answers.items() if answer.generation != generation]
             if not late:
                 return answers
@@ -149,6 +149,6 @@ class ProfileControl:
     def _stop_quietly(self) -> None:
         """After a failed start: the stages that did start stop (their traces are not reported)."""
         try:
-            self._gather(self._board.request_profile(None), "stop")
+            self._gather(self._board.profile.request(None), "stop")
         except StageFailed:
             pass

@@ -115,7 +115,7 @@ class StageBackend:
         for index, stage in enumerate(self.stage_table()):
             self._procs.append((stage.name, self._spawn(index, stage)))
         self._wait_ready(range(len(self._procs)))
-        self.limits = self._board.limits()
+        self.limits = self._board.limits.read()
         # The status board and the mailbox keep their names while the instance lives, so that a
         # restarted frontend stage can open them; close() removes them, or, once the daemon is
         # dead, its stages as they exit (stages/process.py), or else the sweep of the next start.
@@ -192,7 +192,7 @@ class StageBackend:
             self._pending_aborts.clear()
             self._next_tokenizer = 0
         for index in indexes:
-            self._board.clear_stage(index)
+            self._board.stages.clear(index)
         movers = {name for link in fresh for name in (link.writer, *link.readers)} - set(group) - {DAEMON}
         self._wait_taken_up([index for index, (name, _) in enumerate(self._procs) if name in movers],
                             self._board.bump_frontend_generation())
@@ -206,7 +206,7 @@ class StageBackend:
     def _wait_taken_up(self, indexes: list[int], generation: int) -> None:
         """Waits until the stages at `indexes` have moved onto frontend generation `generation`."""
         deadline = time.monotonic() + self.config.start_timeout_s
-        while not all(self._board.frontend_taken(index) == generation for index in indexes):
+        while not all(self._board.stages.frontend_taken(index) == generation for index in indexes):
             failed = self._failed_stage(among=indexes)
             if failed is not None:
                 raise failed
@@ -220,12 +220,12 @@ class StageBackend:
 
     def _wait_ready(self, indexes: Sequence[int]) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
-        while not all(self._board.is_ready(index) for index in indexes):
+        while not all(self._board.stages.is_ready(index) for index in indexes):
             failed = self._failed_stage()
             if failed is not None:
                 raise failed
             if time.monotonic() > deadline:
-                waiting = [self._procs[index][0] for index in indexes if not self._board.is_ready(index)]
+                waiting = [self._procs[index][0] for index in indexes if not self._board.stages.is_ready(index)]
                 raise StageFailed(f"stages {waiting} were not ready within {self.config.start_timeout_s} s")
             time.sleep(READY_POLL_S)  # start-up only: model loading takes seconds
 
@@ -244,8 +244,8 @@ class StageBackend:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         if code == FORKSERVER_LOST:
             how = "died (its exit status was lost with the forkserver it was forked from)"
-        error = self._board.error(index)
-        ready = "" if self._board.is_ready(index) else " while starting"
+        error = self._board.stages.error(index)
+        ready = "" if self._board.stages.is_ready(index) else " while starting"
         return StageFailed(f"stage {name!r} {how}{ready}" + (f": {error}" if error else ""), stage=name)
 
     def _dead_peer_failure(self, message: str, stage: str | None) -> StageFailed:
@@ -383,7 +383,7 @@ class StageBackend:
     def _between_reads(self) -> None:
         """The token rate and the aborts that found the abort ring full: looked at on each read,
         and by check_stages every LIVENESS_CHECK_S, with events or without."""
-        self._rate.update(self._board.counters().tokens_generated)
+        self._rate.update(self._board.counters.read().tokens_generated)
         self._retry_aborts()
 
     def _retry_aborts(self) -> None:
@@ -430,17 +430,12 @@ class StageBackend:
         return self._profile.stop()
 
     def health(self) -> list[StageHealth]:
-        return [StageHealth(name, process.pid or 0, _exit_code(process) is None, self._board.heartbeat_age_s(index))
+        stages = self._board.stages
+        return [StageHealth(name, process.pid or 0, _exit_code(process) is None, stages.heartbeat_age_s(index))
                 for index, (name, process) in enumerate(self._procs)]
 
     def stats(self) -> BackendStats:
-        counters = self._board.counters()
-        return BackendStats(counters.num_waiting, counters.num_running, counters.kv_blocks_used,
-                            counters.kv_blocks_free, self._rate.tokens_per_s, num_restarts=0,
-                            prefix_cache_hit_rate=counters.prefix_cache_hit_rate,
-                            prefix_cache_hit_tokens=counters.num_prefix_hit_tokens,
-                            num_draft_tokens=counters.num_draft_tokens,
-                            num_accepted_tokens=counters.num_accepted_tokens, num_verifications=counters.num_verifications)
+        return BackendStats(self._board.counters.read(), self._rate.tokens_per_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops every stage and removes every shm entry of this instance."""

@@ -98,14 +98,13 @@ def stats_reply(server: ServerState) -> StatsReply:
         stats = server.backend.stats()
     except Exception:  # noqa: BLE001 - the daemon's own counters still answer
         return reply
-    reply.num_running_requests = stats.num_running
-    reply.num_waiting_requests = stats.num_waiting
-    reply.kv_blocks_used = stats.kv_blocks_used
-    reply.kv_blocks_total = stats.kv_blocks_used + stats.kv_blocks_free
+    counters = stats.scheduler
+    reply.num_running_requests = counters.num_holding_rows
+    reply.num_waiting_requests = counters.num_waiting
+    reply.kv_blocks_used = counters.kv_blocks_used
+    reply.kv_blocks_total = counters.kv_blocks_used + counters.kv_blocks_free
     reply.generated_tokens_per_s = stats.generated_tokens_per_s
-    reply.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
-    reply.prefix_cache_hit_tokens = stats.prefix_cache_hit_tokens
-    reply.num_draft_tokens = stats.num_draft_tokens
-    reply.num_accepted_tokens = stats.num_accepted_tokens
-    reply.num_verifications = stats.num_verifications
+    reply.prefix_cache_hit_rate = counters.prefix.hit_rate
+    reply.prefix_cache_hit_tokens = counters.prefix.num_hit_tokens
+    reply.speculative = counters.speculative
     return reply

@@ -21,36 +21,6 @@ _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup
          "disable_by_batch_size")
 
 
-@dataclass(slots=True)
-class SpeculativeCounts:
-    """Speculative decoding's totals: drafts verified, drafts accepted, and (request, step) pairs
-    that verified drafts. All 0 where nothing speculates."""
-
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_verifications: int = 0
-
-    def since(self, before: SpeculativeCounts) -> SpeculativeCounts:
-        """What was counted between `before` and these (a count that fell started again from 0)."""
-        def rise(now: int, then: int) -> int:
-            return now - then if now >= then else now
-
-        return SpeculativeCounts(rise(self.num_draft_tokens, before.num_draft_tokens),
-                                 rise(self.num_accepted_tokens, before.num_accepted_tokens),
-                                 rise(self.num_verifications, before.num_verifications))
-
-    @property
-    def draft_acceptance_rate(self) -> float:
-        """The share of verified drafts accepted (0 before any)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a verifying step gives a request on average: its accepted drafts and the one
-        token the target samples after them (0 before any)."""
-        return 1 + self.num_accepted_tokens / self.num_verifications if self.num_verifications else 0.0
-
-
 class SpeculativeConfigError(ValueError):
     """A speculative config that cannot be used; the message names the key."""
 

@@ -52,7 +52,7 @@ def serve_rank(ctx: StageContext, tp: TensorParallel | None) -> None:
                    cuda=runner.device.type == "cuda")
     mailbox = MailboxWriter(ctx.mailbox_name, runner.device)
     plans, done = ctx.reader("plan"), ctx.writer("done")
-    ctx.board.publish_limits(model_limits(runner, config))
+    ctx.board.limits.publish(model_limits(runner, config))
     step_range, execute_range, publish_range = ctx.range("step"), ctx.range("execute"), ctx.range("publish")
     runner.phase = ctx.range  # prepare_inputs, forward and sample inside execute
     runner.copy_to_host = False  # the mailbox carries the tokens: no pinned copy and event per step

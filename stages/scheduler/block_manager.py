@@ -26,6 +26,15 @@ def hash_block(parent_hash: bytes | None, token_ids: np.ndarray) -> bytes:
     return digest.digest()
 
 
+def extend_hashes(hashes: list[bytes], token_ids: np.ndarray, num_blocks: int, block_size: int) -> list[bytes]:
+    """`hashes`, a request's chain of block hashes over `token_ids`, extended in place to at
+    least `num_blocks` entries."""
+    for index in range(len(hashes), num_blocks):
+        block = token_ids[index * block_size:(index + 1) * block_size]
+        hashes.append(hash_block(hashes[-1] if hashes else None, block))
+    return hashes
+
+
 class OutOfBlocks(RuntimeError):
     pass
 

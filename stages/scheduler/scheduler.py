@@ -12,22 +12,24 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import replace
 
 import numpy as np
 
-from stages.contracts.params import SamplingParams
 from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.connector import KVConnectorScheduler
+from stages.contracts.counters import PrefixCacheCounts, SchedulerCounters, SpeculativeCounts
 from stages.contracts.outputs import FinishReason, HostStepOutput, StepUpdate
+from stages.contracts.params import SamplingParams
 from stages.contracts.plan import NewRequest, StepPlan
-from stages.scheduler.block_manager import hash_block
+from stages.scheduler.block_manager import extend_hashes
+from stages.scheduler.connector_pins import PinnedConnector
 from stages.scheduler.kv_groups import KVGroups
 from stages.scheduler.request import Request, RequestStatus
 from stages.scheduler.row_table import RowTable
+from stages.scheduler.scheduled_rows import ScheduledRows
 from stages.scheduler.speculation import Speculation
-from stages.scheduler.stats import SchedulerStats
-from stages.scheduler.step_entries import plain_entries, speculative_entries
+from stages.scheduler.step_entries import StopTokens, plain_entries, speculative_entries
 
 
 def _greedy_fill(need: np.ndarray, budget: int) -> np.ndarray:
@@ -55,9 +57,10 @@ class Scheduler:
                 f"{num_kv_blocks} blocks x {block_size} tokens = {num_kv_blocks * block_size}")
         self.block_size = block_size
         self.connector = connector
-        self._eos_token_ids = sorted(set(int(t) for t in limits.eos_token_ids))
+        self._pinned = None if connector is None else PinnedConnector(connector, self.block_manager)
         self._rows = RowTable(self.max_num_seqs, self.max_model_len)
         self._row_request: list[Request | None] = [None] * self.max_num_seqs
+        self._stop_tokens = StopTokens(limits.eos_token_ids, self._rows, self._row_request)
         self._free_rows = list(range(self.max_num_seqs - 1, -1, -1))
         self._rows_to_free: list[int] = []
         self._requests: dict[int, Request] = {}
@@ -65,15 +68,14 @@ class Scheduler:
         self._running: list[Request] = []
         self._running_rows: np.ndarray | None = None  # cache of the running requests' rows
         self._num_draining = 0
-        self._connector_pins: list[int] = []  # blocks a pending connector save will read
         self._in_flight: deque[StepPlan] = deque()  # scheduled, not yet updated, oldest first
         self._first_admitted: deque[list[tuple[int, int]]] = deque()  # per step in flight: (req_id, ns)
         self._next_step = 0
         self.spec = None if config.speculative is None else \
             Speculation(config.speculative, self.max_num_seqs, self.max_model_len)
         self.num_preemptions = 0
-        self.num_prefix_queried_tokens = 0
-        self.num_prefix_hit_tokens = 0
+        self.num_tokens_generated = 0
+        self.prefix = PrefixCacheCounts()
 
     # ---- requests in and out
 
@@ -121,12 +123,13 @@ class Scheduler:
         """Plans scheduled whose tokens have not been applied by `update` yet (at most two)."""
         return len(self._in_flight)
 
-    def stats(self) -> SchedulerStats:
+    def stats(self) -> SchedulerCounters:
+        """Queue lengths and KV blocks now, and the totals so far (a copy: later steps leave it be)."""
         manager = self.block_manager
-        return SchedulerStats(len(self._waiting), len(self._running), self._num_draining,
-                              manager.num_free_blocks, manager.num_used_blocks,
-                              manager.num_cached_blocks, self.num_preemptions, self.num_prefix_queried_tokens,
-                              self.num_prefix_hit_tokens, *(() if self.spec is None else self.spec.counts()))
+        return SchedulerCounters(len(self._waiting), len(self._running), self._num_draining, manager.num_used_blocks,
+                                 manager.num_free_blocks, manager.num_cached_blocks, self.num_tokens_generated,
+                                 self.num_preemptions, replace(self.prefix),
+                                 SpeculativeCounts() if self.spec is None else replace(self.spec.counts))
 
     def num_computed_tokens(self, req_id: int) -> int:
         row = self._requests[req_id].row
@@ -135,101 +138,91 @@ class Scheduler:
     # ---- planning
 
     def schedule(self) -> StepPlan | None:
-        """Plan the next step, or None when nothing can run now."""
+        """Plan the next step, or None when nothing can run now: the running rows first (see
+        `_schedule_running`), then waiting requests while tokens, rows and blocks allow, unless
+        a running row had to be preempted."""
         if len(self._in_flight) >= 2:
             raise RuntimeError("at most one plan ahead: update() the oldest step before scheduling another")
-        rows_t = self._rows
-        budget = self.max_num_batched_tokens
-        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-        new_block_ids: list[list[int]] = [[] for _ in self.kv.groups]  # per KV group
-        preempted = False
-
-        if self._running:
-            rows = self._running_row_array()
-            num_computed = rows_t.num_computed[rows]
-            logical = rows_t.num_known[rows] + rows_t.num_placeholders[rows]
-            # max-tokens guard: a request whose outputs (known + placeholders) already reach a
-            # limit would only produce tokens that are discarded.
-            useful = (logical - rows_t.num_prompt[rows] < rows_t.max_tokens[rows]) & (logical < self.max_model_len)
-            need = np.where(useful, logical - num_computed, 0)
-            # Decodes first, so a long prefill chunk never starves running generations.
-            is_decode = need == 1
-            num_new = np.where(is_decode, _greedy_fill(np.where(is_decode, need, 0), budget), 0)
-            budget -= int(num_new.sum())
-            drafts = None
-            if self.spec is not None:  # then the drafts of decoding rows, before any prefill chunk
-                drafts = self.spec.choose(rows, is_decode, num_new, num_computed,
-                                          rows_t.num_known[rows] - rows_t.num_prompt[rows], rows_t.min_tokens[rows],
-                                          budget)
-                num_new += drafts
-                budget -= int(drafts.sum())
-            num_new += _greedy_fill(np.where(is_decode, 0, need), budget)
-            blocks_needed = np.maximum(-(-(num_computed + num_new) // self.block_size) - rows_t.num_blocks[rows], 0)
-            if int(blocks_needed.sum()) > self.kv.num_free_blocks:
-                preempted = True
-                rows, num_new, blocks_needed = self._make_room(rows, num_new, blocks_needed)
-                if drafts is not None:
-                    drafts = np.where(num_new > 0, drafts[:len(rows)], 0)
-                num_computed, logical = rows_t.num_computed[rows], rows_t.num_known[rows] + rows_t.num_placeholders[rows]
-            budget = self.max_num_batched_tokens - int(num_new.sum())
-            scheduled = num_new > 0
-            if scheduled.any():
-                rows, num_computed, num_new, blocks_needed = (
-                    rows[scheduled], num_computed[scheduled], num_new[scheduled], blocks_needed[scheduled])
-                if drafts is not None:
-                    drafts = drafts[scheduled]
-                sample = num_computed + num_new == logical[scheduled] + (0 if drafts is None else drafts)
-                new_block_ids = self.kv.allocate(int(blocks_needed.sum()))
-                if new_block_ids[0]:
-                    start = 0
-                    for row, count in zip(rows[blocks_needed > 0].tolist(), blocks_needed[blocks_needed > 0].tolist()):
-                        for block_ids, new in zip(self.kv.lists(self._row_request[row]), new_block_ids):
-                            block_ids.extend(new[start:start + count])
-                        start += count
-                    rows_t.num_blocks[rows] += blocks_needed
-                parts.append((rows, num_computed, num_new, sample, blocks_needed,
-                              np.zeros(len(rows), np.int64) if drafts is None else drafts))
-
+        parts, new_block_ids, preempted = self._schedule_running()
         new_requests: list[NewRequest] = []
         first_admissions: set[int] = set()
         if not preempted:
-            admitted = self._admit(budget, new_requests, new_block_ids, first_admissions)
-            if admitted is not None:
-                parts.append(admitted)
-
+            budget = self.max_num_batched_tokens - sum(int(part.num_new.sum()) for part in parts)
+            parts += self._admit(budget, new_requests, new_block_ids, first_admissions)
         if not parts:
             return None
-        rows, num_computed, num_new, sample, num_new_blocks, drafts = (np.concatenate(p) for p in zip(*parts))
-        num_draft_tokens = lagged = None
-        if self.spec is not None:
-            num_draft_tokens, lagged = drafts.astype(np.int32), self.spec.lagged(rows)
-            self.spec.drafts_in_flight[rows] += drafts
-        # Advance optimistically (every draft accepted): the next plan continues where this one stops.
-        rows_t.num_computed[rows] += num_new
-        rows_t.num_in_flight[rows] += num_new
-        rows_t.num_steps_in_flight[rows] += 1
-        rows_t.num_placeholders[rows[sample]] += 1 + drafts[sample]
+        return self._launch(ScheduledRows.concat(parts), new_requests, new_block_ids, first_admissions)
 
-        meta = None
-        if self.connector is not None:
-            meta, read_blocks = self.connector.build_meta()
-            self._unpin(read_blocks)
+    def _schedule_running(self) -> tuple[list[ScheduledRows], list[list[int]], bool]:
+        """The running rows' tokens this step: decodes first (a long prefill chunk never starves
+        running generations), then the drafts of decoding rows, then prefill chunks. Where blocks
+        run short, rows are preempted from the back. Returns the rows that run (none, or one
+        part), their new blocks per KV group, and whether some row was preempted."""
+        rows_t, budget = self._rows, self.max_num_batched_tokens
+        new_block_ids: list[list[int]] = [[] for _ in self.kv.groups]
+        if not self._running:
+            return [], new_block_ids, False
+        if self._running_rows is None:
+            self._running_rows = np.fromiter((r.row for r in self._running), np.int64, len(self._running))
+        rows = self._running_rows
+        num_computed = rows_t.num_computed[rows]
+        logical = rows_t.num_known[rows] + rows_t.num_placeholders[rows]
+        # max-tokens guard: a request whose outputs (known + placeholders) already reach a
+        # limit would only produce tokens that are discarded.
+        useful = (logical - rows_t.num_prompt[rows] < rows_t.max_tokens[rows]) & (logical < self.max_model_len)
+        need = np.where(useful, logical - num_computed, 0)
+        is_decode = need == 1
+        num_new = np.where(is_decode, _greedy_fill(np.where(is_decode, need, 0), budget), 0)
+        drafts = np.zeros(len(rows), np.int64) if self.spec is None else self.spec.choose(
+            rows, is_decode, num_new, num_computed, rows_t.num_known[rows] - rows_t.num_prompt[rows],
+            rows_t.min_tokens[rows], budget - int(num_new.sum()))
+        num_new += drafts
+        num_new += _greedy_fill(np.where(is_decode, 0, need), budget - int(num_new.sum()))
+        blocks_needed = np.maximum(-(-(num_computed + num_new) // self.block_size) - rows_t.num_blocks[rows], 0)
+        preempted = int(blocks_needed.sum()) > self.kv.num_free_blocks
+        if preempted:
+            num_new, blocks_needed = self._make_room(num_new, blocks_needed)
+        keep = len(num_new)  # the rows left once the victims are gone
+        num_computed, logical, drafts = num_computed[:keep], logical[:keep], drafts[:keep]
+        running = ScheduledRows(rows[:keep], num_computed, num_new, num_computed + num_new == logical + drafts,
+                                blocks_needed, drafts).select(num_new > 0)
+        if not len(running.rows):
+            return [], new_block_ids, preempted
+        new_block_ids = self.kv.allocate(int(running.num_new_blocks.sum()))
+        start = 0
+        grown = running.num_new_blocks > 0
+        for row, count in zip(running.rows[grown].tolist(), running.num_new_blocks[grown].tolist()):
+            for block_ids, new in zip(self.kv.lists(self._row_request[row]), new_block_ids):
+                block_ids.extend(new[start:start + count])
+            start += count
+        rows_t.num_blocks[running.rows] += running.num_new_blocks
+        return [running], new_block_ids, preempted
+
+    def _launch(self, scheduled: ScheduledRows, new_requests: list[NewRequest], new_block_ids: list[list[int]],
+                first_admissions: set[int]) -> StepPlan:
+        """The plan of `scheduled`, in flight from now on. Rows advance as if every draft were
+        accepted: the next plan continues where this one stops."""
+        rows_t, rows, sample = self._rows, scheduled.rows, scheduled.sample
+        rows_t.num_computed[rows] += scheduled.num_new
+        rows_t.num_in_flight[rows] += scheduled.num_new
+        rows_t.num_steps_in_flight[rows] += 1
+        rows_t.num_placeholders[rows[sample]] += 1 + scheduled.drafts[sample]
         new_ids, window_ids = self.kv.plan_ids(new_block_ids)
         plan = StepPlan(
             step=self._next_step,
             new_requests=new_requests,
             rows=rows.astype(np.int32),
-            num_computed_tokens=num_computed.astype(np.int32),
-            num_scheduled_tokens=num_new.astype(np.int32),
+            num_computed_tokens=scheduled.num_computed.astype(np.int32),
+            num_scheduled_tokens=scheduled.num_new.astype(np.int32),
             sample=sample.astype(np.bool_),
-            num_new_blocks=num_new_blocks.astype(np.int32),
+            num_new_blocks=scheduled.num_new_blocks.astype(np.int32),
             new_block_ids=new_ids,
             freed_rows=np.asarray(self._rows_to_free, dtype=np.int32),
-            connector_meta=meta,
+            connector_meta=None if self._pinned is None else self._pinned.build_meta(),
             window_block_ids=window_ids,
         )
-        if num_draft_tokens is not None:
-            plan.num_draft_tokens, plan.lagged = num_draft_tokens, lagged
+        if self.spec is not None:
+            plan.num_draft_tokens, plan.lagged = self.spec.scheduled(rows, scheduled.drafts)
         self._rows_to_free = []
         self._next_step += 1
         self._in_flight.append(plan)
@@ -238,9 +231,9 @@ class Scheduler:
         return plan
 
     def _admit(self, budget: int, new_requests: list[NewRequest], new_block_ids: list[list[int]],
-               first_admissions: set[int]):
-        """Admit waiting requests in order while rows, token budget and blocks allow; the ids of
-        those admitted for the first time go into `first_admissions`."""
+               first_admissions: set[int]) -> list[ScheduledRows]:
+        """Admit waiting requests in order while rows, token budget and blocks allow (none, or
+        one part of rows); the ids of those admitted for the first time go into `first_admissions`."""
         rows_t, kv, size = self._rows, self.kv, self.block_size
         entries: list[tuple[int, int, int, bool, int]] = []
         while self._waiting and budget > 0 and self._free_rows:
@@ -248,7 +241,8 @@ class Scheduler:
             token_ids = np.concatenate([request.prompt_token_ids, request.output_token_ids])
             num_tokens = token_ids.shape[0]
             # At least one token is computed, so hits stop a block short of a full-block end.
-            hashes = self._block_hashes(request, token_ids, (num_tokens - 1) // size)[:(num_tokens - 1) // size]
+            hashes = extend_hashes(request.block_hashes, token_ids, (num_tokens - 1) // size, size)
+            hashes = hashes[:(num_tokens - 1) // size]
             hits = kv.match_prefix(hashes)
             hit_blocks = hits[0]
             num_loaded = 0
@@ -261,8 +255,8 @@ class Scheduler:
                 break
             self._waiting.popleft()
             kv.take(hits)
-            self.num_prefix_queried_tokens += num_tokens
-            self.num_prefix_hit_tokens += len(hit_blocks) * size
+            self.prefix.num_queried_tokens += num_tokens
+            self.prefix.num_hit_tokens += len(hit_blocks) * size
             fresh = kv.allocate(num_fresh_blocks)
             if num_loaded:
                 self.connector.on_load(hashes[len(hit_blocks):len(hit_blocks) + num_loaded], fresh[0][:num_loaded])
@@ -287,25 +281,26 @@ class Scheduler:
             entries.append((row, start, num_new, start + num_new == num_tokens, len(request.block_ids)))
             budget -= num_new
         if not entries:
-            return None
+            return []
         rows, num_computed, num_new, sample, num_blocks = zip(*entries)
-        return (np.array(rows, np.int64), np.array(num_computed, np.int64), np.array(num_new, np.int64),
-                np.array(sample, np.bool_), np.array(num_blocks, np.int64), np.zeros(len(rows), np.int64))
+        return [ScheduledRows(np.array(rows, np.int64), np.array(num_computed, np.int64),
+                              np.array(num_new, np.int64), np.array(sample, np.bool_), np.array(num_blocks, np.int64),
+                              np.zeros(len(rows), np.int64))]
 
-    def _make_room(self, rows: np.ndarray, num_new: np.ndarray, blocks_needed: np.ndarray):
-        """Preempt from the back of the running list until the rest fit. Victims with a step
-        in flight free their blocks only once drained, so until then only the rows whose
-        blocks fit in what is free now run."""
-        keep, num_pending = len(rows), 0
+    def _make_room(self, num_new: np.ndarray, blocks_needed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Preempt from the back of the running list until the rest fit; returns the num_new and
+        blocks_needed of the rows left, the first ones. Victims with a step in flight free their
+        blocks only once drained, so until then only the rows whose blocks fit in what is free now run."""
+        keep, num_pending = len(num_new), 0
         while keep:
             short = int(blocks_needed[:keep].sum()) - self.kv.num_free_blocks
             if short <= num_pending:
                 break
             num_pending += self._preempt(self._running[keep - 1])
             keep -= 1
-        rows, num_new, blocks_needed = rows[:keep], num_new[:keep], blocks_needed[:keep]
+        num_new, blocks_needed = num_new[:keep], blocks_needed[:keep]
         fits = (np.cumsum(blocks_needed) <= self.kv.num_free_blocks) | (blocks_needed == 0)
-        return rows, np.where(fits, num_new, 0), np.where(fits, blocks_needed, 0)
+        return np.where(fits, num_new, 0), np.where(fits, blocks_needed, 0)
 
     def _preempt(self, request: Request) -> int:
         """Give up a running request's row and blocks (recomputed on re-admission). Returns
@@ -335,6 +330,7 @@ class Scheduler:
         entries = read(rows_t, self.spec, plan, output, self._stop_tokens, self.max_model_len)
         live, stop, length = entries.rows, entries.stop, entries.length
         result = StepUpdate(plan.step, rows_t.req_id[live], entries.token_ids, entries.index, [], output, admitted)
+        self.num_tokens_generated += result.num_tokens
         self._commit_blocks(rows)  # before finishing: a finished request may release its blocks now
         if self.kv.windowed:  # then blocks behind a window: committed first, they stay cached
             next_positions = rows_t.num_computed[rows] - rows_t.num_in_flight[rows]
@@ -349,17 +345,6 @@ class Scheduler:
             self._release(self._row_request[row])
         return result
 
-    def _stop_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
-        """Which of `token_ids` (sampled for `rows`) are EOS their request heeds or one of its stop ids."""
-        rows_t = self._rows
-        stop = np.zeros(token_ids.shape[0], np.bool_)
-        for eos_token_id in self._eos_token_ids:  # one or two ids: cheaper than np.isin
-            stop |= token_ids == eos_token_id
-        stop &= ~rows_t.ignore_eos[rows]
-        for i in np.flatnonzero(rows_t.has_stop_ids[rows]).tolist():
-            stop[i] |= int(token_ids[i]) in self._row_request[rows[i]].params.stop_token_ids
-        return stop
-
     def _commit_blocks(self, rows: np.ndarray) -> None:
         """Offer newly complete blocks to the prefix cache and the connector. Only blocks
         below num_computed - num_in_flight: computed by processed steps, all tokens known."""
@@ -371,21 +356,12 @@ class Scheduler:
         for row, num_done in zip(rows[todo].tolist(), num_done_blocks[todo].tolist()):
             request = self._row_request[row]
             first = int(rows_t.num_committed_blocks[row])
-            hashes = self._block_hashes(request, rows_t.token_ids[row], num_done)
+            hashes = extend_hashes(request.block_hashes, rows_t.token_ids[row], num_done, size)
             for index in range(first, num_done):
-                block_id = request.block_ids[index]
                 self.kv.commit(request, index, hashes[index])
-                if self.connector is not None and self.connector.on_commit(hashes[index], block_id):
-                    self.block_manager.take([block_id])
-                    self._connector_pins.append(block_id)
+                if self._pinned is not None:
+                    self._pinned.committed(hashes[index], request.block_ids[index])
             rows_t.num_committed_blocks[row] = num_done
-
-    def _block_hashes(self, request: Request, token_ids: np.ndarray, num_blocks: int) -> list[bytes]:
-        """The request's hash list, extended to at least `num_blocks` entries."""
-        hashes, size = request.block_hashes, self.block_size
-        for index in range(len(hashes), num_blocks):
-            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[index * size:(index + 1) * size]))
-        return hashes
 
     # ---- life-cycle transitions
 
@@ -433,21 +409,7 @@ class Scheduler:
             request.preempted = False
             self._waiting.appendleft(request)
 
-    def _unpin(self, block_ids: list[int]) -> None:
-        for block_id in block_ids:
-            self._connector_pins.remove(block_id)
-        self.block_manager.free(block_ids)
-
     def flush_connector(self) -> object | None:
         """When no plan will follow (the engine is idle), hand back the pending connector copies
         so the caller runs them directly (all steps are done, so the blocks are complete)."""
-        if self.connector is None or self._in_flight:
-            return None
-        meta, read_blocks = self.connector.build_meta()
-        self._unpin(read_blocks)
-        return meta
-
-    def _running_row_array(self) -> np.ndarray:
-        if self._running_rows is None:
-            self._running_rows = np.fromiter((r.row for r in self._running), np.int64, len(self._running))
-        return self._running_rows
+        return None if self._pinned is None or self._in_flight else self._pinned.build_meta()

@@ -26,7 +26,8 @@ from __future__ import annotations
 import numpy as np
 
 from stages.contracts.params import SamplingParams
-from stages.contracts.speculative import SpeculativeConfig, SpeculativeCounts
+from stages.contracts.counters import SpeculativeCounts
+from stages.contracts.speculative import SpeculativeConfig
 
 MAX_COOLDOWN = 127  # decode steps a row skips after its drafts did not pay several times in a row
 # c0 / c1 above: how many tokens a decode step computes for about the price of reading the weights.
@@ -42,7 +43,8 @@ def allows_speculation(params: SamplingParams) -> bool:
 
 
 class Speculation:
-    """Per-row speculation state of one scheduler, as arrays indexed by row."""
+    """Per-row speculation state of one scheduler, as arrays indexed by row, and its counts. The
+    scheduler tells it what each step scheduled (`scheduled`) and what each verified (`verified`)."""
 
     def __init__(self, config: SpeculativeConfig, max_num_seqs: int, max_model_len: int) -> None:
         self.k = config.num_speculative_tokens
@@ -54,7 +56,7 @@ class Speculation:
         self.misses = np.zeros(max_num_seqs, np.int64)  # verifications in a row below the bar
         self.cooldown = np.zeros(max_num_seqs, np.int64)  # decode steps to go without drafts
         self.bar = 0.0  # accepted drafts a verification needs to pay, at the last step's batch
-        self.counters = SpeculativeCounts()
+        self.counts = SpeculativeCounts()
 
     def assign(self, row: int, params: SamplingParams) -> None:
         self.allowed[row] = allows_speculation(params)
@@ -80,19 +82,25 @@ class Speculation:
         fits = np.cumsum(drafts) <= max(budget, 0)
         return np.where(fits, drafts, 0)
 
-    def verified(self, rows: np.ndarray, accepted: np.ndarray) -> None:
-        """`rows` verified drafts and had `accepted` of them accepted: back off or carry on."""
+    def scheduled(self, rows: np.ndarray, drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A plan of `rows` verifying `drafts` each: its num_draft_tokens (int32) and lagged rows
+        (whose previous speculative step is still unprocessed)."""
+        lagged = self.drafts_in_flight[rows] > 0
+        self.drafts_in_flight[rows] += drafts
+        return drafts.astype(np.int32), lagged
+
+    def verified(self, rows: np.ndarray, drafts: np.ndarray, accepted: np.ndarray) -> None:
+        """A processed step: `rows` verified `drafts` each and had `accepted` of them accepted
+        (rows with no drafts count nothing). Count them; rows whose drafts do not pay back off."""
+        self.drafts_in_flight[rows] -= drafts
+        speculated = drafts > 0
+        rows, accepted = rows[speculated], accepted[speculated]
+        counts = self.counts
+        counts.num_draft_tokens += int(drafts.sum())
+        counts.num_accepted_tokens += int(accepted.sum())
+        counts.num_verifications += int(speculated.sum())
         mean = self.accepted[rows] = (1 - MEAN_WEIGHT) * self.accepted[rows] + MEAN_WEIGHT * accepted
         paying = mean >= self.bar
         self.misses[rows] = np.where(paying, 0, self.misses[rows] + 1)
         self.cooldown[rows] = np.where(paying, 0,
                                        np.minimum((1 << 2 * np.minimum(self.misses[rows], 8)) - 1, MAX_COOLDOWN))
-
-    def counts(self) -> tuple[int, int, int]:
-        """(drafts verified, accepted, verifications) so far."""
-        counters = self.counters
-        return counters.num_draft_tokens, counters.num_accepted_tokens, counters.num_verifications
-
-    def lagged(self, rows: np.ndarray) -> np.ndarray:
-        """Rows whose last scheduled step verified drafts and is still unprocessed."""
-        return self.drafts_in_flight[rows] > 0

@@ -29,7 +29,6 @@ from stages.scheduler.build import build_scheduler
 from stages.scheduler.registry import RequestRegistry
 from stages.scheduler.scheduler import Scheduler
 from stages.scheduler.step_loop import StepLoop
-from stages.status import SchedulerCounters
 
 
 def main(spec_json: str) -> None:
@@ -96,7 +95,6 @@ class SchedulerLoop:
         self.stop_strings = stop_strings
         self.to_detokenizer = to_detokenizer
         self.requests = RequestRegistry()
-        self.tokens_generated = 0
         self.frontend_generation = ctx.frontend_generation()
 
     def run(self) -> None:
@@ -146,7 +144,7 @@ class SchedulerLoop:
         self.stop_strings = self.ctx.reader("stop_strings")
         self.to_detokenizer = self.ctx.writer("manifest")
         self.frontend_generation = generation
-        self.ctx.board.take_up_frontend(self.ctx.index, generation)
+        self.ctx.board.stages.take_up_frontend(self.ctx.index, generation)
 
     def to_frontend(self, kind: int, *parts: object) -> None:
         """Writes one record to the detokenizer; one that a dead detokenizer left no room for is
@@ -202,14 +200,8 @@ class SchedulerLoop:
     def on_update(self, update: StepUpdate) -> None:
         for req_id, _ in update.finished:
             self.requests.ended(req_id)
-        self.tokens_generated += update.num_tokens
         manifest = msg.Manifest.for_update(update, self.executor.last_slot)
         self.to_frontend(msg.Kind.MANIFEST, msg.encode_manifest(manifest))
 
     def publish_counters(self) -> None:
-        stats = self.scheduler.stats()
-        # A draining request (finished or preempted, a step still in flight) still holds its row.
-        self.ctx.board.publish_counters(SchedulerCounters(
-            stats.num_waiting, stats.num_running + stats.num_draining, stats.num_used_blocks, stats.num_free_blocks,
-            self.tokens_generated, stats.num_preemptions, stats.num_prefix_queried_tokens,
-            stats.num_prefix_hit_tokens, stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_verifications))
+        self.ctx.board.counters.publish(self.scheduler.stats())

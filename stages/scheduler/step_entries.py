@@ -13,10 +13,30 @@ import numpy as np
 
 from stages.contracts.outputs import HostStepOutput
 from stages.contracts.plan import StepPlan
+from stages.scheduler.request import Request
 from stages.scheduler.row_table import RowTable
 from stages.scheduler.speculation import Speculation
 
 StopOf = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+class StopTokens:
+    """Which tokens sampled for rows are an EOS their request heeds, or one of its stop ids."""
+
+    def __init__(self, eos_token_ids: list[int], rows_t: RowTable, row_request: list[Request | None]) -> None:
+        self.eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
+        self.rows_t = rows_t
+        self.row_request = row_request  # the scheduler's, row -> request
+
+    def __call__(self, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+        rows_t = self.rows_t
+        stop = np.zeros(token_ids.shape[0], np.bool_)
+        for eos_token_id in self.eos_token_ids:  # one or two ids: cheaper than np.isin
+            stop |= token_ids == eos_token_id
+        stop &= ~rows_t.ignore_eos[rows]
+        for i in np.flatnonzero(rows_t.has_stop_ids[rows]).tolist():
+            stop[i] |= int(token_ids[i]) in self.row_request[rows[i]].params.stop_token_ids
+        return stop
 
 
 @dataclass(slots=True)
@@ -50,13 +70,7 @@ def speculative_entries(rows_t: RowTable, spec: Speculation, plan: StepPlan, out
     valid = token_ids >= 0
     produced = np.bincount(group, weights=valid, minlength=len(sample_rows)).astype(np.int64)
     rows_t.num_computed[sample_rows] -= counts - produced  # rejected drafts were computed for nothing
-    speculated = drafts > 0
-    spec.drafts_in_flight[sample_rows] -= drafts
-    counters = spec.counters
-    counters.num_draft_tokens += int(drafts.sum())
-    counters.num_accepted_tokens += int((produced[speculated] - 1).sum())
-    counters.num_verifications += int(speculated.sum())
-    spec.verified(sample_rows[speculated], produced[speculated] - 1)
+    spec.verified(sample_rows, drafts, produced - 1)
 
     valid &= ~rows_t.finished[entry_rows]
     position = rows_t.num_known[entry_rows] + rank

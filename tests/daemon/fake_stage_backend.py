@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from pipeline.engine.backend import BackendStats, StageHealth
 from stages.contracts.config import EngineConfig, ModelLimits
+from stages.contracts.counters import SchedulerCounters
 from stages.contracts.outputs import OutputEvent
 from pipeline.errors import Overloaded, StageFailed
 from pipeline.protocol import Delta
@@ -53,7 +54,7 @@ class FakeBackend:
         return [StageHealth("fake", os.getpid(), not self._failed.is_set(), 0.0)]
 
     def stats(self) -> BackendStats:
-        return BackendStats(0, len(self.submitted), 0, 16, 0.0, 0)
+        return BackendStats(SchedulerCounters(num_running=len(self.submitted), kv_blocks_free=16))
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.closed = True

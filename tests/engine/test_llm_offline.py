@@ -46,7 +46,7 @@ def test_greedy_outputs_identical_across_scheduling_modes(tiny_llama: Path) -> N
         for _ in range(2):
             assert tokens(engine.generate(prompts(), greedy)) == expected, name
         stats = engine.scheduler.stats()
-        assert stats.num_free_blocks == engine.runner.num_kv_blocks, name
+        assert stats.kv_blocks_free == engine.runner.num_kv_blocks, name
         if "preempt" in name:
             assert stats.num_preemptions > 0, name
 
@@ -78,7 +78,7 @@ def test_stop_string_and_stop_token_finish_with_stop(tiny_llama: Path, async_sch
     by_token = engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop_id]))[0]
     assert (by_token.finish_reason, by_token.stop_reason) == ("stop", stop_id)
     assert by_token.token_ids == full.token_ids[:full.token_ids.index(stop_id) + 1]
-    assert engine.scheduler.stats().num_free_blocks == engine.runner.num_kv_blocks
+    assert engine.scheduler.stats().kv_blocks_free == engine.runner.num_kv_blocks
 
 
 def test_logprobs_returned_when_asked(tiny_llama: Path) -> None:
@@ -137,4 +137,4 @@ def test_offload_connector_hits_give_outputs_computed_from_scratch(
     loaded_before = connector.num_loaded_blocks
     assert tokens(engine.generate([extended], greedy)) == expected_ext
     assert connector.num_loaded_blocks - loaded_before == 11  # (48 - 1) // 4
-    assert engine.scheduler.stats().num_free_blocks == 20
+    assert engine.scheduler.stats().kv_blocks_free == 20

@@ -59,4 +59,4 @@ def test_resumed_requests_continue_as_the_uninterrupted_run(tiny_llama: Path) ->
             assert "".join(e.text for e in again) == "".join(e.text for e in events[delivered:]), (i, delivered)
             assert (again[-1].finish_reason, again[-1].stop_reason) == (events[-1].finish_reason,
                                                                        events[-1].stop_reason)
-    assert llm.scheduler.stats().num_free_blocks == 128
+    assert llm.scheduler.stats().kv_blocks_free == 128

@@ -56,5 +56,5 @@ def test_gemma3_engine_equals_transformers_with_window_blocks_released(tiny_gemm
     outputs = first + llm.generate(prompts()[1:], params)
     assert [o.token_ids for o in outputs] == hf_greedy(tiny_gemma3, prompts())
     stats = scheduler.stats()
-    assert stats.num_prefix_hit_tokens >= 64 and stats.num_preemptions > 0
+    assert stats.prefix.num_hit_tokens >= 64 and stats.num_preemptions > 0
     assert scheduler.kv.groups[1].manager.num_used_blocks == scheduler.block_manager.num_used_blocks == 0

@@ -45,9 +45,9 @@ def test_ngram_greedy_output_equals_the_engine_without_speculation(tiny_llama, r
     outputs, llm = run(tiny_llama, async_scheduling=async_scheduling,
                        speculative_config={**NGRAM, "num_speculative_tokens": k})
     assert outputs == reference
-    stats = llm.scheduler.stats()
-    assert stats.num_draft_tokens > 0 and stats.num_draft_tokens % k == 0
-    assert stats.num_accepted_tokens > 0  # the repeated prompt's copies are accepted: drafting is on
+    spec = llm.scheduler.stats().speculative
+    assert spec.num_draft_tokens > 0 and spec.num_draft_tokens % k == 0
+    assert spec.num_accepted_tokens > 0  # the repeated prompt's copies are accepted: drafting is on
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
@@ -56,9 +56,9 @@ def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(tiny_llama, 
                        speculative_config={"method": "draft_model", "model": str(tiny_llama),
                                            "num_speculative_tokens": 3})
     assert outputs == reference
-    stats = llm.scheduler.stats()
-    assert stats.num_draft_tokens > 0
-    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    spec = llm.scheduler.stats().speculative
+    assert spec.num_draft_tokens > 0
+    assert spec.num_accepted_tokens == spec.num_draft_tokens
 
 
 @pytest.mark.parametrize("async_scheduling, k", [(True, 3), (False, 5), (True, 1)])
@@ -67,8 +67,8 @@ def test_an_unrelated_draft_model_changes_nothing_but_speed(tiny_llama, referenc
                        speculative_config={"method": "draft_model", "model": str(other_draft),
                                            "num_speculative_tokens": k})
     assert outputs == reference
-    stats = llm.scheduler.stats()
-    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+    spec = llm.scheduler.stats().speculative
+    assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens < spec.num_draft_tokens
 
 
 def test_chunked_prefill_preemption_and_prefix_hits_with_speculation(tiny_llama, reference):
@@ -81,8 +81,8 @@ def test_chunked_prefill_preemption_and_prefix_hits_with_speculation(tiny_llama,
         assert outputs == reference
     stats = llm.scheduler.stats()
     assert stats.num_preemptions > 0
-    assert stats.num_prefix_hit_tokens > 0
-    assert stats.num_draft_tokens > 0
+    assert stats.prefix.num_hit_tokens > 0
+    assert stats.speculative.num_draft_tokens > 0
 
 
 def test_penalties_logprobs_and_stops_see_exactly_the_accepted_tokens(tiny_llama):
@@ -117,7 +117,7 @@ def test_a_request_may_turn_speculation_off(tiny_llama, reference):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, speculative=False)
     outputs, llm = run(tiny_llama, params, speculative_config=NGRAM)
     assert outputs == reference
-    assert llm.scheduler.stats().num_draft_tokens == 0
+    assert llm.scheduler.stats().speculative.num_draft_tokens == 0
 
 
 def test_speculation_turns_off_in_a_large_batch(tiny_llama, reference):
@@ -126,7 +126,7 @@ def test_speculation_turns_off_in_a_large_batch(tiny_llama, reference):
     assert outputs == [reference[0][:10], *reference[1:]]
     # Four rows decode at once, with no drafts, until the first one ends; then three may speculate.
     stats = llm.scheduler.stats()
-    assert 0 < stats.num_verifications <= 3 * 30
+    assert 0 < stats.speculative.num_verifications <= 3 * 30
 
 
 def test_structured_output_with_speculation_validates(tiny_llama):
@@ -152,7 +152,7 @@ def test_offloaded_blocks_come_back_under_speculation(tiny_llama):
         llm.generate([filler], GREEDY)
     assert [o.token_ids for o in llm.generate([prompt], GREEDY)] == expected
     assert llm.scheduler.connector.num_loaded_blocks > 0
-    assert llm.scheduler.stats().num_draft_tokens > 0
+    assert llm.scheduler.stats().speculative.num_draft_tokens > 0
 
 
 def test_sliding_window_layers_under_speculation(tmp_path_factory):
@@ -167,7 +167,7 @@ def test_sliding_window_layers_under_speculation(tmp_path_factory):
         outputs, llm = run(model, params, prompts=prompts, async_scheduling=async_scheduling,
                            speculative_config=NGRAM, **options)
         assert outputs == expected
-        assert llm.scheduler.stats().num_draft_tokens > 0
+        assert llm.scheduler.stats().speculative.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("config, named", [

@@ -44,6 +44,6 @@ def test_static_decode_gives_the_dynamic_tokens_with_preemption_and_prefix_hits(
         results[static_decode] = [[o.token_ids for o in llm.generate(prompts, params)] for _ in range(2)]
         assert len(static_steps) > 10 if static_decode else not static_steps
         stats = llm.scheduler.stats()
-        assert stats.num_preemptions > 0 and stats.num_free_blocks == llm.runner.num_kv_blocks
+        assert stats.num_preemptions > 0 and stats.kv_blocks_free == llm.runner.num_kv_blocks
     assert results[True] == results[False]
     assert [len(t) for t in results[True][0]] == [12, 10, 12, 9, 12, 8]

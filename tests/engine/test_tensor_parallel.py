@@ -49,7 +49,7 @@ def run(model: Path, **options: object) -> list[list[int]]:
     options = dict(device="cpu", max_model_len=128, num_kv_blocks=64, block_size=4) | options
     with LLM(model, **options) as llm:
         outputs = llm.generate(prompts(), params())
-        assert llm.scheduler.stats().num_free_blocks == llm.runner.num_kv_blocks
+        assert llm.scheduler.stats().kv_blocks_free == llm.runner.num_kv_blocks
     return [o.token_ids for o in outputs]
 
 
@@ -71,8 +71,8 @@ def test_two_ranks_sync_chunked_prefix_hits_and_preemption(models: dict[str, Pat
             assert [o.token_ids for o in llm.generate(prompts(), params())] == expected
         stats = llm.scheduler.stats()
         assert stats.num_preemptions > 0
-        assert stats.prefix_cache_hit_rate > 0
-        assert stats.num_free_blocks == llm.runner.num_kv_blocks
+        assert stats.prefix.hit_rate > 0
+        assert stats.kv_blocks_free == llm.runner.num_kv_blocks
 
 
 @pytest.mark.parametrize("shape", ["llama", "llama-1kv", "qwen2"])
@@ -118,6 +118,6 @@ def test_two_ranks_speculating_equal_one_without(models: dict[str, Path], method
              speculative_config=config) as llm:
         assert [o.token_ids for o in llm.generate(prompts(), greedy)] == expected
         stats = llm.scheduler.stats()
-    assert stats.num_draft_tokens > 0
+    assert stats.speculative.num_draft_tokens > 0
     if method == "draft_model":  # the target drafts for itself: everything is accepted
-        assert stats.num_accepted_tokens == stats.num_draft_tokens
+        assert stats.speculative.num_accepted_tokens == stats.speculative.num_draft_tokens

@@ -58,4 +58,4 @@ def test_triton_backend_verifies_drafts_of_lagged_rows(tiny_llama: Path) -> None
     llm = LLM(model=tiny_llama, runner=ModelRunner(config), attention_backend="triton", speculative_config=spec,
               **OPTIONS)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-    assert llm.scheduler.stats().num_draft_tokens > 0
+    assert llm.scheduler.stats().speculative.num_draft_tokens > 0

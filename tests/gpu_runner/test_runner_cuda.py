@@ -100,4 +100,4 @@ def test_speculative_steps_run_without_host_synchronisation(tiny_checkpoint, met
     llm = LLM(runner=runner, speculative_config=spec, **options)
     cuda = llm.generate(prompts, params)
     assert [o.token_ids for o in cuda][0::2] == [o.token_ids for o in cpu][0::2]
-    assert llm.scheduler.stats().num_draft_tokens > 0
+    assert llm.scheduler.stats().speculative.num_draft_tokens > 0

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.protocol import StatsReply
-from pipeline.serve.metrics import FINISHED_REASONS, Metrics
+from pipeline.protocol import SpeculativeCounts, StatsReply
+from pipeline.serve.metrics import FINISHED_REASONS, STATS_TOTALS, Metrics
 from pipeline.serve.openai.app import OpenAIApi
 
 SPEC_DECODE_SERIES = (
@@ -84,25 +85,23 @@ def test_an_unknown_finish_reason_is_refused_by_name():
 
 def test_stats_set_the_gauges_and_restarts_count_only_their_rise():
     metrics = Metrics("tiny")
-    metrics.set_stats(num_requests_running=3, num_requests_waiting=2, kv_cache_usage=0.25,
-                      prefix_cache_hit_rate=0.5, num_stage_restarts=1)
-    metrics.set_stats(num_requests_running=1, num_requests_waiting=0, kv_cache_usage=0.125,
-                      prefix_cache_hit_rate=0.5, num_stage_restarts=1)
+    metrics.set_stats(StatsReply(num_running_requests=3, num_waiting_requests=2, kv_blocks_used=2, kv_blocks_total=8,
+                                 prefix_cache_hit_rate=0.5, num_restarts=1))
+    metrics.set_stats(StatsReply(num_running_requests=1, num_waiting_requests=0, kv_blocks_used=1, kv_blocks_total=8,
+                                 prefix_cache_hit_rate=0.5, num_restarts=1))
     assert value(metrics, "pipeline:num_requests_running") == 1
     assert value(metrics, "pipeline:num_requests_waiting") == 0
     assert value(metrics, "pipeline:kv_cache_usage_perc") == 0.125
     assert value(metrics, "pipeline:prefix_cache_hit_rate") == 0.5
     assert value(metrics, "pipeline:stage_restarts_total") == 1
-    metrics.set_stats(num_requests_running=0, num_requests_waiting=0, kv_cache_usage=0.0,
-                      prefix_cache_hit_rate=0.0, num_stage_restarts=3)
+    metrics.set_stats(StatsReply(num_restarts=3))
     assert value(metrics, "pipeline:stage_restarts_total") == 3
 
 
 def test_resumed_and_guard_failed_requests_count_their_rise():
     metrics = Metrics("tiny")
     for resumed, failed in ((4, 0), (4, 0), (9, 1)):
-        metrics.set_stats(num_requests_running=0, num_requests_waiting=0, kv_cache_usage=0.0, prefix_cache_hit_rate=0.0,
-                          num_stage_restarts=1, num_resumed_requests=resumed, num_guard_failed_requests=failed)
+        metrics.set_stats(StatsReply(num_restarts=1, num_resumed_requests=resumed, num_guard_failed_requests=failed))
     assert value(metrics, "pipeline:requests_resumed_total") == 9
     assert value(metrics, "pipeline:requests_failed_by_guard_total") == 1
 
@@ -121,14 +120,12 @@ def spec_decode_values(metrics: Metrics) -> list[float]:
 def test_speculative_counts_rise_and_an_engine_restart_adds_its_fresh_counts():
     metrics = Metrics("tiny")
     assert spec_decode_values(metrics) == [0, 0, 0, 0, 0]
-    stats = dict(num_requests_running=0, num_requests_waiting=0, kv_cache_usage=0.0, prefix_cache_hit_rate=0.0,
-                 num_stage_restarts=0)
-    metrics.set_stats(**stats, num_draft_tokens=30, num_accepted_tokens=21, num_verifications=10)
+    metrics.set_stats(StatsReply(num_draft_tokens=30, num_accepted_tokens=21, num_verifications=10))
     assert spec_decode_values(metrics) == pytest.approx([30, 21, 10, 0.7, 3.1])
-    metrics.set_stats(**stats, num_draft_tokens=40, num_accepted_tokens=29, num_verifications=14)
+    metrics.set_stats(StatsReply(num_draft_tokens=40, num_accepted_tokens=29, num_verifications=14))
     assert spec_decode_values(metrics) == pytest.approx([40, 29, 14, 29 / 40, 1 + 29 / 14])
     # The engine restarted: its counts began again from zero, and every one of them is new.
-    metrics.set_stats(**stats, num_draft_tokens=5, num_accepted_tokens=0, num_verifications=5)
+    metrics.set_stats(StatsReply(num_draft_tokens=5, num_accepted_tokens=0, num_verifications=5))
     assert spec_decode_values(metrics) == pytest.approx([45, 29, 19, 0.0, 1.0])
 
 
@@ -151,3 +148,9 @@ def test_the_metrics_endpoint_exposes_the_daemons_speculative_counts():
     assert response.status == 200
     assert spec_decode_values(server.metrics) == pytest.approx([12, 9, 4, 0.75, 3.25])
     assert b"pipeline:spec_decode_num_draft_tokens_total{model_name=\"tiny\"} 12.0" in response.body
+
+
+def test_every_speculative_count_is_exposed_as_a_counter():
+    exposed = {field: name for name, _, field in STATS_TOTALS}
+    for count in dataclasses.fields(SpeculativeCounts):
+        assert f"pipeline:spec_decode_{count.name}" == exposed[count.name]

@@ -58,32 +58,32 @@ def test_a_trace_that_cannot_be_written_is_a_failed_answer_not_a_crash(board: St
     profiler = StageProfiler("detokenizer")
     gone = tmp_path / "gone"
     gone.mkdir()
-    board.request_profile(str(gone))
-    assert profiler.answer(board.profile_request()).outcome == ProfileOutcome.STARTED
+    board.profile.request(str(gone))
+    assert profiler.answer(board.profile.current()).outcome == ProfileOutcome.STARTED
     gone.rmdir()
-    generation = board.request_profile(None)
-    answer = profiler.answer(board.profile_request())
+    generation = board.profile.request(None)
+    answer = profiler.answer(board.profile.current())
     assert answer.generation == generation and answer.outcome == ProfileOutcome.FAILED
     assert str(gone) in answer.message
     assert not profiler.capturing
-    assert profiler.answer(board.profile_request()).outcome == ProfileOutcome.NOT_CAPTURING
+    assert profiler.answer(board.profile.current()).outcome == ProfileOutcome.NOT_CAPTURING
 
 
 def test_the_board_carries_requests_and_each_stages_answer(board: StatusBoard) -> None:
-    assert board.profile_generation() == 0 and not board.profile_active
+    assert board.profile.generation() == 0 and not board.profile.active
     directory = "/tmp/ünïcode traces"
-    generation = board.request_profile(directory)
-    request = board.profile_request()
-    assert (request.generation, request.directory, board.profile_active) == (generation, directory, True)
-    board.answer_profile(3, ProfileAnswer(generation, ProfileOutcome.FAILED, "é" * 2000))  # cut to fit
-    answer = board.profile_answer(3)
+    generation = board.profile.request(directory)
+    request = board.profile.current()
+    assert (request.generation, request.directory, board.profile.active) == (generation, directory, True)
+    board.profile.answer(3, ProfileAnswer(generation, ProfileOutcome.FAILED, "é" * 2000))  # cut to fit
+    answer = board.profile.answer_of(3)
     assert answer.generation == generation and answer.outcome == ProfileOutcome.FAILED
     assert answer.message and set(answer.message) == {"é"}
-    assert board.profile_answer(2).outcome == ProfileOutcome.NONE
-    stop = board.request_profile(None)
-    assert stop == generation + 1 and board.profile_request().directory is None and not board.profile_active
+    assert board.profile.answer_of(2).outcome == ProfileOutcome.NONE
+    stop = board.profile.request(None)
+    assert stop == generation + 1 and board.profile.current().directory is None and not board.profile.active
     with pytest.raises(ValueError, match="at most"):
-        board.request_profile("/" + "d" * PROFILE_DIRECTORY_BYTES)
+        board.profile.request("/" + "d" * PROFILE_DIRECTORY_BYTES)
 
 
 def test_profile_control_gathers_every_live_stage(board: StatusBoard, private_dir: Path) -> None:
@@ -101,14 +101,14 @@ def test_profile_control_gathers_every_live_stage(board: StatusBoard, private_di
         except Exception as exc:  # noqa: BLE001 - asserted below
             results.append(exc)
 
-    seen = board.profile_generation()
+    seen = board.profile.generation()
     thread = threading.Thread(target=run_control)
     thread.start()
     while thread.is_alive():  # the loop's tick
-        if board.profile_generation() != seen:
-            request = board.profile_request()
+        if board.profile.generation() != seen:
+            request = board.profile.current()
             seen = request.generation
-            board.answer_profile(0, profiler.answer(request))
+            board.profile.answer(0, profiler.answer(request))
         thread.join(0.002)
     assert results == [True, [str(private_dir / "runner.json")]]
     assert annotations(private_dir / "runner.json") == []  # valid JSON; no phase ran
@@ -118,16 +118,16 @@ def test_profile_control_names_the_stages_that_do_not_answer(board: StatusBoard,
     control = ProfileControl(board, lambda: {0: "runner", 1: "scheduler"}, timeout_s=0.2)
     with pytest.raises(StageFailed, match=r"\['runner', 'scheduler'\] did not answer the profile start request"):
         control.start(str(private_dir))
-    assert not board.profile_active  # a failed start leaves no capture wanted
+    assert not board.profile.active  # a failed start leaves no capture wanted
 
 
 def test_profile_control_reports_a_stage_that_could_not_start(board: StatusBoard, private_dir: Path) -> None:
-    generation = board.profile_generation()
+    generation = board.profile.generation()
 
     def refuse() -> None:
-        while board.profile_generation() == generation:
+        while board.profile.generation() == generation:
             time.sleep(0.001)
-        board.answer_profile(0, ProfileAnswer(board.profile_generation(), ProfileOutcome.FAILED, "no torch here"))
+        board.profile.answer(0, ProfileAnswer(board.profile.generation(), ProfileOutcome.FAILED, "no torch here"))
 
     thread = threading.Thread(target=refuse, daemon=True)
     thread.start()
@@ -135,7 +135,7 @@ def test_profile_control_reports_a_stage_that_could_not_start(board: StatusBoard
     with pytest.raises(StageFailed, match="could not start in tokenizer0: no torch here"):
         control.start(str(private_dir))
     thread.join()
-    assert not board.profile_active
+    assert not board.profile.active
 
 
 def test_trace_directory_checks(tmp_path: Path, private_dir: Path) -> None:

@@ -24,7 +24,7 @@ def make(num_blocks: int = 64, async_mode: bool = True, eos: tuple[int, ...] = (
 def assert_no_leak(driver: Driver) -> None:
     stats = driver.scheduler.stats()
     assert (stats.num_waiting, stats.num_running, stats.num_draining) == (0, 0, 0)
-    assert stats.num_free_blocks == driver.scheduler.block_manager.num_blocks
+    assert stats.kv_blocks_free == driver.scheduler.block_manager.num_blocks
     manager = driver.scheduler.block_manager
     assert all(manager.ref_count(b) == 0 for b in range(manager.num_blocks))
 

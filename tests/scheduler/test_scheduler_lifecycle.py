@@ -26,7 +26,7 @@ def assert_no_leak(driver: Driver) -> None:
     stats = driver.scheduler.stats()
     assert (stats.num_waiting, stats.num_running, stats.num_draining) == (0, 0, 0)
     manager = driver.scheduler.block_manager
-    assert stats.num_free_blocks == manager.num_blocks
+    assert stats.kv_blocks_free == manager.num_blocks
     assert all(manager.ref_count(b) == 0 for b in range(manager.num_blocks))
 
 
@@ -92,7 +92,7 @@ def test_prefix_hit_skips_cached_blocks_and_keeps_outputs(async_mode: bool) -> N
     assert driver.outputs[1] == reference_tokens(second, 6)
     assert driver.outputs[2] == reference_tokens(first + driver.outputs[0][:3], 3)
     stats = driver.scheduler.stats()  # the prefix cache hit rate's counts: 0 + 8 + 12 of 11 + 11 + 14
-    assert (stats.num_prefix_hit_tokens, stats.num_prefix_queried_tokens) == (20, 36)
+    assert (stats.prefix.num_hit_tokens, stats.prefix.num_queried_tokens) == (20, 36)
     assert_no_leak(driver)
 
 

@@ -33,16 +33,16 @@ def test_rows_whose_drafts_do_not_pay_back_off_exponentially_and_probe_again() -
         if drafts[0]:
             gaps.append(gap)
             gap = 0
-            spec.verified(rows, np.array([0, 3]))
         else:
             gap += 1
-            spec.verified(rows[1:], np.array([3]))
+        spec.scheduled(rows, drafts)
+        spec.verified(rows, drafts, np.array([0, 3]))  # a row without drafts counts nothing
     # hopeful at first (a mean of K / 2), then 3, 15, 63 decode steps apart
     assert gaps[:5] == [0, 0, 3, 15, 63]
-    spec.verified(np.array([0]), np.array([4]))  # its text turned repetitive
+    spec.verified(np.array([0]), np.array([4]), np.array([4]))  # its text turned repetitive
     assert _choose(spec, rows)[0] == 4
     spec.misses[0], spec.accepted[0] = 40, 0.0
-    spec.verified(np.array([0]), np.array([0]))
+    spec.verified(np.array([0]), np.array([4]), np.array([0]))
     assert spec.cooldown[0] == MAX_COOLDOWN
 
 
@@ -55,7 +55,7 @@ def test_the_bar_rises_with_the_batch() -> None:
         spec.accepted[:] = 1.0
         rows = np.arange(batch)
         assert (_choose(spec, rows) == k).all()  # a verification tells
-        spec.verified(rows, np.ones(batch, np.int64))
+        spec.verified(rows, np.full(batch, k), np.ones(batch, np.int64))
         assert (_choose(spec, rows) == k).all() == pays
 
 

@@ -71,7 +71,7 @@ def test_a_prefix_hit_past_the_window_takes_only_the_window_blocks():
     plan = scheduler.schedule()
     request = scheduler._requests[1]
     first_read = (shared - WINDOW + 1) // BLOCK
-    assert scheduler.num_prefix_hit_tokens == shared and plan.num_computed_tokens.tolist() == [shared]
+    assert scheduler.prefix.num_hit_tokens == shared and plan.num_computed_tokens.tolist() == [shared]
     assert request.window_block_ids[:first_read] == [NULL_BLOCK] * first_read
     assert NULL_BLOCK not in request.window_block_ids[first_read:] and NULL_BLOCK not in request.block_ids
 
@@ -84,4 +84,4 @@ def test_a_hit_whose_window_blocks_were_evicted_is_cut_to_what_both_groups_hold(
     scheduler.kv.groups[1].manager.reset_prefix_cache()  # the local layers' cached blocks are gone
     scheduler.add_request(1, prompt[:120], SamplingParams(max_tokens=2))
     plan = scheduler.schedule()
-    assert scheduler.num_prefix_hit_tokens == 0 and plan.num_computed_tokens.tolist() == [0]
+    assert scheduler.prefix.num_hit_tokens == 0 and plan.num_computed_tokens.tolist() == [0]

@@ -151,7 +151,7 @@ def test_abort_mid_generation_frees_the_request(shared_backend: StageBackend) ->
         assert result.finish_reason == "abort"
         assert num_tokens[req_id] + len(result.token_ids) < 100
     total = SMALL["num_kv_blocks"]
-    wait_for(lambda: (s := shared_backend.stats()).num_running == 0 and s.num_waiting == 0
+    wait_for(lambda: (s := shared_backend.stats().scheduler).num_holding_rows == 0 and s.num_waiting == 0
              and s.kv_blocks_free == total, what="no running request and every KV block free")
 
 
@@ -165,7 +165,7 @@ def test_abort_right_after_submit_ends_the_request(shared_backend: StageBackend)
         shared_backend.abort(req_id)
     results = collect(shared_backend, ids)
     assert all(r.finish_reason == "abort" and len(r.token_ids) < 100 for r in results.values())
-    wait_for(lambda: shared_backend.stats().num_running == 0, what="no running request")
+    wait_for(lambda: shared_backend.stats().scheduler.num_holding_rows == 0, what="no running request")
 
 
 @pytest.mark.timeout(60)

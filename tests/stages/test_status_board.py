@@ -1,42 +1,76 @@
 """The status board's scheduler counters: what the scheduler publishes is what the daemon reads,
-the speculative decoding counts included, and no area of the board overwrites another."""
+every count of every nested counters struct included, and no area of the board overwrites another."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
+from stages.contracts.counters import (
+    PrefixCacheCounts,
+    SchedulerCounters,
+    SpeculativeCounts,
+    counts_since,
+    from_ints,
+    num_counts,
+    to_ints,
+)
 from stages.status import (
     MAX_STAGES,
     PROFILE_MESSAGE_BYTES,
     ProfileAnswer,
     ProfileOutcome,
-    SchedulerCounters,
     StatusBoard,
 )
 
 pytestmark = pytest.mark.timeout(30)
 
 
+def numbered(start: int) -> SchedulerCounters:
+    """Counters whose every int, nested ones included, differs from the others."""
+    return from_ints(SchedulerCounters, list(range(start, start + num_counts(SchedulerCounters))))
+
+
 def test_a_fresh_board_counts_nothing(board: StatusBoard) -> None:
-    assert board.counters() == SchedulerCounters(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    assert board.counters.read() == SchedulerCounters()
 
 
 def test_published_counters_read_back_speculative_counts_included(board: StatusBoard) -> None:
-    counters = SchedulerCounters(num_waiting=1, num_running=2, kv_blocks_used=3, kv_blocks_free=4, tokens_generated=5,
-                                 num_preemptions=6, num_prefix_queried_tokens=70, num_prefix_hit_tokens=35,
-                                 num_draft_tokens=300, num_accepted_tokens=210, num_verifications=100)
-    board.publish_counters(counters)
-    assert board.counters() == counters
-    assert board.counters().prefix_cache_hit_rate == 0.5
+    counters = SchedulerCounters(num_waiting=1, num_running=2, num_draining=1, kv_blocks_used=3, kv_blocks_free=4,
+                                 kv_blocks_cached=2, tokens_generated=5, num_preemptions=6,
+                                 prefix=PrefixCacheCounts(num_queried_tokens=70, num_hit_tokens=35),
+                                 speculative=SpeculativeCounts(num_draft_tokens=300, num_accepted_tokens=210,
+                                                               num_verifications=100))
+    board.counters.publish(counters)
+    assert board.counters.read() == counters
+    assert board.counters.read().prefix.hit_rate == 0.5
+
+
+def test_every_count_of_every_nested_struct_travels_on_its_own() -> None:
+    """A field added to a counters struct is stored and read back with no other change: the board
+    and the stats messages walk the fields."""
+    counters = numbered(1)
+    flat = to_ints(counters)
+    names = [f.name for f in dataclasses.fields(SchedulerCounters)]
+    assert len(flat) == num_counts(SchedulerCounters) == len(names) - 2 + num_counts(PrefixCacheCounts) \
+        + num_counts(SpeculativeCounts)
+    assert len(set(flat)) == len(flat) and from_ints(SchedulerCounters, flat) == counters
+    assert counters.speculative == SpeculativeCounts(*to_ints(counters)[-num_counts(SpeculativeCounts):])
+    assert counts_since(numbered(10), numbered(1)) == from_ints(SchedulerCounters, [9] * len(flat))
+    assert counts_since(numbered(1), numbered(10)) == numbered(1)  # every count fell: they started again
+    with pytest.raises(ValueError, match="SchedulerCounters holds"):
+        from_ints(SchedulerCounters, flat[:-1])
 
 
 def test_speculative_counts_and_the_last_profile_message_keep_their_own_bytes(board: StatusBoard) -> None:
     last = MAX_STAGES - 1
     message = "é" * PROFILE_MESSAGE_BYTES  # cut to fit its area, never past it
-    counters = SchedulerCounters(1, 2, 3, 4, 5, 6, 7, 8, 2**62, 2**61, 2**60)
-    board.publish_counters(counters)
-    board.answer_profile(last, ProfileAnswer(3, ProfileOutcome.WRITTEN, message))
-    assert board.counters() == counters
-    board.publish_counters(SchedulerCounters(0, 0, 0, 0, 0, 0, 0, 0, 9, 8, 7))
-    answer = board.profile_answer(last)
+    counters = dataclasses.replace(numbered(1), speculative=SpeculativeCounts(2**62, 2**61, 2**60))
+    board.counters.publish(counters)
+    board.profile.answer(last, ProfileAnswer(3, ProfileOutcome.WRITTEN, message))
+    assert board.counters.read() == counters
+    board.counters.publish(numbered(100))
+    assert board.counters.read() == numbered(100)
+    answer = board.profile.answer_of(last)
     assert (answer.generation, answer.outcome) == (3, ProfileOutcome.WRITTEN)
     assert message.startswith(answer.message) and len(answer.message) == (PROFILE_MESSAGE_BYTES - 8) // 2

@@ -71,8 +71,8 @@ def measure(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, int, 
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     after = llm.scheduler.stats()
-    counts = tuple(getattr(after, name) - getattr(before, name)
-                   for name in ("num_draft_tokens", "num_accepted_tokens", "num_verifications"))
+    run = after.speculative.since(before.speculative)
+    counts = (run.num_draft_tokens, run.num_accepted_tokens, run.num_verifications)
     return seconds, sum(len(o.token_ids) for o in outputs), counts
 
 

@@ -132,14 +132,7 @@ class OpenAIApi:
         return json_response(encoder.encode({"version": version()}))
 
     async def metrics(self, request: HttpRequest) -> Response:
-        stats = self.server.stats()
-        self.server.metrics.set_stats(
-            num_requests_running=stats.num_running_requests, num_requests_waiting=stats.num_waiting_requests,
-            kv_cache_usage=stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0,
-            prefix_cache_hit_rate=stats.prefix_cache_hit_rate, num_stage_restarts=stats.num_restarts,
-            num_resumed_requests=stats.num_resumed_requests, num_guard_failed_requests=stats.num_guard_failed_requests,
-            num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens,
-            num_verifications=stats.num_verifications)
+        self.server.metrics.set_stats(self.server.stats())
         body, content_type = self.server.metrics.render()
         return Response(body, 200, content_type)
 
