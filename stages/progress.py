@@ -7,16 +7,15 @@ weights, warming up): a line rewritten in place while stderr is a terminal, log 
             progress.advance()
 
 On a terminal the line reads `loading weights: 12/30 (3.1 s)` and ends with `done in 4.0 s`; in a
-log (stderr not a terminal, as a daemon's is) there is one line at the start and one at the end.
+log (stderr not a terminal, as a daemon's is) there is one line at the start and one at the end,
+written to the stream itself: a stage process has no logging handlers of its own.
 """
 from __future__ import annotations
 
-import logging
 import sys
 import time
 from typing import TextIO
 
-log = logging.getLogger("pipeline.progress")
 REDRAW_INTERVAL_S = 0.1
 CLEAR_LINE = "\r\x1b[K"
 
@@ -42,7 +41,7 @@ class Progress:
         if self._live:
             self._draw()
         else:
-            log.info("%s ...", self.what)
+            self._log(f"{self.what} ...")
         return self
 
     def advance(self, count: int = 1, note: str = "") -> None:
@@ -62,7 +61,11 @@ class Progress:
             self._stream.write(f"{CLEAR_LINE}{self.what}: {outcome}\n")
             self._stream.flush()
         else:
-            log.info("%s: %s", self.what, outcome)
+            self._log(f"{self.what}: {outcome}")
+
+    def _log(self, line: str) -> None:
+        self._stream.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+        self._stream.flush()
 
     def _draw(self) -> None:
         self._drawn_s = time.monotonic()

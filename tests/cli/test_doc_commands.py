@@ -83,7 +83,8 @@ def check(command: str) -> None:
         pytest.fail(f"`{command}` does not parse (see the message above)")
 
 
-COMMANDS = [(f"{page.relative_to(REPO)}:{number}", command) for page in PAGES for number, command in fenced_commands(page)]
+COMMANDS = [(f"{page.relative_to(REPO)}:{number}", command)
+            for page in PAGES for number, command in fenced_commands(page)]
 
 
 def test_the_pages_show_commands() -> None:
