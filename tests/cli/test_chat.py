@@ -2,6 +2,7 @@
 pipe, and with a daemon of its own that it starts and stops."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pexpect
 import pytest
-from conftest import Served, chat_command, chat_env, plain, shm_of, short_dir
+from live_chat import Served, chat_command, chat_env, plain, shm_of, short_dir
 
 from pipeline.chat.conversation import Conversation
 from pipeline.client import Client
@@ -181,5 +182,25 @@ def test_chat_with_the_default_model(state_dir: Path) -> None:
         finally:
             child.close(force=True)
         assert not pid_alive(pid) and shm_of(pid) == []
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_model_without_a_chat_template_chats_as_completion(tiny_model: Path, tmp_path: Path,
+                                                             state_dir: Path) -> None:
+    plain_model = tmp_path / "no-template"
+    shutil.copytree(tiny_model, plain_model)
+    config = json.loads((plain_model / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (plain_model / "tokenizer_config.json").write_text(json.dumps(config))
+    directory = short_dir()
+    try:
+        run = subprocess.run(chat_command(directory / "plain.sock", "--model", str(plain_model), "--max-tokens", "3"),
+                             input="Once upon a time\nthere was\n", text=True, capture_output=True, timeout=240,
+                             env=chat_env(state_dir))
+        assert run.returncode == 0, run.stderr
+        assert run.stderr.count("has no chat template") == 1, run.stderr  # said once, for two messages
+        assert len(run.stdout.splitlines()) == 2, run.stdout
+        assert sorted(p.name for p in directory.iterdir()) == []
     finally:
         shutil.rmtree(directory, ignore_errors=True)
