@@ -24,11 +24,11 @@ from shm.naming import instance_of, list_entries
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120.0
 ENGINE_OPTIONS = ["--device", "cpu", "--max-model-len", "2048", "--num-kv-blocks", "512"]
-ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[=>]|\r")
+ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[=>]|[\x00-\x09\x0b-\x1f]")
 
 
 def plain(text: str) -> str:
-    """Terminal output without its escape sequences and carriage returns."""
+    """Terminal output without its escape sequences and control characters (newlines stay)."""
     return ANSI.sub("", text)
 
 

@@ -35,8 +35,9 @@ def ask(child: pexpect.spawn, line: str) -> str:
     """Sends a line and returns what came back before the next prompt, its echo left out."""
     child.sendline(line)
     child.expect_exact(PROMPT)
-    text = plain(child.before)
-    return text.split(line, 1)[1].strip("\n") if line in text else text.strip("\n")
+    lines = plain(child.before).splitlines()
+    echoes = [i for i, text in enumerate(lines) if text.strip().endswith(line)]
+    return "\n".join(lines[echoes[0] + 1 if echoes else 0:]).strip("\n")
 
 
 def stats_of(report: str) -> dict[str, float]:
