@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "starts (default: SmolLM2-135M-Instruct)")
     chat.add_argument("--keep", action="store_true", help="leave a daemon the chat started running at its end")
     chat.add_argument("--system", default=None, help="the system prompt (default: none)")
-    chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
+    chat.add_argument("--temperature", type=float, default=0.2,
+                      help="sampling temperature (0: greedy; the default model's card advises 0.2)")
     chat.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling's probability mass")
     chat.add_argument("--max-tokens", type=positive_int, default=512, help="tokens per answer at most")
     chat.set_defaults(handler=_chat)

@@ -3,6 +3,7 @@ stopped when it ends (unless asked to keep it)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ START_TIMEOUT_S = 300.0  # building a GGUF's metadata directory, the kernels and
 STOP_TIMEOUT_S = 60.0
 POLL_S = 0.1
 LOG_TAIL_LINES = 15
+TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(,\d+)? ")
 
 
 class ChatDaemon:
@@ -88,8 +90,9 @@ class ChatDaemon:
             return []
 
     def _last_log_line(self) -> str:
+        """The log's last line, its timestamp left out, cut to fit a terminal line."""
         lines = self._log_lines()
-        return lines[-1][-80:] if lines else ""
+        return TIMESTAMP.sub("", lines[-1])[:60] if lines else ""
 
     def close(self) -> str | None:
         """Stops the daemon the chat started (unless `keep`); what to tell the user, if anything."""
