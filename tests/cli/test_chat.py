@@ -205,3 +205,16 @@ def test_a_model_without_a_chat_template_chats_as_completion(tiny_model: Path, t
         assert sorted(p.name for p in directory.iterdir()) == []
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_generate_applies_the_chat_template_unless_raw(served: Served) -> None:
+    params = {"max_tokens": 4, "temperature": 0.0}
+    with Client(served.socket_path, timeout_s=60) as client:
+        chat = client.chat([{"role": "user", "content": QUESTION}], params).text
+        raw = client.generate(QUESTION, params).text
+    for options, expected in (([], chat), (["--raw"], raw), (["--stream"], chat)):
+        run = subprocess.run([*chat_command(served.socket_path)[:3], "generate", "--socket", str(served.socket_path),
+                              QUESTION, "--max-tokens", "4", "--temperature", "0", *options],
+                             text=True, capture_output=True, timeout=60, env=chat_env(served.socket_path.parent))
+        assert run.returncode == 0, run.stderr
+        assert run.stdout == expected + "\n", options
