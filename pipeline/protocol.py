@@ -9,6 +9,10 @@ Conversation, per connection (the daemon serves requests from one connection con
 the client library sends one request per connection at a time, and that request's Abort):
 - `Generate` -> `Accepted(request_id)`, then `Delta`* (only when `stream`), then `Done`, or
   `Error` at any point (before `Accepted` its `request_id` is None).
+- `Chat` is a Generate of a conversation: the daemon renders its `messages` with the model's
+  chat template, as the HTTP chat endpoint does, and the replies are a Generate's. A model
+  without a template refuses it with `Error(invalid_params)` for `messages`; `StatsReply`'s
+  `chat_template` tells beforehand (an older daemon knows no `Chat` and answers `Error(protocol)`).
 - Batched deltas: a daemon whose `HealthReply` says `delta_frames` sends the deltas of every
   request whose Generate set `delta_frames` in one `Deltas` frame per connection per output
   batch instead of one `Delta` frame each (logprob deltas still come one by one). A client
@@ -91,6 +95,22 @@ class Generate(Struct, tag="generate", forbid_unknown_fields=True, omit_defaults
     delta_frames: bool = False  # this request's deltas may come in `Deltas` frames (see the module's note)
 
 
+class ChatTurn(Struct, forbid_unknown_fields=True):
+    """One message of a conversation, as a chat template takes it."""
+
+    role: str  # system, user, assistant (the template's roles; checked where it is rendered)
+    content: str
+
+
+class Chat(Struct, tag="chat", forbid_unknown_fields=True, omit_defaults=True):
+    """Generate from `messages` rendered by the model's chat template, the assistant's turn opened."""
+
+    messages: list[ChatTurn]
+    params: WireSamplingParams = msgspec.field(default_factory=WireSamplingParams)
+    stream: bool = False
+    delta_frames: bool = False
+
+
 class Abort(Struct, tag="abort", forbid_unknown_fields=True):
     request_id: RequestId
 
@@ -112,7 +132,7 @@ class Profile(Struct, tag="profile", forbid_unknown_fields=True):
     directory: str | None = None
 
 
-ClientMessage = Union[Generate, Abort, Health, Stats, Profile]
+ClientMessage = Union[Generate, Chat, Abort, Health, Stats, Profile]
 
 # --- daemon -> client (unknown fields are ignored, so a newer daemon may add some) ---
 
@@ -242,6 +262,7 @@ class StatsReply(_SpeculativeFields, tag="stats_reply"):
     model: str | None = None  # the served model's name
     vocab_size: int = 0  # token ids are in [0, vocab_size)
     max_model_len: int = 0  # prompt + output tokens of one request at most
+    chat_template: bool = False  # the model has a chat template: a `Chat` request can be rendered
     special_token_ids: list[int] = msgspec.field(default_factory=list)  # ids a prompt of text never holds
     num_resumed_requests: int = 0  # resubmitted to restarted stages after a crash (each time counts)
     num_guard_failed_requests: int = 0  # ended by the poison guard: in flight through two crashes of a stage

@@ -188,17 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipeline bench", description=__doc__.splitlines()[0])
     parser.add_argument("--socket", type=Path, default=None, help=f"daemon socket (default {default_socket_path()})")
     parser.add_argument("--base-url", default=None, metavar="http://HOST:PORT",
-                        help="drive an OpenAI-compatible HTTP server instead (ours with --port, vLLM, SGLang)")
+                        help="drive an OpenAI-compatible HTTP server instead (ours with --port, vLLM, SGLang; default: the socket)")
     parser.add_argument("--endpoint", choices=ENDPOINTS, default="completions",
                         help="with --base-url: /v1/completions (token-id prompts) or /v1/chat/completions "
-                             "(random prompts are then words, about one token each)")
+                             "(random prompts are then words, about one token each; default completions)")
     parser.add_argument("--model-name", default=None, help="with --base-url: the served model (default: the first)")
     parser.add_argument("--api-key", default=os.environ.get("PIPELINE_API_KEY"),
                         help="with --base-url: sent as `Authorization: Bearer KEY` (default $PIPELINE_API_KEY)")
     parser.add_argument("--num-prompts", type=int, default=None, help="requests to send (default 100; "
                         "with --dataset, its whole length)")
-    parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals in req/s; inf sends all at once")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals in req/s; inf sends all at once (default inf)")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once (default: no limit)")
     parser.add_argument("--input-len", type=range_arg("--input-len"), default=(128, 128), metavar="MIN[:MAX]",
                         help="prompt length in tokens, uniform in the range (default 128)")
     parser.add_argument("--output-len", type=range_arg("--output-len"), default=(64, 64), metavar="MIN[:MAX]",
@@ -206,22 +206,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="random prompt token ids are below this (default: the vocabulary the target reports)")
     parser.add_argument("--min-token-id", type=int, default=0,
-                        help="and at least this; special tokens the target reports are skipped too")
+                        help="and at least this; special tokens the target reports are skipped too (default 0)")
     parser.add_argument("--dataset", type=Path, default=None, metavar="FILE.jsonl",
-                        help="prompts from JSONL: {prompt: text|ids, output_len|max_tokens?} per line")
+                        help="prompts from JSONL: {prompt: text|ids, output_len|max_tokens?} per line (default: random prompts)")
     parser.add_argument("--ignore-eos", action="store_true", help="generate max_tokens even past EOS")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times (default 0)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (default 0: off)")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                         help="write every figure and per-request record as JSON to FILE (no FILE or -: stdout, "
-                             "and the table goes to stderr)")
-    parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="latency CDFs and tokens/s over time")
+                             "and the table goes to stderr; default: no JSON)")
+    parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="latency CDFs and tokens/s over time (default: no plot)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--compare-sync", action="store_true",
                         help="start two daemons on --model, with and without async scheduling, and compare")
-    parser.add_argument("--model", type=Path, default=None, help="model directory for --compare-sync")
+    parser.add_argument("--model", type=Path, default=None, help="model directory for --compare-sync (default: none; it needs one)")
     return parser
 
 

@@ -16,6 +16,8 @@ from typing import Any, Generic, TypeVar
 from pipeline.errors import InvalidRequest, ProtocolError, error_from_wire
 from pipeline.protocol import (
     Accepted,
+    Chat,
+    ChatTurn,
     Delta,
     Done,
     Error,
@@ -34,6 +36,7 @@ _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 Prompt = str | list[int]
 Params = SamplingParams | dict[str, Any] | None
+Messages = list[dict[str, str]]  # [{"role": ..., "content": ...}, ...], as the HTTP chat API takes them
 
 
 @dataclass(slots=True)
@@ -68,6 +71,24 @@ def make_generate(prompt: Prompt, params: Params, stream: bool) -> Generate:
                 raise InvalidRequest("prompt", f"token ids must be integers in [0, {MAX_TOKEN_ID}], got {token_id!r}")
     else:
         raise InvalidRequest("prompt", f"must be a str or a list of token ids, got {type(prompt).__name__}")
+    return Generate(prompt=prompt, params=_wire_params(params), stream=stream)
+
+
+def make_chat(messages: Messages, params: Params, stream: bool) -> Chat:
+    """The Chat message of a conversation; InvalidRequest (naming the field) before anything is sent."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages", "must be a non-empty list of {'role': ..., 'content': ...}")
+    turns = []
+    for i, message in enumerate(messages):
+        role, content = (message.get("role"), message.get("content")) if isinstance(message, dict) else (None, None)
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}]", f"must be a dict with str 'role' and 'content', got {message!r}")
+        turns.append(ChatTurn(role, content))
+    return Chat(messages=turns, params=_wire_params(params), stream=stream)
+
+
+def _wire_params(params: Params) -> WireSamplingParams:
+    """`params` checked and as the wire takes them; InvalidRequest naming a bad field."""
     try:
         if params is None:
             params = SamplingParams()
@@ -84,7 +105,7 @@ def make_generate(prompt: Prompt, params: Params, stream: bool) -> Generate:
         raise
     except InvalidParams as exc:
         raise InvalidRequest.from_invalid_params(exc) from None
-    return Generate(prompt=prompt, params=WireSamplingParams.from_params(params), stream=stream)
+    return WireSamplingParams.from_params(params)
 
 
 def make_stream_generates(prompts: list[Prompt], params: Params | list[Params]) -> list[Generate]:

@@ -31,18 +31,20 @@ from pipeline.client.batches import BlockingStreamBatches
 from pipeline.client.connection import Connection
 from pipeline.client.replies import (
     Completion,
+    Messages,
     Params,
     Prompt,
     RequestReplies,
     RunningRequests,
     StreamDelta,
+    make_chat,
     make_generate,
     make_stream_generates,
     profile_message,
     unary_reply,
 )
 from pipeline.paths import default_socket_path
-from pipeline.protocol import Health, HealthReply, ProfileReply, ServerMessage, Stats, StatsReply
+from pipeline.protocol import Chat, Generate, Health, HealthReply, ProfileReply, ServerMessage, Stats, StatsReply
 
 class StreamResult:
     """What a finished stream tells, sync or async: the completion and its finish reason."""
@@ -117,7 +119,14 @@ class Client:
         self._running: RunningRequests[Connection] = RunningRequests()
 
     def generate(self, prompt: Prompt, params: Params = None) -> Completion:
-        generate = make_generate(prompt, params, stream=False)
+        return self._call(make_generate(prompt, params, stream=False))
+
+    def chat(self, messages: Messages, params: Params = None) -> Completion:
+        """`generate` for a conversation, rendered by the daemon with the model's chat template
+        (InvalidRequest for `messages` when the model has none: see `StatsReply.chat_template`)."""
+        return self._call(make_chat(messages, params, stream=False))
+
+    def _call(self, generate: Generate | Chat) -> Completion:
         with self._connection_for_call() as connection:
             replies = RequestReplies()
             try:
@@ -136,7 +145,13 @@ class Client:
         return replies.result()
 
     def stream(self, prompt: Prompt, params: Params = None) -> Stream:
-        generate = make_generate(prompt, params, stream=True)
+        return self._stream(make_generate(prompt, params, stream=True))
+
+    def stream_chat(self, messages: Messages, params: Params = None) -> Stream:
+        """`stream` for a conversation, rendered as `chat` renders it."""
+        return self._stream(make_chat(messages, params, stream=True))
+
+    def _stream(self, generate: Generate | Chat) -> Stream:
         connection = Connection(self.socket_path, self._timeout_s)
         replies = RequestReplies()
         try:

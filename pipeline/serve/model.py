@@ -11,8 +11,12 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from pipeline.errors import InvalidRequest
 from pipeline.models.checkpoints import model_display_name
+from pipeline.protocol import ChatTurn
 from pipeline.serve.openai.chat import ChatTemplate
+from pipeline.serve.openai.errors import OpenAIError
+from pipeline.serve.openai.schemas import ChatMessage
 from stages.contracts.config import EngineConfig, ModelLimits
 
 DEFAULT_MODEL_NAME = "default"  # the embedded default model's name
@@ -49,3 +53,14 @@ class ServedModel:
 
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+def chat_prompt(model: ServedModel | None, turns: list[ChatTurn]) -> str:
+    """The prompt text of a socket `Chat` request: its turns rendered by the model's chat template,
+    the assistant's turn opened; InvalidRequest (field `messages`) when it has none or it fails."""
+    if model is None:
+        raise InvalidRequest("messages", "this daemon has no model description to render a chat with")
+    try:
+        return model.chat_template.render([ChatMessage(turn.role, turn.content) for turn in turns])
+    except OpenAIError as exc:
+        raise InvalidRequest("messages", exc.message) from None

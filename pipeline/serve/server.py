@@ -27,6 +27,7 @@ from pipeline.protocol import (
     Abort,
     Aborted,
     Accepted,
+    Chat,
     ClientMessage,
     Delta,
     Deltas,
@@ -45,7 +46,7 @@ from pipeline.protocol import (
 from pipeline.engine.backend import Backend
 from pipeline.serve.config import DaemonConfig
 from pipeline.serve.metrics import Metrics, RequestTimeline
-from pipeline.serve.model import ServedModel
+from pipeline.serve.model import ServedModel, chat_prompt
 from pipeline.serve.profile_control import answer_profile
 from pipeline.serve.recovery import Recovery, ResumeState
 from pipeline.serve.status import health_reply, stats_reply
@@ -199,7 +200,7 @@ class DaemonServer:
     # ---- client messages
 
     def handle(self, connection: Connection, message: ClientMessage) -> None:
-        if isinstance(message, Generate):
+        if isinstance(message, (Generate, Chat)):
             self._generate(connection, message)
         elif isinstance(message, Abort):
             self._abort(connection, message.request_id)
@@ -210,11 +211,12 @@ class DaemonServer:
         elif isinstance(message, Profile):
             answer_profile(self.backend, message, connection.send)
 
-    def _generate(self, connection: Connection, message: Generate) -> None:
+    def _generate(self, connection: Connection, message: Generate | Chat) -> None:
         try:
             params = message.params.to_params()
             check_guided(params)
-            request_id = self.start_request(connection, message.prompt, params, message.stream,
+            prompt = message.prompt if isinstance(message, Generate) else chat_prompt(self.model, message.messages)
+            request_id = self.start_request(connection, prompt, params, message.stream,
                                             delta_frames=message.delta_frames)
         except (PipelineError, InvalidParams) as exc:
             connection.send(error_for(exc))

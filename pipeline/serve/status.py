@@ -91,6 +91,7 @@ def stats_reply(server: ServerState) -> StatsReply:
         reply.model = model.name
         reply.vocab_size = model.vocab_size
         reply.max_model_len = model.max_model_len
+        reply.chat_template = model.chat_template.available
         reply.special_token_ids = list(model.special_token_ids)
     if server.backend is None:
         return reply

@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from stages.progress import Progress
+
 DecodeForward = Callable[[int, int], tuple[torch.Tensor, ...]]
 
 
@@ -32,6 +34,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self, buckets: list[int], device: torch.device) -> None:
         pool = torch.cuda.graph_pool_handle()
+        progress = Progress("warming up: capturing the decode steps' CUDA graphs", total=len(buckets)).start()
         # Largest first: the smaller graphs then fit in the memory the largest left in the pool.
         for bucket in sorted(buckets, reverse=True):
             # A warm-up call outside capture, on a side stream as capture itself runs: kernels
@@ -46,7 +49,9 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[bucket] = self.forward(bucket, 1)
             self.graphs[bucket] = graph
+            progress.advance()
         torch.cuda.synchronize(device)
+        progress.finish()
 
     def run(self, bucket: int, max_context: int) -> tuple[torch.Tensor, ...]:
         """The step's outputs over `bucket` rows: a graph's (overwritten by its next replay) or fresh ones."""

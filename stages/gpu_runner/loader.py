@@ -12,6 +12,7 @@ from stages.gpu_runner.model_config import ModelConfig, ModelLoadError, load_mod
 from stages.gpu_runner.models.base import CausalLM
 from stages.gpu_runner.models.registry import model_class
 from stages.gpu_runner.parallel import TensorParallel, shard_tensor
+from stages.progress import Progress
 
 TOKENIZER_FILE = "tokenizer.json"
 # A multimodal checkpoint's parts that the text model does not use, and where its text model's
@@ -70,7 +71,9 @@ def load_model(
         if unexpected:
             raise ModelLoadError(f"{root}: unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
                                  f"for {config.architecture}")
+        progress = Progress(f"loading the weights of {root.name}", total=len(expected)).start()
         for model_name, shape_wanted in expected.items():
+            progress.advance()
             name = names[model_name]
             shape = source.shape(name)
             if shape != shape_wanted:
@@ -81,4 +84,5 @@ def load_model(
             else:
                 model.load_hf_tensor(model_name, shard_tensor(model_name, lambda index: source.read(name, index),
                                                               shape, config, tp.rank, tp.size))
+        progress.finish()
     return model.eval()

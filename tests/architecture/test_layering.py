@@ -18,7 +18,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 STAGES = ("tokenizer", "scheduler", "gpu_runner", "detokenizer")
 PRODUCT_LAYERS = {  # a pipeline/ part may import only the parts listed for it (and itself)
-    "cli": {"options", "router", "serve", "bench", "engine", "client", "models", "protocol", "errors", "paths"},
+    "cli": {"options", "chat", "router", "serve", "bench", "engine", "client", "models", "protocol", "errors",
+            "paths"},
+    "chat": {"options", "client", "errors", "paths"},  # `pipeline chat`, and the daemon it starts when none runs
     "options": {"serve", "models", "errors"},  # `start`'s and `worker`'s options and the configs they make
     "router": {"serve", "engine", "models", "protocol", "errors", "paths"},
     "serve": {"engine", "models", "protocol", "errors", "paths"},

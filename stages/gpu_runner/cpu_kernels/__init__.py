@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from stages.progress import Progress
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.c", "sample.c", "elementwise.c"))
@@ -51,8 +53,9 @@ def _build(compiler: str) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         built = Path(scratch) / target.name
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], capture_output=True,
-                       text=True, check=True)
+        with Progress(f"compiling the CPU kernels into {target}"):
+            subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], capture_output=True,
+                           text=True, check=True)
         os.replace(built, target)
     return target
 

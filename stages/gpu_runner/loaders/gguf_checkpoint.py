@@ -19,6 +19,7 @@ from stages.gpu_runner.loaders.gguf import hf_config, hf_name, open_gguf
 from stages.gpu_runner.loaders.gguf_file import GGUFFile
 from stages.gpu_runner.loaders.gguf_quants import SUPPORTED_TYPES, UnsupportedQuantType
 from stages.gpu_runner.model_config import ModelLoadError
+from stages.progress import Progress
 
 LAYOUT_VERSION = 1  # bump when what is written here changes, so older directories are rebuilt
 _DONE = "config.json"  # written last: its presence marks a finished directory
@@ -60,7 +61,8 @@ def gguf_checkpoint(path: str | Path, cache_root: str | Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{path.stem}-", dir=target.parent))
     try:
-        tokenizer = build_tokenizer(file, path)
+        with Progress(f"building the metadata directory of {path.name} in {target.parent}"):
+            tokenizer = build_tokenizer(file, path)
         tokenizer.tokenizer.save(str(scratch / "tokenizer.json"))
         (scratch / "tokenizer_config.json").write_text(json.dumps(tokenizer.tokenizer_config(), indent=2))
         eos = tokenizer.eos_token_ids or ([] if config["eos_token_id"] is None else [config["eos_token_id"]])
