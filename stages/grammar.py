@@ -6,7 +6,7 @@ schema, regex or grammar is refused naming the problem before anything is queued
 builds a `GrammarCompiler` over the model's tokenizer: one matcher per distinct spec, compiled once
 and deep-copied for each request that asks for it.
 
-llguidance was chosen over xgrammar by tools/bench_grammar.py (compile and per-token mask time on
+llguidance was chosen over xgrammar by tools/micro/bench_grammar.py (compile and per-token mask time on
 the tiny vocabularies and a 128k BPE vocabulary) and for its dependencies: none, where xgrammar
 needs torch, transformers, triton and pydantic at run time.
 """

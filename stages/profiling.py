@@ -3,7 +3,7 @@
 Every stage marks its loop phases (`with ctx.range("step"):`) in its own NVTX domain
 `pipeline.<stage>`, so an nsys trace of a daemon started with `pipeline start --nsys` shows each
 process's step on one timeline. Without a tool attached, nvtx hands out a dummy domain and a
-range makes no call at all: it costs about what an empty `with` does (tools/bench_stage_range.py).
+range makes no call at all: it costs about what an empty `with` does (tools/micro/bench_stage_range.py).
 
 Where nsys is not used, the daemon asks every stage through the status board to capture with
 torch's profiler (pipeline/serve/profile_control.py is the daemon's end; `StageProfiler.answer`

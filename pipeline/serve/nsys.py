@@ -1,11 +1,11 @@
 """Running the daemon under Nsight Systems: `pipeline start --nsys`, and the capture commands of
-tools/profile.py.
+tools/profiling/profile_daemon.py.
 
 nsys cannot attach to a process that is already running. So `pipeline start --nsys` re-executes
 itself under `nsys launch --session-new=<session>`, which traces the daemon and every stage it
 spawns from the start but records nothing until `nsys start --session=<session>`. The session
 name is derived from the socket path, and the daemon carries it in its environment
-(SESSION_ENV), where tools/profile.py reads it back from /proc: a daemon started without --nsys
+(SESSION_ENV), where tools/profiling/profile_daemon.py reads it back from /proc: a daemon started without --nsys
 has none, however its socket is named.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ def start_under_nsys(argv: Sequence[str], socket_path: Path, detach: bool) -> No
     nsys = find_nsys()
     if nsys is None:
         raise PipelineError("--nsys: nsys (Nsight Systems) was not found on PATH; install it, or start without "
-                            "--nsys and profile with tools/profile.py's torch.profiler fallback")
+                            "--nsys and profile with tools/profiling/profile_daemon.py's torch.profiler fallback")
     if detach:
         return
     session = session_name(socket_path)

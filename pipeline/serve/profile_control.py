@@ -42,7 +42,7 @@ def check_trace_directory(directory: str) -> str:
     mode = stat.S_IMODE(info.st_mode)
     if mode & 0o022:
         raise InvalidRequest("directory", f"{directory!r} has mode {mode:04o}; it must be writable by its "
-                                          f"owner only (tools/profile.py makes it 0700)")
+                                          f"owner only (tools/profiling/profile_daemon.py makes it 0700)")
     return real
 
 

@@ -19,7 +19,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch 
 CPU_PLACEMENTS = ("auto", "split", "shared")  # stages/process.py stage_cores
 # `pipeline start`'s step token budget for a model on the CPU: there a step of 8192 prompt tokens
 # holds every stream's first token back while it runs, and 2048 fill the cores as well
-# (tools/bench_peer.py: the 20M Llama at 64 streams, TTFT p50 1.2 s against 2.0 s, tok/s 1416
+# (tools/bench/bench_peer.py: the 20M Llama at 64 streams, TTFT p50 1.2 s against 2.0 s, tok/s 1416
 # against 1316; SmolLM2 bfloat16 at 32 streams, TTFT p50 1.6 s against 2.4 s, tok/s 426 against 425).
 CPU_MAX_NUM_BATCHED_TOKENS = 2048
 TOKENIZER_FILE = "tokenizer.json"
@@ -75,7 +75,7 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"  # the rendezvous: rank 0's machine
     master_port: int = 0  # 0: a free port picked at start (one machine only)
-    # Benchmarks only (tools/bench_overhead.py), not a device: no model runs; each step takes this
+    # Benchmarks only (tools/bench/bench_overhead.py), not a device: no model runs; each step takes this
     # many ms of wall time on a simulated device (stages/gpu_runner/simulated.py). None: the model.
     simulated_device_ms: float | None = None
     simulated_device_trace: str | None = None  # where the simulated device records each step's times

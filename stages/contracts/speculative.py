@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 # Decoding rows above which a step verifies no drafts, unless the config says otherwise. On CPU
-# (tools/bench_spec.py, SmolLM2-135M) 16 streams gain from drafts only when copying a passage
+# (tools/bench/bench_spec.py, SmolLM2-135M) 16 streams gain from drafts only when copying a passage
 # (1.36x) and lose 10-17% on other tasks; at 4 streams and below drafts that get accepted pay.
 # Below it each row's drafts must pay for themselves (speculation.py in the scheduler).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8

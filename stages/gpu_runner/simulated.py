@@ -1,7 +1,7 @@
 """A simulated device for benchmarks: the runner's host work, with the model replaced by a timeline.
 
 Not a device to serve with: it exists to measure whether host work ever makes the device wait
-(tools/bench_overhead.py), on machines where a real model would eat the CPU it is measured on.
+(tools/bench/bench_overhead.py), on machines where a real model would eat the CPU it is measured on.
 `EngineConfig.simulated_device_ms = T` selects it. Everything a real runner does on the host
 stays: applying the plan to the persistent batch, building the step's inputs and its sampling
 metadata, writing the sampled tokens into the token table. The forward and the sampler become

@@ -32,7 +32,7 @@ from stages.contracts.speculative import SpeculativeConfig
 MAX_COOLDOWN = 127  # decode steps a row skips after its drafts did not pay several times in a row
 # c0 / c1 above: how many tokens a decode step computes for about the price of reading the weights.
 # On the 2-core AVX-512 machine a SmolLM2-135M step of 5 tokens costs about 1.35x one of 1 (10),
-# but tools/bench_spec.py finds rows of 4 streams accepting 1.2-1.6 of 4 drafts losing: 6.
+# but tools/bench/bench_spec.py finds rows of 4 streams accepting 1.2-1.6 of 4 drafts losing: 6.
 FREE_TOKENS = 6.0
 MEAN_WEIGHT = 0.3  # of the latest verification in a row's running mean: one lucky run does not reset it
 
