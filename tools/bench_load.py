@@ -28,7 +28,7 @@ from pipeline.client import Client  # noqa: E402
 from pipeline.errors import PipelineError  # noqa: E402
 from pipeline.models.checkpoints import default_model_file, resolve_model  # noqa: E402
 from stages.gpu_runner.loaders.gguf import GGUFSource  # noqa: E402
-from stages.gpu_runner.model_config import load_model_config  # noqa: E402
+from stages.gpu_runner.models.config import load_model_config  # noqa: E402
 
 START_TIMEOUT_S = 300.0
 OPTIONS = ["--device", "cpu", "--max-model-len", "2048", "--num-kv-blocks", "256"]

@@ -65,7 +65,7 @@ from overhead_analysis import (  # noqa: E402
 from pipeline.client import AsyncClient, Client  # noqa: E402
 from pipeline.errors import DaemonNotRunning, PipelineError  # noqa: E402
 from stages.contracts.params import SamplingParams  # noqa: E402
-from stages.gpu_runner.simulated_steps import SimulatedTokens, read_timeline  # noqa: E402
+from stages.gpu_runner.simulated.steps import SimulatedTokens, read_timeline  # noqa: E402
 
 BATCHES = (1, 64, 256)
 PROMPT_TOKENS = 32

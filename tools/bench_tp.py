@@ -37,7 +37,8 @@ from pipeline.models.tiny_model import make_tiny_model  # noqa: E402
 from shm.naming import new_instance_id, unlink_instance  # noqa: E402
 from shm.ring import RingReader, RingWriter  # noqa: E402
 from shm.segment import RingSegment  # noqa: E402
-from stages.gpu_runner.parallel import PlanBroadcast, TensorParallel, join_group, leave_group, weight_bytes  # noqa: E402
+from stages.gpu_runner.parallel.group import PlanBroadcast, TensorParallel, join_group, leave_group  # noqa: E402
+from stages.gpu_runner.parallel.sharding import weight_bytes  # noqa: E402
 
 FULL = dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, head_dim=64, intermediate_size=2816,
             vocab_size=8192, max_position_embeddings=1024)

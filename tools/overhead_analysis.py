@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import checkout_path  # noqa: F401 - first: the checkout on sys.path, not tools/ (see there)
 import numpy as np
 
-from stages.gpu_runner.simulated_steps import SimulatedTokens  # noqa: E402
+from stages.gpu_runner.simulated.steps import SimulatedTokens  # noqa: E402
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from pipeline.engine.llm import LLM  # noqa: E402
 from pipeline.models.checkpoints import default_model_file  # noqa: E402
 from stages.contracts.params import SamplingParams  # noqa: E402
-from stages.gpu_runner.static_decode import is_decode_only  # noqa: E402
+from stages.gpu_runner.inputs.static_decode import is_decode_only  # noqa: E402
 
 
 class StepProfiler:

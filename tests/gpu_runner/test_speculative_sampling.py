@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stages.contracts.params import SamplingParams
-from stages.gpu_runner.sampler import Sampler, SamplingMetadata
+from stages.gpu_runner.sampling.sampler import Sampler, SamplingMetadata
 from stages.gpu_runner.speculative.ngram import NgramProposer
 from stages.gpu_runner.speculative.rejection import verify
 

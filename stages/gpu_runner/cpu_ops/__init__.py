@@ -91,7 +91,7 @@ def _built(caller: str) -> ctypes.CDLL:
     """`library()`, for a kernel's wrapper: a RuntimeError naming `caller` where it is not built."""
     lib = library()
     if lib is None:
-        raise RuntimeError(f"{caller}: the CPU kernels are not built (see cpu_kernels.library)")
+        raise RuntimeError(f"{caller}: the CPU kernels are not built (see cpu_ops.library)")
     return lib
 
 

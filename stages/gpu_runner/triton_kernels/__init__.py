@@ -11,10 +11,10 @@ from typing import Callable
 
 import torch
 
-from stages.gpu_runner.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
-from stages.gpu_runner.kernels.loading import interpreted, jit_module
-from stages.gpu_runner.kernels.norm import fused_add_rms_norm, rms_norm
-from stages.gpu_runner.kernels.rotary import qk_norm_rotary_, rotary_embedding_
+from stages.gpu_runner.triton_kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
+from stages.gpu_runner.triton_kernels.loading import interpreted, jit_module
+from stages.gpu_runner.triton_kernels.norm import fused_add_rms_norm, rms_norm
+from stages.gpu_runner.triton_kernels.rotary import qk_norm_rotary_, rotary_embedding_
 
 
 @dataclass(frozen=True, slots=True)

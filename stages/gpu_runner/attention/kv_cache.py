@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from stages.contracts.config import EngineConfig
-from stages.gpu_runner.model_config import ModelConfig
+from stages.gpu_runner.models.config import ModelConfig
 
 # Host memory given to the KV cache on CPU when neither num_kv_blocks nor a budget is set.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30

@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from stages.gpu_runner.backend import check_window, window_blocks
-from stages.gpu_runner.kernels.loading import cdiv, kernels_for, next_power_of_2
+from stages.gpu_runner.attention.interface import check_window, window_blocks
+from stages.gpu_runner.triton_kernels.loading import cdiv, kernels_for, next_power_of_2
 
 # Decode splits: enough programs to fill the GPU at small batch, never a split shorter than this.
 _TARGET_PROGRAMS = 256

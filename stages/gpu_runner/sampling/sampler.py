@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from stages.contracts.params import SamplingParams
-from stages.gpu_runner import cpu_kernels
-from stages.gpu_runner.input_batch import InputBatch, SamplingColumns
-from stages.gpu_runner.step_inputs import to_device
+from stages.gpu_runner import cpu_ops
+from stages.gpu_runner.inputs.input_batch import InputBatch, SamplingColumns
+from stages.gpu_runner.inputs.step_inputs import to_device
 
 # splitmix64 constants as two's-complement int64, since torch has no uint64 arithmetic.
 _GAMMA = 0x9E3779B97F4A7C15 - 2**64
@@ -215,13 +215,7 @@ class Sampler:
         logprobs stay those of the model's raw distribution."""
         if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
             raise ValueError(f"logits must be [{meta.num_rows}, vocab], got {tuple(logits.shape)}")
-        processed = logits.to(torch.float32, copy=True)
-        if constrain is not None:
-            processed = constrain(processed)
-        if meta.any_penalty:
-            processed = _apply_penalties(processed, meta)
-        if meta.blocked_token_ids is not None:
-            processed = _block_ids(processed, meta.blocked_token_ids)
+        processed = penalized_logits(logits, meta, constrain)
 
         if meta.all_greedy:
             token_ids = processed.argmax(dim=-1)
@@ -234,11 +228,11 @@ class Sampler:
 
         if meta.max_num_logprobs is None:
             return SamplerOutput(token_ids, None, None)
-        logprobs, logprob_token_ids = _logprobs(logits, token_ids, meta.max_num_logprobs)
+        logprobs, logprob_token_ids = token_logprobs(logits, token_ids, meta.max_num_logprobs)
         return SamplerOutput(token_ids, logprobs, logprob_token_ids)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        if logits.device.type == "cpu" and cpu_kernels.library() is not None:
+        if logits.device.type == "cpu" and cpu_ops.library() is not None:
             return self._sample_on_cpu(logits, meta)
         return self.race(sampling_probs(logits, meta), meta)
 
@@ -251,7 +245,7 @@ class Sampler:
             logits, temperature = sampling_logits(logits, meta), torch.ones_like(temperature)
         if meta.num_seeded < meta.num_rows:
             points = torch.rand(meta.num_rows, generator=self.generator, dtype=torch.float64)
-            tokens = cpu_kernels.sample_logits(logits, temperature, points)
+            tokens = cpu_ops.sample_logits(logits, temperature, points)
         else:
             tokens = torch.empty(meta.num_rows, dtype=torch.int64)
         if meta.num_seeded:
@@ -324,6 +318,21 @@ def sampling_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     elif meta.any_top_k:
         logits = _top_k(logits, meta)
     return logits
+
+
+def penalized_logits(logits: torch.Tensor, meta: SamplingMetadata,
+                     constrain: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """A float32 copy of `logits` [n, vocab], masked and biased by `constrain` (grammars,
+    logit_bias), then penalised and with the blocked ids (min_tokens' stop ids) set to -inf:
+    what greedy rows take the argmax of and the others sample from."""
+    processed = logits.to(torch.float32, copy=True)
+    if constrain is not None:
+        processed = constrain(processed)
+    if meta.any_penalty:
+        processed = _apply_penalties(processed, meta)
+    if meta.blocked_token_ids is not None:
+        processed = _block_ids(processed, meta.blocked_token_ids)
+    return processed
 
 
 def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -422,8 +431,8 @@ def _seeded_uniform(seeds: torch.Tensor, output_pos: torch.Tensor) -> torch.Tens
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _UNIFORM_BITS))
 
 
-def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
-              num_logprobs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
+                   num_logprobs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampled token's logprob, then the top num_logprobs, under the model's raw
     distribution (before penalties, temperature and filters)."""
     logprobs = raw_logits.to(torch.float32).log_softmax(dim=-1)

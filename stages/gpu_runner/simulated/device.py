@@ -32,16 +32,16 @@ import torch
 from shm.clock import now_ns
 from stages.contracts.config import EngineConfig
 from stages.contracts.plan import StepPlan
-from stages.gpu_runner.input_batch import InputBatch
-from stages.gpu_runner.kv_cache import num_blocks_for_budget
-from stages.gpu_runner.loader import tokenizer_path
-from stages.gpu_runner.attention import TorchBackend
-from stages.gpu_runner.constraints import RowConstraints
-from stages.gpu_runner.model_config import load_model_config, resolve_device, resolve_dtype, served_max_model_len
-from stages.gpu_runner.output import StepOutput
-from stages.gpu_runner.sampler import SamplingMetadata
-from stages.gpu_runner.simulated_steps import SimulatedTokens, StepTimeline
-from stages.gpu_runner.step_inputs import prepare_step, to_device
+from stages.gpu_runner.attention.kv_cache import num_blocks_for_budget
+from stages.gpu_runner.attention.torch_backend import TorchBackend
+from stages.gpu_runner.inputs.input_batch import InputBatch
+from stages.gpu_runner.inputs.output import StepOutput
+from stages.gpu_runner.inputs.step_inputs import prepare_step, to_device
+from stages.gpu_runner.loaders.loader import tokenizer_path
+from stages.gpu_runner.models.config import load_model_config, resolve_device, resolve_dtype, served_max_model_len
+from stages.gpu_runner.sampling.constraints import RowConstraints
+from stages.gpu_runner.sampling.sampler import SamplingMetadata
+from stages.gpu_runner.simulated.steps import SimulatedTokens, StepTimeline
 
 
 class SimulatedDeviceRunner:

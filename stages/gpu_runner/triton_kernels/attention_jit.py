@@ -12,7 +12,7 @@ the keys before it in that block are masked.
 import triton
 import triton.language as tl
 
-from stages.gpu_runner.kernels.loading import jit_module_in_loading_mode
+from stages.gpu_runner.triton_kernels.loading import jit_module_in_loading_mode
 
 _common = jit_module_in_loading_mode("common")
 round_to = _common.round_to
