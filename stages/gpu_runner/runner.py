@@ -7,11 +7,11 @@ the device token table (where the next step's decode inputs are read) and, when 
 host buffer and records an event after it. Nothing in it waits for the device: every size and
 index comes from the plan and host-side mirrors.
 
-A decode-only step that fits a bucket takes the static path (static_decode.py): persistent
-buffers, padded rows, and on CUDA with the triton backend a replayed graph (decode_graphs.py).
+A decode-only step that fits a bucket takes the static path (inputs/static_decode.py): persistent
+buffers, padded rows, and on CUDA with the triton backend a replayed graph (inputs/decode_graphs.py).
 Prefill and mixed steps, and every step when the static path is off, take the dynamic path.
 
-Under tensor parallelism (`tp`) every rank runs this same runner on its shard (parallel.py) and
+Under tensor parallelism (`tp`) every rank runs this same runner on its shard (parallel/) and
 its own KV cache shard over the same block tables; rank 0 samples, and the sampled ids reach the
 other ranks by a broadcast on the device, so every rank's token table holds them. Ranks take the
 dynamic path only.
@@ -33,19 +33,20 @@ from stages.gpu_runner.attention.kv_cache import allocate_kv_caches, kv_pool_siz
 from stages.gpu_runner.attention.selector import make_attention_backend, resolve_attention_backend
 from stages.gpu_runner.inputs.decode_graphs import DecodeGraphs
 from stages.gpu_runner.inputs.input_batch import InputBatch
-from stages.gpu_runner.loaders.loader import load_model, tokenizer_path
-from stages.gpu_runner.sampling.constraints import RowConstraints
-from stages.gpu_runner.models.config import (
-    ModelConfig, load_model_config, resolve_device, resolve_dtype, served_max_model_len,
-)
 from stages.gpu_runner.inputs.output import StepOutput
 from stages.gpu_runner.inputs.static_decode import StaticDecodeInputs, is_decode_only
 from stages.gpu_runner.inputs.step_inputs import check_budget, check_plan, prepare_step, upload_table_writes
 from stages.gpu_runner.inputs.step_layout import step_layout
 from stages.gpu_runner.layers.kernels import make_layer_kernels
+from stages.gpu_runner.loaders.loader import load_model, tokenizer_path
+from stages.gpu_runner.models.config import (
+    ModelConfig, load_model_config, resolve_device, resolve_dtype, served_max_model_len,
+)
 from stages.gpu_runner.parallel.group import PlanBroadcast, TensorParallel
 from stages.gpu_runner.parallel.sharding import check_tensor_parallel
-from stages.gpu_runner.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
+from stages.gpu_runner.sampling.constraints import RowConstraints
+from stages.gpu_runner.sampling.metadata import SamplingMetadata
+from stages.gpu_runner.sampling.sampler import Sampler, SamplerOutput
 from stages.gpu_runner.speculative.speculator import Speculator, shift_meta
 from stages.messages import encode_plan
 

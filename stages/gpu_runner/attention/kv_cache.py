@@ -1,4 +1,4 @@
-"""Sizing and allocation of the paged KV cache (layout: see attention.py)."""
+"""Sizing and allocation of the paged KV cache (layout: see torch_backend.py)."""
 from __future__ import annotations
 
 import torch

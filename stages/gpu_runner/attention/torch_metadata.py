@@ -49,7 +49,7 @@ class DecodeBatch:
 class VerifyBatch:
     """Rows verifying drafts: `num_queries` query tokens each (the last known token and its
     drafts), attended in one batched call. Their real positions are known on the device only
-    (speculative.py in the runner), so the causal mask is built there; keys are padded to the
+    (the speculative step's inputs), so the causal mask is built there; keys are padded to the
     longest context the plan allows."""
 
     token_idx: torch.Tensor  # int64 [d * num_queries]: the rows' flattened token indices, row after row

@@ -1,5 +1,5 @@
 """Build the model for a checkpoint and fill it, strictly: every tensor the model needs, none it does
-not know, each of the shape the config implies. The tensors come from a loader (loaders/): a
+not know, each of the shape the config implies. The tensors come from a loader (beside this file): a
 safetensors directory, or the GGUF file its config names; under tensor parallelism each rank
 reads only the slices it holds."""
 from __future__ import annotations

@@ -3,7 +3,7 @@ KV cache, the final norm and LM head, rotary tables, and placing checkpoint tens
 
 A family subclasses `CausalLM` with its decoder layer (`make_layer`); a layer maps
 (x, residual) -> (x, residual), the hidden state being x + residual (residual None: x alone).
-Under tensor parallelism the modules hold one rank's shard (see parallel.py and layers/linear.py).
+Under tensor parallelism the modules hold one rank's shard (see parallel/sharding.py and layers/linear.py).
 """
 from __future__ import annotations
 

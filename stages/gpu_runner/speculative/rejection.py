@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from stages.gpu_runner.sampling.sampler import Sampler, SamplingMetadata, penalized_logits, sampling_probs
+from stages.gpu_runner.sampling.metadata import SamplingMetadata
+from stages.gpu_runner.sampling.sampler import Sampler, penalized_logits, sampling_probs
 
 
 def verify(logits: torch.Tensor, drafts: torch.Tensor, meta: SamplingMetadata,

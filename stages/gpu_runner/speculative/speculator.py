@@ -19,7 +19,8 @@ import torch
 from stages.contracts.speculative import SpeculativeConfig
 from stages.gpu_runner.inputs.input_batch import InputBatch
 from stages.gpu_runner.inputs.step_inputs import StepInputs, to_device
-from stages.gpu_runner.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, token_logprobs
+from stages.gpu_runner.sampling.metadata import SamplingMetadata
+from stages.gpu_runner.sampling.sampler import Sampler, SamplerOutput, token_logprobs
 from stages.gpu_runner.speculative.ngram import NgramProposer
 from stages.gpu_runner.speculative.proposer import Proposer
 from stages.gpu_runner.speculative.rejection import verify

@@ -1,6 +1,7 @@
 """Triton kernels of the GPU runner: paged attention, KV store, RMSNorm, rotary; compiled on CUDA, interpreted on CPU.
 
-The runner calls `load(device)` once: it builds the kernels in the device's mode (see
+The attention backend (attention/triton_backend.py) and the layers' kernels (layers/kernels.py)
+call `load(device)` once each: it builds the kernels in the device's mode (see
 loading.py for why the mode is fixed when they are defined) and returns them together. The
 functions themselves pick the mode from their tensors' device, so calling them directly works too.
 """

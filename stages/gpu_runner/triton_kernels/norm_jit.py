@@ -1,4 +1,4 @@
-"""Triton kernel of RMSNorm, optionally fused with the residual add; loaded through kernels.loading."""
+"""Triton kernel of RMSNorm, optionally fused with the residual add; loaded through triton_kernels.loading."""
 import triton
 import triton.language as tl
 

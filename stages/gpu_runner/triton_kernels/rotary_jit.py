@@ -1,6 +1,6 @@
 """Triton kernel of rotary embedding (rotate-half), optionally after a per-head RMSNorm (Qwen3).
 
-Loaded through kernels.loading. Every product and sum is rounded to the activations' dtype
+Loaded through triton_kernels.loading. Every product and sum is rounded to the activations' dtype
 where the torch path (apply_rotary on cos/sin cast to that dtype) rounds it, so a bf16 result
 is the torch result to the bit.
 """
