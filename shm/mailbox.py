@@ -12,7 +12,7 @@ consumer, which covered for it meanwhile, hands it (`MailboxReader.cover_for`).
 
 A slot may also carry a "ready at" time (CLOCK_MONOTONIC ns, shm/clock.py): its tokens exist
 only from then on, and a reader sleeps until it, as it would wait on a device event. Only the
-simulated device of the benchmarks sets it (stages/gpu_runner/simulated.py); 0 means ready now.
+simulated device of the benchmarks sets it (stages/gpu_runner/simulated/); 0 means ready now.
 
 The segment's layout is in shm/mailbox_layout.py; the device side (CUDA IPC) in shm/cuda_ipc.py,
 imported only for a CUDA mailbox.

@@ -15,8 +15,8 @@ from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
 from stages.grammar import check_guided
 from stages.gpu_runner.build import build_runner, model_limits, serving_max_model_len, window_limits
-from stages.gpu_runner.model_config import load_model_config, resolve_device
-from stages.gpu_runner.parallel import check_tensor_parallel
+from stages.gpu_runner.models.config import load_model_config, resolve_device
+from stages.gpu_runner.parallel.sharding import check_tensor_parallel
 from stages.scheduler.build import build_scheduler
 from stages.scheduler.step_loop import RunnerLike
 from stages.tokenizer.encoding import PromptEncoder

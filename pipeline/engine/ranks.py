@@ -11,7 +11,7 @@ import torch
 
 from stages.contracts.config import EngineConfig
 from stages.gpu_runner import worker
-from stages.gpu_runner.parallel import RankJoinError, TensorParallel, leave_group
+from stages.gpu_runner.parallel.group import RankJoinError, TensorParallel, leave_group
 
 STOP_WAIT_S = 10.0
 

@@ -18,7 +18,7 @@ from typing import NoReturn
 from pipeline.errors import PipelineError
 from stages.contracts.config import EngineConfig
 from stages.gpu_runner import worker
-from stages.gpu_runner.parallel import RankJoinError, read_published
+from stages.gpu_runner.parallel.group import RankJoinError, read_published
 
 log = logging.getLogger("pipeline.serve.worker")
 

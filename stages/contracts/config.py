@@ -76,7 +76,7 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"  # the rendezvous: rank 0's machine
     master_port: int = 0  # 0: a free port picked at start (one machine only)
     # Benchmarks only (tools/bench/bench_overhead.py), not a device: no model runs; each step takes this
-    # many ms of wall time on a simulated device (stages/gpu_runner/simulated.py). None: the model.
+    # many ms of wall time on a simulated device (stages/gpu_runner/simulated/). None: the model.
     simulated_device_ms: float | None = None
     simulated_device_trace: str | None = None  # where the simulated device records each step's times
     # Speculative decoding (stages/contracts/speculative.py): vLLM's keys as a JSON object; None: off.

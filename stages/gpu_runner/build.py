@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from stages.contracts.config import EngineConfig, ModelLimits
-from stages.gpu_runner.offload import OffloadConnectorWorker
-from stages.gpu_runner.parallel import TensorParallel
+from stages.gpu_runner.attention.kv_offload import OffloadConnectorWorker
+from stages.gpu_runner.parallel.group import TensorParallel
 from stages.gpu_runner.runner import ModelRunner
-from stages.gpu_runner.simulated import SimulatedDeviceRunner
+from stages.gpu_runner.simulated.device import SimulatedDeviceRunner
 
 
 def build_runner(config: EngineConfig, tp: TensorParallel | None = None) -> ModelRunner | SimulatedDeviceRunner:

@@ -7,11 +7,11 @@ the device token table (where the next step's decode inputs are read) and, when 
 host buffer and records an event after it. Nothing in it waits for the device: every size and
 index comes from the plan and host-side mirrors.
 
-A decode-only step that fits a bucket takes the static path (static_decode.py): persistent
-buffers, padded rows, and on CUDA with the triton backend a replayed graph (decode_graphs.py).
+A decode-only step that fits a bucket takes the static path (inputs/static_decode.py): persistent
+buffers, padded rows, and on CUDA with the triton backend a replayed graph (inputs/decode_graphs.py).
 Prefill and mixed steps, and every step when the static path is off, take the dynamic path.
 
-Under tensor parallelism (`tp`) every rank runs this same runner on its shard (parallel.py) and
+Under tensor parallelism (`tp`) every rank runs this same runner on its shard (parallel/) and
 its own KV cache shard over the same block tables; rank 0 samples, and the sampled ids reach the
 other ranks by a broadcast on the device, so every rank's token table holds them. Ranks take the
 dynamic path only.
@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,24 +29,29 @@ import torch
 from stages.contracts.config import EngineConfig
 from stages.contracts.connector import KVConnectorWorker
 from stages.contracts.plan import StepPlan
-from stages.gpu_runner.attention import TorchBackend
-from stages.gpu_runner.backend import AttentionBackend, resolve_attention_backend
-from stages.gpu_runner.constraints import RowConstraints
-from stages.gpu_runner.decode_graphs import DecodeGraphs
-from stages.gpu_runner.input_batch import InputBatch
-from stages.gpu_runner.kv_cache import allocate_kv_caches, kv_pool_sizes
-from stages.gpu_runner.loader import load_model, tokenizer_path
-from stages.gpu_runner.model_config import (
+from stages.gpu_runner.attention.kv_cache import allocate_kv_caches, kv_pool_sizes
+from stages.gpu_runner.attention.selector import make_attention_backend, resolve_attention_backend
+from stages.gpu_runner.inputs.decode_graphs import DecodeGraphs
+from stages.gpu_runner.inputs.input_batch import InputBatch
+from stages.gpu_runner.inputs.output import StepOutput
+from stages.gpu_runner.inputs.static_decode import StaticDecodeInputs, is_decode_only
+from stages.gpu_runner.inputs.step_inputs import check_budget, check_plan, prepare_step, upload_table_writes
+from stages.gpu_runner.inputs.step_layout import step_layout
+from stages.gpu_runner.layers.kernels import make_layer_kernels
+from stages.gpu_runner.loaders.loader import load_model, tokenizer_path
+from stages.gpu_runner.models.config import (
     ModelConfig, load_model_config, resolve_device, resolve_dtype, served_max_model_len,
 )
-from stages.gpu_runner.output import StepOutput
-from stages.gpu_runner.parallel import PlanBroadcast, TensorParallel, check_tensor_parallel
-from stages.gpu_runner.sampler import Sampler, SamplerOutput, SamplingMetadata
+from stages.gpu_runner.parallel.group import PlanBroadcast, TensorParallel
+from stages.gpu_runner.parallel.sharding import check_tensor_parallel
+from stages.gpu_runner.sampling.constraints import RowConstraints
+from stages.gpu_runner.sampling.metadata import SamplingMetadata
+from stages.gpu_runner.sampling.sampler import Sampler, SamplerOutput
 from stages.gpu_runner.speculative.speculator import Speculator, shift_meta
-from stages.gpu_runner.static_decode import StaticDecodeInputs, is_decode_only
-from stages.gpu_runner.step_inputs import check_budget, check_plan, prepare_step, upload_table_writes
-from stages.gpu_runner.step_layout import step_layout
 from stages.messages import encode_plan
+
+if TYPE_CHECKING:
+    from stages.gpu_runner.speculative.draft_model import DraftModelProposer
 
 
 class ModelRunner:
@@ -88,7 +94,8 @@ class ModelRunner:
                                 max_positions=self.max_model_len, config=self.config, tp=tp)
         shard = self.model.shard
         self.attention_backend = make_attention_backend(config.attention_backend, self.device, self.block_size)
-        self.model.backend = self.attention_backend
+        self.layer_kernels = make_layer_kernels(config.attention_backend, self.device)
+        self.model.use_kernels(self.attention_backend, self.layer_kernels)
         self.kv_group_windows = self.config.kv_group_windows
         # A draft model is loaded before the KV pool is sized: its weights and its KV per block count.
         draft = load_draft(config, self)
@@ -296,32 +303,26 @@ class ModelRunner:
             host_logprob_token_ids=host[2], ready=ready)
 
 
-def load_draft(config: EngineConfig, runner: ModelRunner):
+def load_draft(config: EngineConfig, runner: ModelRunner) -> DraftModelProposer | None:
     """The draft model of method draft_model, loaded whole on rank 0 (which proposes), else None."""
     spec = config.speculative
     if spec is None or spec.method != "draft_model" or not (runner.tp is None or runner.tp.is_driver):
         return None
-    from stages.gpu_runner.speculative.draft_model import DraftModelProposer
+    from stages.gpu_runner.speculative.draft_model import DraftModelProposer, DraftTarget
 
-    return DraftModelProposer(spec, runner)
+    target = DraftTarget(device=runner.device, dtype=runner.dtype, max_model_len=runner.max_model_len,
+                         vocab_size=runner.vocab_size, attention_backend=runner.attention_backend,
+                         layer_kernels=runner.layer_kernels)
+    return DraftModelProposer(spec, target)
 
 
-def make_speculator(config: EngineConfig, runner: ModelRunner, draft) -> Speculator:
+def make_speculator(config: EngineConfig, runner: ModelRunner, draft: DraftModelProposer | None) -> Speculator:
     """The speculator of `config.speculative`, proposing with `draft` (load_draft) for draft_model."""
     spec, tp = config.speculative, runner.tp
     if draft is not None:
-        draft.bind(runner)
+        draft.bind(runner.batch, runner.num_kv_blocks)
     # A tensor-parallel rank other than 0 has no draft model (proposer None): it receives the drafts.
     return Speculator(spec, runner.batch, draft, share=None if tp is None else tp.broadcast_tokens)
-
-
-def make_attention_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
-    """The backend `name` resolves to on `device`; the triton kernels are loaded only when asked for."""
-    if resolve_attention_backend(name, device) == "triton":
-        from stages.gpu_runner.triton_attention import TritonBackend
-
-        return TritonBackend(device, block_size)
-    return TorchBackend(block_size)
 
 
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,9 @@ from stages.contracts.params import MAX_LOGPROBS
 from stages.contracts.topology import MAILBOX_READERS, runner_rank
 from stages.gpu_runner import worker
 from stages.gpu_runner.build import build_runner, model_limits
-from stages.gpu_runner.model_config import load_model_config, resolve_device
-from stages.gpu_runner.parallel import TensorParallel, check_tensor_parallel, naming_lost_peers
+from stages.gpu_runner.models.config import load_model_config, resolve_device
+from stages.gpu_runner.parallel.group import TensorParallel, naming_lost_peers
+from stages.gpu_runner.parallel.sharding import check_tensor_parallel
 from stages.gpu_runner.runner import ModelRunner
 from stages.process import StageContext, run_stage
 

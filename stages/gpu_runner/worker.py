@@ -9,8 +9,8 @@ from collections.abc import Callable
 import signal
 
 from stages.contracts.config import EngineConfig
-from stages.gpu_runner.model_config import resolve_device
-from stages.gpu_runner.parallel import PlanBroadcast, TensorParallel, join_group, leave_group
+from stages.gpu_runner.models.config import resolve_device
+from stages.gpu_runner.parallel.group import PlanBroadcast, TensorParallel, join_group, leave_group
 from stages.gpu_runner.runner import ModelRunner
 from stages.messages import decode_plan
 

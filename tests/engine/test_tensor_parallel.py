@@ -9,9 +9,10 @@ import torch
 
 from pipeline import LLM, SamplingParams
 from pipeline.models.tiny_model import make_tiny_model
-from stages.gpu_runner.loader import load_model
-from stages.gpu_runner.model_config import load_model_config
-from stages.gpu_runner.parallel import TensorParallel, weight_bytes
+from stages.gpu_runner.loaders.loader import load_model
+from stages.gpu_runner.models.config import load_model_config
+from stages.gpu_runner.parallel.group import TensorParallel
+from stages.gpu_runner.parallel.sharding import weight_bytes
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from stages.gpu_runner.attention import TorchBackend, paged_attention, step_attention_metadata, write_kv
-from stages.gpu_runner.step_layout import StepLayout
+from stages.gpu_runner.attention.torch_backend import TorchBackend, paged_attention, write_kv
+from stages.gpu_runner.attention.torch_metadata import step_attention_metadata
+from stages.gpu_runner.inputs.step_layout import StepLayout
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

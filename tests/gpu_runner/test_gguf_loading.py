@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from pipeline.models.checkpoints import resolve_model
 from runner_plans import PlannedRequest, make_runner, run_requests
-from stages.gpu_runner.model_config import ModelLoadError
+from stages.gpu_runner.models.config import ModelLoadError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from stages.contracts.params import SamplingParams
-from stages.gpu_runner.input_batch import InputBatch
 from stages.contracts.plan import NewRequest, StepPlan
+from stages.gpu_runner.inputs.input_batch import InputBatch
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.models.tiny_model import make_tiny_model
 from runner_plans import PlannedRequest, make_runner, run_requests
-from stages.gpu_runner.loader import load_model
-from stages.gpu_runner.model_config import ModelLoadError, load_model_config
+from stages.gpu_runner.loaders.loader import load_model
+from stages.gpu_runner.models.config import ModelLoadError, load_model_config
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]

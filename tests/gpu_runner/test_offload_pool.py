@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.gpu_runner.offload import (HOST_POOL_FRACTION, OffloadConnectorWorker, default_host_blocks,
+from stages.gpu_runner.attention.kv_offload import (HOST_POOL_FRACTION, OffloadConnectorWorker, default_host_blocks,
                                        physical_memory_bytes)
 
 NUM_LAYERS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 16, 2, 8

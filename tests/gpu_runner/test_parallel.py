@@ -9,9 +9,9 @@ import torch
 
 from pipeline.models.tiny_model import make_tiny_model
 from stages.contracts.topology import links, restart_group, runner_rank, stages
-from stages.gpu_runner.model_config import load_model_config
-from stages.gpu_runner.parallel import (PeerLostError, RankJoinError, TensorParallel, check_tensor_parallel, join_group,
-                                        naming_lost_peers, shard_tensor)
+from stages.gpu_runner.models.config import load_model_config
+from stages.gpu_runner.parallel.group import PeerLostError, RankJoinError, TensorParallel, join_group, naming_lost_peers
+from stages.gpu_runner.parallel.sharding import check_tensor_parallel, shard_tensor
 
 
 @pytest.fixture(scope="module")

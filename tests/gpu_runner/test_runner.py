@@ -8,8 +8,8 @@ import torch
 
 from stages.contracts.params import SamplingParams
 from runner_plans import PlannedRequest, make_runner, run_requests
-from stages.gpu_runner.kv_cache import kv_block_bytes
 from stages.contracts.plan import NewRequest, StepPlan
+from stages.gpu_runner.attention.kv_cache import kv_block_bytes
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -186,7 +186,7 @@ def test_input_batch_benchmark_prints_one_json_object():
 def test_offload_connector_restores_a_prefix_into_other_blocks(tiny_checkpoint):
     """Blocks saved to host after one request are loaded into fresh blocks for a second request
     that starts past that prefix: its tokens equal a run that computes everything."""
-    from stages.gpu_runner.offload import OffloadConnectorWorker
+    from stages.gpu_runner.attention.kv_offload import OffloadConnectorWorker
     from stages.contracts.plan import KVCopyMeta
 
     model_dir = tiny_checkpoint("qwen2")

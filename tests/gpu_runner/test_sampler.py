@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from stages.contracts.params import SamplingParams
-from stages.gpu_runner.sampler import Sampler, SamplingMetadata
+from stages.gpu_runner.sampling.metadata import SamplingMetadata
+from stages.gpu_runner.sampling.sampler import Sampler
 
 EOS = 2
 CPU = torch.device("cpu")
@@ -300,7 +301,7 @@ def test_bfloat16_logits_and_an_empty_batch():
 def test_metadata_gathered_from_the_batch_columns_equals_the_one_built_from_params():
     """The runner gathers each step's params from the persistent batch's columns; the sampler
     must see exactly what the params say, row for row, in the step's order."""
-    from stages.gpu_runner.input_batch import InputBatch
+    from stages.gpu_runner.inputs.input_batch import InputBatch
 
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3),
               SamplingParams(min_p=0.1, repetition_penalty=1.2, logprobs=4, min_tokens=3, stop_token_ids=[7, 8]),

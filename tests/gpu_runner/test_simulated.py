@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from runner_plans import PlannedRequest, PlanMaker, run_requests
-from stages.contracts.params import SamplingParams
 from stages.contracts.config import EngineConfig
+from stages.contracts.params import SamplingParams
 from stages.gpu_runner.build import build_runner
-from stages.gpu_runner.simulated import SimulatedDeviceRunner
-from stages.gpu_runner.simulated_steps import SimulatedTokens, read_timeline
+from stages.gpu_runner.simulated.device import SimulatedDeviceRunner
+from stages.gpu_runner.simulated.steps import SimulatedTokens, read_timeline
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -124,7 +124,7 @@ def test_grammar_rows_take_allowed_tokens_and_their_masks_wait_for_the_previous_
 
 
 def test_pick_allowed_takes_only_allowed_tokens():
-    from stages.gpu_runner.simulated import pick_allowed
+    from stages.gpu_runner.simulated.device import pick_allowed
 
     rng = np.random.default_rng(0)
     bitmask = np.zeros((50, 32), np.int32)

@@ -14,15 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from stages.gpu_runner.attention import TorchBackend, paged_attention, step_attention_metadata
-from stages.gpu_runner.backend import window_blocks
-from stages.gpu_runner.step_layout import StepLayout
+from stages.gpu_runner.attention.interface import window_blocks
+from stages.gpu_runner.attention.torch_backend import TorchBackend, paged_attention
+from stages.gpu_runner.attention.torch_metadata import step_attention_metadata
+from stages.gpu_runner.inputs.step_layout import StepLayout
 
 triton = pytest.importorskip("triton")
 
-from stages.gpu_runner import kernels  # noqa: E402
-from stages.gpu_runner.kernels.attention import decode_num_splits  # noqa: E402
-from stages.gpu_runner.triton_attention import TritonBackend  # noqa: E402
+from stages.gpu_runner import triton_kernels as kernels  # noqa: E402
+from stages.gpu_runner.attention.triton_backend import TritonBackend  # noqa: E402
+from stages.gpu_runner.triton_kernels.attention import decode_num_splits  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK_SIZES = [16, 32]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from stages.contracts.params import SamplingParams
-from stages.gpu_runner.sampler import Sampler, SamplingMetadata
+from stages.gpu_runner.sampling.metadata import SamplingMetadata
+from stages.gpu_runner.sampling.sampler import Sampler
 from stages.gpu_runner.speculative.ngram import NgramProposer
 from stages.gpu_runner.speculative.rejection import verify
 

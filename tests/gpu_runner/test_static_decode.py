@@ -9,7 +9,7 @@ import torch
 from runner_plans import PlannedRequest, make_runner, run_requests
 from stages.contracts.params import SamplingParams
 from stages.contracts.plan import StepPlan
-from stages.gpu_runner.static_decode import decode_buckets
+from stages.gpu_runner.inputs.static_decode import decode_buckets
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,7 +112,7 @@ def test_decode_inputs_are_read_from_the_device_token_table(tiny_checkpoint):
 
 
 def test_decode_graphs_need_a_cuda_device_to_capture():
-    from stages.gpu_runner.decode_graphs import DecodeGraphs
+    from stages.gpu_runner.inputs.decode_graphs import DecodeGraphs
 
     calls = []
     graphs = DecodeGraphs(lambda rows, context: calls.append((rows, context)) or (), [1, 2], torch.device("cpu"),
@@ -124,7 +124,7 @@ def test_decode_graphs_need_a_cuda_device_to_capture():
 
 
 def test_auto_attention_backend_is_triton_on_cuda_and_torch_on_cpu(tiny_checkpoint):
-    from stages.gpu_runner.backend import resolve_attention_backend
+    from stages.gpu_runner.attention.selector import resolve_attention_backend
 
     assert resolve_attention_backend("auto", torch.device("cuda")) == "triton"
     assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"

@@ -17,15 +17,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from stages.gpu_runner import kernels  # noqa: E402
-from stages.gpu_runner.attention import (  # noqa: E402
-    AttentionMetadata, TorchBackend, paged_attention, step_attention_metadata, write_kv)
-from stages.gpu_runner.kernels.attention import decode_num_splits  # noqa: E402
-from stages.gpu_runner.kernels.loading import jit_module  # noqa: E402
-from stages.gpu_runner.model_config import RopeScaling  # noqa: E402
+from stages.gpu_runner import triton_kernels as kernels  # noqa: E402
+from stages.gpu_runner.attention.torch_backend import TorchBackend, paged_attention, write_kv  # noqa: E402
+from stages.gpu_runner.attention.torch_metadata import AttentionMetadata, step_attention_metadata  # noqa: E402
+from stages.gpu_runner.inputs.step_layout import StepLayout  # noqa: E402
 from stages.gpu_runner.layers.norm import RMSNorm  # noqa: E402
 from stages.gpu_runner.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
-from stages.gpu_runner.step_layout import StepLayout  # noqa: E402
+from stages.gpu_runner.models.config import RopeScaling  # noqa: E402
+from stages.gpu_runner.triton_kernels.attention import decode_num_splits  # noqa: E402
+from stages.gpu_runner.triton_kernels.loading import jit_module  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HEAD_DIM = 16
@@ -357,8 +357,8 @@ _INTERPRETED_PROCESS = textwrap.dedent("""
     os.environ["TRITON_INTERPRET"] = "1"
     import triton  # Triton's own library decorated interpreted, before the kernels exist
     import torch
-    from stages.gpu_runner import kernels
-    from stages.gpu_runner.kernels.loading import jit_module
+    from stages.gpu_runner import triton_kernels as kernels
+    from stages.gpu_runner.triton_kernels.loading import jit_module
     from stages.gpu_runner.layers.norm import RMSNorm
     x, norm = torch.randn(3, 32), RMSNorm(32, 1e-6)
     assert torch.allclose(kernels.rms_norm(x, norm.weight.detach(), 1e-6), norm(x), atol=1e-5)

@@ -26,7 +26,7 @@ from pipeline.client import Client
 from pipeline.errors import PipelineError
 from pipeline.models.checkpoints import default_model_file, resolve_model
 from stages.gpu_runner.loaders.gguf import GGUFSource
-from stages.gpu_runner.model_config import load_model_config
+from stages.gpu_runner.models.config import load_model_config
 
 START_TIMEOUT_S = 300.0
 OPTIONS = ["--device", "cpu", "--max-model-len", "2048", "--num-kv-blocks", "256"]

@@ -1,7 +1,7 @@
 """Benchmark: does host work ever make the device wait? The real daemon on a simulated device, async vs sync.
 
 The daemon and its stage processes are the real ones; only the model is replaced by a simulated
-device (stages/gpu_runner/simulated.py) whose every step takes T ms of wall time and no CPU, so
+device (stages/gpu_runner/simulated/device.py) whose every step takes T ms of wall time and no CPU, so
 whatever the host does shows as the device waiting. Two daemons run side by side, one with async
 scheduling and one with --no-async-scheduling; in each round, for each batch size (1, 64, 256),
 that many streamed requests (32-token prompts, long outputs) are sent at once to each daemon in
@@ -22,7 +22,7 @@ row decoding, warm-up and tail cut off) it measures, per daemon and batch, the m
 `--structured 0,0.5,1` measures, for each FRACTION, batches whose first round(FRACTION x batch)
 requests are constrained by a JSON schema (overhead_streams.STRUCTURED_SCHEMA: a long array of
 small objects, so no row finishes its grammar within the run); the runner does the real grammar
-work per step on the simulated device (stages/gpu_runner/simulated.py), and the table adds the
+work per step on the simulated device (stages/gpu_runner/simulated/device.py), and the table adds the
 grammar library's per-token mask time (tools/micro/bench_grammar.py). A constrained row's tokens
 do not name their step: its k-th token came k steps after its first, which is placed at the latest step consistent with
 every token of the row arriving after its step was ready.
@@ -60,7 +60,7 @@ from overhead_daemons import (BATCHES, BLOCK_SIZE, SEED, TOOLS, Daemon, daemon_c
 from overhead_streams import stream_batch, stream_http
 
 from pipeline.bench.daemon import CHECKOUT
-from stages.gpu_runner.simulated_steps import SimulatedTokens, read_timeline
+from stages.gpu_runner.simulated.steps import SimulatedTokens, read_timeline
 
 PROMPT_TOKENS = 32
 VOCAB_SIZE = 1024  # the tiny model's

@@ -64,7 +64,7 @@ def peer_checkpoint(model: Path) -> Path:
     from safetensors.torch import save_file
 
     from stages.gpu_runner.loaders.gguf import GGUFSource
-    from stages.gpu_runner.model_config import load_model_config
+    from stages.gpu_runner.models.config import load_model_config
 
     config = json.loads((meta_dir / "config.json").read_text())
     config.pop("gguf_file")

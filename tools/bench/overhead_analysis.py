@@ -1,7 +1,7 @@
 """What tools/bench/bench_overhead.py computes from one run of a batch: the steady window of the simulated
 device's timeline, step time, device idle, delivery latency and CPU time per step.
 
-Inputs are plain arrays: the timeline the simulated device wrote (stages/gpu_runner/simulated.py),
+Inputs are plain arrays: the timeline the simulated device wrote (stages/gpu_runner/simulated/device.py),
 the (receive time, token id) of every token the clients got, and the CPU-time samples of every
 process. Times are CLOCK_MONOTONIC ns, the clock of every process on the machine.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stages.gpu_runner.simulated_steps import SimulatedTokens
+from stages.gpu_runner.simulated.steps import SimulatedTokens
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
 """The daemons tools/bench/bench_overhead.py measures: the real daemon and stages of a checkout on the
-simulated device (stages/gpu_runner/simulated.py), started side by side, waited for, and pinned to CPUs."""
+simulated device (stages/gpu_runner/simulated/device.py), started side by side, waited for, and pinned to CPUs."""
 from __future__ import annotations
 
 import json

@@ -36,7 +36,8 @@ from shm.naming import new_instance_id, unlink_instance
 from shm.ring import RingWriter
 from shm.ring_reader import RingReader
 from shm.segment import RingSegment
-from stages.gpu_runner.parallel import PlanBroadcast, TensorParallel, join_group, leave_group, weight_bytes
+from stages.gpu_runner.parallel.group import PlanBroadcast, TensorParallel, join_group, leave_group
+from stages.gpu_runner.parallel.sharding import weight_bytes
 
 FULL = dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, head_dim=64, intermediate_size=2816,
             vocab_size=8192, max_position_embeddings=1024)

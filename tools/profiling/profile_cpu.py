@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from pipeline.engine.llm import LLM
 from pipeline.models.checkpoints import default_model_file
 from stages.contracts.params import SamplingParams
-from stages.gpu_runner.static_decode import is_decode_only
+from stages.gpu_runner.inputs.static_decode import is_decode_only
 
 
 class StepProfiler:

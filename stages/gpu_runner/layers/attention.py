@@ -1,5 +1,5 @@
 """The attention layer: fused q/k/v projection, optional per-head q/k norm, rotary, paged attention
-(full or over a sliding window) through the step's backend, and the output projection."""
+(full or over a sliding window) through the step's attention backend, and the output projection."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,20 +10,22 @@ from torch import nn
 
 from stages.gpu_runner.layers.linear import MergedColumnLinear, RowLinear
 from stages.gpu_runner.layers.norm import RMSNorm
-from stages.gpu_runner.model_config import ModelConfig
-from stages.gpu_runner.parallel import TensorParallel
+from stages.gpu_runner.models.config import ModelConfig
+from stages.gpu_runner.parallel.group import TensorParallel
 
 if TYPE_CHECKING:
-    from stages.gpu_runner.backend import AttentionBackend
+    from stages.gpu_runner.attention.interface import AttentionBackend
+    from stages.gpu_runner.layers.kernels import LayerKernels
 
 
 @dataclass(slots=True)
 class ForwardContext:
-    """What every layer of one forward reads: the backend, the step's attention metadata of each KV
-    group, and the rotary lookups of the step's positions by table ("global", and "local" where a
-    model has one)."""
+    """What every layer of one forward reads: the attention backend, the kernels of the norms and
+    rotary, the step's attention metadata of each KV group, and the rotary lookups of the step's
+    positions by table ("global", and "local" where a model has one)."""
 
-    backend: AttentionBackend
+    attention: AttentionBackend
+    kernels: LayerKernels
     metas: tuple[Any, ...]
     ropes: dict[str, Any]
 
@@ -54,10 +56,10 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         rope = ctx.ropes[self.rope]
         if self.q_norm is not None:
-            q, k = ctx.backend.qk_norm_rotary(q, k, self.q_norm, self.k_norm, rope)
+            q, k = ctx.kernels.qk_norm_rotary(q, k, self.q_norm, self.k_norm, rope)
         else:
-            q, k = ctx.backend.rotary(q, k, rope)
-        out = ctx.backend.attention(q, k, v, kv_cache, ctx.metas[self.kv_group], self.scale, window=self.window)
+            q, k = ctx.kernels.rotary(q, k, rope)
+        out = ctx.attention.attention(q, k, v, kv_cache, ctx.metas[self.kv_group], self.scale, window=self.window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     @staticmethod

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from stages.gpu_runner.layers.linear import linear
-from stages.gpu_runner.parallel import TensorParallel, vocab_shard_size
+from stages.gpu_runner.parallel.group import TensorParallel
+from stages.gpu_runner.parallel.sharding import vocab_shard_size
 
 
 class VocabEmbedding(nn.Embedding):

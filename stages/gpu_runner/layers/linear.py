@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stages.gpu_runner.parallel import TensorParallel
+from stages.gpu_runner.parallel.group import TensorParallel
 
 # checkpoint projection name -> (merged module name, index of its part)
 PACKED = {

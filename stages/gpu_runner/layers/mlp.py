@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stages.gpu_runner import cpu_kernels
+from stages.gpu_runner import cpu_ops
 from stages.gpu_runner.layers.linear import MergedColumnLinear, RowLinear
-from stages.gpu_runner.model_config import ModelConfig
-from stages.gpu_runner.parallel import TensorParallel
+from stages.gpu_runner.models.config import ModelConfig
+from stages.gpu_runner.parallel.group import TensorParallel
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -27,8 +27,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
-        if self.swiglu and cpu_kernels.elementwise_ready(gate, up):
-            return self.down_proj(cpu_kernels.silu_and_mul(gate, up))
+        if self.swiglu and cpu_ops.elementwise_ready(gate, up):
+            return self.down_proj(cpu_ops.silu_and_mul(gate, up))
         return self.down_proj(self.act(gate) * up)
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""RMSNorm: the function the torch backend computes, and the module that holds its weight.
+"""RMSNorm: the function the torch kernels compute, and the module that holds its weight.
 
 Two conventions: `weight * x` (Llama, Qwen) and `(1 + weight) * x` (Gemma, `unit_offset`). Both
 normalise in float32; they differ in where the result is cast back, as their references do.
@@ -21,7 +21,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
 
 
 class RMSNorm(nn.Module):
-    """The weight and eps of an RMSNorm; the model's layers hand them to the attention backend."""
+    """The weight and eps of an RMSNorm; the model's layers hand them to their kernels (kernels.py)."""
 
     def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()

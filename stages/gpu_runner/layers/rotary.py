@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stages.gpu_runner.model_config import ModelConfig, RopeScaling
+from stages.gpu_runner.models.config import ModelConfig, RopeScaling
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import torch
 
 from stages.gpu_runner.loaders.gguf_file import GGUFError, GGUFFile
 from stages.gpu_runner.loaders.gguf_quants import dequantize
-from stages.gpu_runner.model_config import ModelConfig, ModelLoadError
+from stages.gpu_runner.models.config import ModelConfig, ModelLoadError
 
 # general.architecture -> the HF architecture that serves it
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",

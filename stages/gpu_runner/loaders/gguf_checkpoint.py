@@ -18,7 +18,7 @@ from pathlib import Path
 from stages.gpu_runner.loaders.gguf import hf_config, hf_name, open_gguf
 from stages.gpu_runner.loaders.gguf_file import GGUFFile
 from stages.gpu_runner.loaders.gguf_quants import SUPPORTED_TYPES, UnsupportedQuantType
-from stages.gpu_runner.model_config import ModelLoadError
+from stages.gpu_runner.models.config import ModelLoadError
 from stages.progress import Progress
 
 LAYOUT_VERSION = 1  # bump when what is written here changes, so older directories are rebuilt

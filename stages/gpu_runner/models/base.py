@@ -3,7 +3,7 @@ KV cache, the final norm and LM head, rotary tables, and placing checkpoint tens
 
 A family subclasses `CausalLM` with its decoder layer (`make_layer`); a layer maps
 (x, residual) -> (x, residual), the hidden state being x + residual (residual None: x alone).
-Under tensor parallelism the modules hold one rank's shard (see parallel.py and layers/linear.py).
+Under tensor parallelism the modules hold one rank's shard (see parallel/sharding.py and layers/linear.py).
 """
 from __future__ import annotations
 
@@ -13,15 +13,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from stages.gpu_runner.attention import TorchBackend
-from stages.gpu_runner.backend import AttentionBackend
+from stages.gpu_runner.attention.interface import AttentionBackend
+from stages.gpu_runner.attention.torch_backend import TorchBackend
 from stages.gpu_runner.layers.attention import ForwardContext
 from stages.gpu_runner.layers.embedding import VocabEmbedding, lm_logits
+from stages.gpu_runner.layers.kernels import LayerKernels, TorchKernels
 from stages.gpu_runner.layers.linear import PACKED, MergedColumnLinear
 from stages.gpu_runner.layers.norm import RMSNorm
 from stages.gpu_runner.layers.rotary import RopeSpec, RotaryEmbedding
-from stages.gpu_runner.model_config import ModelConfig
-from stages.gpu_runner.parallel import TensorParallel, shard_config
+from stages.gpu_runner.models.config import ModelConfig
+from stages.gpu_runner.parallel.group import TensorParallel
+from stages.gpu_runner.parallel.sharding import shard_config
 
 
 class CausalLM(nn.Module):
@@ -45,22 +47,29 @@ class CausalLM(nn.Module):
         if config.local_rope_theta is not None:
             self.rotary["local"] = RotaryEmbedding(RopeSpec(config.head_dim, config.local_rope_theta),
                                                    max_positions, device)
-        self.backend: AttentionBackend = TorchBackend(block_size=1)  # the runner sets its own
+        # The runner sets its own (use_kernels).
+        self.attention_backend: AttentionBackend = TorchBackend(block_size=1)
+        self.layer_kernels: LayerKernels = TorchKernels()
+
+    def use_kernels(self, attention_backend: AttentionBackend, layer_kernels: LayerKernels) -> None:
+        """Run attention with `attention_backend` and the norms and rotary with `layer_kernels`."""
+        self.attention_backend = attention_backend
+        self.layer_kernels = layer_kernels
 
     def make_layer(self, index: int) -> nn.Module:
         raise NotImplementedError
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: Any) -> torch.Tensor:
-        """`meta` is the step's attention metadata, built by `self.backend` (a tuple of one per KV
+        """`meta` is the step's attention metadata, built by `self.attention_backend` (a tuple of one per KV
         group for a model with two)."""
-        backend = self.backend
+        kernels = self.layer_kernels
         x = self.embed_tokens(input_ids)
         if self.config.embedding_scale:
             # The factor is rounded to the activations' dtype first, as the reference does.
             x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
-        ropes = {kind: backend.rope(positions, table, x.dtype) for kind, table in self.rotary.items()}
-        ctx = ForwardContext(backend, meta if isinstance(meta, tuple) else (meta,), ropes)
+        ropes = {kind: kernels.rope(positions, table, x.dtype) for kind, table in self.rotary.items()}
+        ctx = ForwardContext(self.attention_backend, kernels, meta if isinstance(meta, tuple) else (meta,), ropes)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, kv_cache, ctx)
@@ -70,7 +79,7 @@ class CausalLM(nn.Module):
         """hidden [n, hidden] of the tokens to sample from -> float32 logits [n, vocab] (into `out` if given).
         Under tensor parallelism rank 0 gets the gathered logits and the other ranks None."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return lm_logits(self.backend.rms_norm(hidden, self.norm), weight, self.tp, self.config.vocab_size,
+        return lm_logits(self.layer_kernels.rms_norm(hidden, self.norm), weight, self.tp, self.config.vocab_size,
                          self.config.final_logit_softcapping, out)
 
     def expected_hf_tensors(self) -> dict[str, tuple[int, ...]]:

@@ -13,8 +13,8 @@ from torch import nn
 from stages.gpu_runner.layers.attention import Attention, ForwardContext
 from stages.gpu_runner.layers.mlp import GatedMLP
 from stages.gpu_runner.layers.norm import RMSNorm
-from stages.gpu_runner.model_config import ModelConfig
 from stages.gpu_runner.models.base import CausalLM
+from stages.gpu_runner.models.config import ModelConfig
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
@@ -30,14 +30,14 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        backend = ctx.backend
+        kernels = ctx.kernels
         if residual is None:
-            residual, x = x, backend.rms_norm(x, self.input_layernorm)
+            residual, x = x, kernels.rms_norm(x, self.input_layernorm)
         else:
-            x, residual = backend.add_rms_norm(x, residual, self.input_layernorm)
-        x = backend.rms_norm(self.self_attn(x, kv_cache, ctx), self.post_attention_layernorm)
-        x, residual = backend.add_rms_norm(x, residual, self.pre_feedforward_layernorm)
-        return backend.rms_norm(self.mlp(x), self.post_feedforward_layernorm), residual
+            x, residual = kernels.add_rms_norm(x, residual, self.input_layernorm)
+        x = kernels.rms_norm(self.self_attn(x, kv_cache, ctx), self.post_attention_layernorm)
+        x, residual = kernels.add_rms_norm(x, residual, self.pre_feedforward_layernorm)
+        return kernels.rms_norm(self.mlp(x), self.post_feedforward_layernorm), residual
 
     @staticmethod
     def expected_tensors(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:

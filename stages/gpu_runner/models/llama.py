@@ -12,8 +12,8 @@ from torch import nn
 from stages.gpu_runner.layers.attention import Attention, ForwardContext
 from stages.gpu_runner.layers.mlp import GatedMLP
 from stages.gpu_runner.layers.norm import RMSNorm
-from stages.gpu_runner.model_config import ModelConfig
 from stages.gpu_runner.models.base import CausalLM
+from stages.gpu_runner.models.config import ModelConfig
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -29,11 +29,11 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual, x = x, ctx.backend.rms_norm(x, self.input_layernorm)
+            residual, x = x, ctx.kernels.rms_norm(x, self.input_layernorm)
         else:
-            x, residual = ctx.backend.add_rms_norm(x, residual, self.input_layernorm)
+            x, residual = ctx.kernels.add_rms_norm(x, residual, self.input_layernorm)
         x = self.self_attn(x, kv_cache, ctx)
-        x, residual = ctx.backend.add_rms_norm(x, residual, self.post_attention_layernorm)
+        x, residual = ctx.kernels.add_rms_norm(x, residual, self.post_attention_layernorm)
         return self.mlp(x), residual
 
     @staticmethod

@@ -1,8 +1,8 @@
 """Which model class serves which checkpoint architecture."""
 from __future__ import annotations
 
-from stages.gpu_runner.model_config import GEMMA3_FAMILY, LLAMA_FAMILY, ModelConfig
 from stages.gpu_runner.models.base import CausalLM
+from stages.gpu_runner.models.config import GEMMA3_FAMILY, LLAMA_FAMILY, ModelConfig
 
 
 def model_class(config: ModelConfig) -> type[CausalLM]:

@@ -9,45 +9,63 @@ for drafts that get rejected is overwritten when those positions are computed ag
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from stages.contracts.speculative import SpeculativeConfig
-from stages.gpu_runner.kv_cache import allocate_kv_caches, kv_block_bytes
-from stages.gpu_runner.loader import load_model
-from stages.gpu_runner.model_config import load_model_config
-from stages.gpu_runner.step_inputs import StepInputs
+from stages.gpu_runner.attention.interface import AttentionBackend
+from stages.gpu_runner.attention.kv_cache import allocate_kv_caches, kv_block_bytes
+from stages.gpu_runner.inputs.input_batch import InputBatch
+from stages.gpu_runner.inputs.step_inputs import StepInputs
+from stages.gpu_runner.layers.kernels import LayerKernels
+from stages.gpu_runner.loaders.loader import load_model
+from stages.gpu_runner.models.config import load_model_config
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTarget:
+    """What a draft model takes of the target's runner: where and in what dtype to run, how long a
+    sequence gets, the vocabulary its own must fit in, and the kernels both models run with."""
+
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    attention_backend: AttentionBackend
+    layer_kernels: LayerKernels
 
 
 class DraftModelProposer:
-    def __init__(self, spec: SpeculativeConfig, runner) -> None:
-        """Load the draft's weights. `runner`: the ModelRunner whose device, dtype, attention backend
-        and vocabulary the draft shares (its block tables and KV pool come with `bind`)."""
+    def __init__(self, spec: SpeculativeConfig, target: DraftTarget) -> None:
+        """Load the draft's weights to run beside `target` (its block tables and KV pool come with `bind`)."""
         config = load_model_config(spec.model)
-        if config.vocab_size > runner.vocab_size:
+        if config.vocab_size > target.vocab_size:
             raise ValueError(f"speculative_config.model {spec.model}: its vocabulary ({config.vocab_size} tokens) "
-                             f"is larger than the target's ({runner.vocab_size}); a draft must share its tokenizer")
+                             f"is larger than the target's ({target.vocab_size}); a draft must share its tokenizer")
         if any(window is not None for window in config.kv_group_windows):
             raise ValueError(f"speculative_config.model {spec.model}: a draft model with sliding-window layers "
                              f"is not supported")
         self.k = spec.num_speculative_tokens
         self.config = config
-        self.model = load_model(spec.model, device=runner.device, dtype=runner.dtype,
-                                max_positions=runner.max_model_len, config=config)
-        self.backend = runner.attention_backend
-        self.model.backend = self.backend
-        self.batch = None
+        self.target = target
+        self.model = load_model(spec.model, device=target.device, dtype=target.dtype,
+                                max_positions=target.max_model_len, config=config)
+        self.model.use_kernels(target.attention_backend, target.layer_kernels)
+        self.batch: InputBatch | None = None
         self.kv_caches: list[torch.Tensor] = []
 
     def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
         """Bytes of the draft's KV per block (the KV pool is sized for both models)."""
         return kv_block_bytes(self.config, block_size, dtype)
 
-    def bind(self, runner) -> None:
-        """Allocate the draft's KV cache over the runner's pool and read its block tables."""
-        self.batch = runner.batch
+    def bind(self, batch: InputBatch, num_kv_blocks: int) -> None:
+        """Allocate the draft's KV cache over the target's pool of `num_kv_blocks` and read the block
+        tables of `batch` (the target's persistent batch)."""
+        self.batch = batch
         # One block more than the pool: the scratch block padding rows write to, as the target's.
-        self.kv_caches = allocate_kv_caches(self.config, runner.num_kv_blocks + 1, runner.block_size, runner.dtype,
-                                            runner.device)
+        self.kv_caches = allocate_kv_caches(self.config, num_kv_blocks + 1, batch.block_size, self.target.dtype,
+                                            self.target.device)
 
     def observe(self, inputs: StepInputs) -> None:
         """Write the draft's KV of the step's tokens, at the target's slots."""
@@ -57,13 +75,13 @@ class DraftModelProposer:
     def propose(self, token_table: torch.Tensor, rows: torch.Tensor, num_known: torch.Tensor,
                 max_known: int) -> torch.Tensor:
         """int64 [d, K]: each row's greedy continuation of its first num_known[i] tokens."""
-        batch, bs = self.batch, self.batch.block_size
+        batch, bs, backend = self.batch, self.batch.block_size, self.target.attention_backend
         position = num_known - 1
         token = token_table[rows, position]
         drafts = []
         for i in range(self.k):
             slots = batch.block_table[rows, position // bs].to(torch.int64) * bs + position % bs
-            meta = self.backend.decode_metadata(rows, position + 1, max_known + i, slots, batch.block_table)
+            meta = backend.decode_metadata(rows, position + 1, max_known + i, slots, batch.block_table)
             hidden = self.model(token, position, self.kv_caches, meta)
             token = self.model.compute_logits(hidden).argmax(dim=-1)
             drafts.append(token)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from stages.gpu_runner.sampler import Sampler, SamplingMetadata, _apply_penalties, _block_ids, sampling_probs
+from stages.gpu_runner.sampling.metadata import SamplingMetadata
+from stages.gpu_runner.sampling.sampler import Sampler, penalized_logits, sampling_probs
 
 
 def verify(logits: torch.Tensor, drafts: torch.Tensor, meta: SamplingMetadata,
@@ -31,11 +32,7 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, meta: SamplingMetadata,
     Returns (tokens int32 [d, K + 1]: the accepted drafts, then the drawn token, then -1 for each
     rejected draft; accepted int64 [d]: how many drafts were accepted)."""
     d, k = drafts.shape
-    processed = logits.to(torch.float32, copy=True)
-    if meta.any_penalty:
-        processed = _apply_penalties(processed, meta)
-    if meta.blocked_token_ids is not None:
-        processed = _block_ids(processed, meta.blocked_token_ids)
+    processed = penalized_logits(logits, meta)
     greedy_ids = processed.argmax(dim=-1).view(d, k + 1)
     if meta.all_greedy:
         accept = greedy_ids[:, :k] == drafts

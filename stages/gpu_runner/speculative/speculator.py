@@ -11,20 +11,27 @@ from their positions. Nothing here waits for the device.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from stages.contracts.speculative import SpeculativeConfig
-from stages.gpu_runner.input_batch import InputBatch
-from stages.gpu_runner.sampler import Sampler, SamplerOutput, SamplingMetadata, _logprobs
+from stages.gpu_runner.inputs.input_batch import InputBatch
+from stages.gpu_runner.inputs.step_inputs import StepInputs, to_device
+from stages.gpu_runner.sampling.metadata import SamplingMetadata
+from stages.gpu_runner.sampling.sampler import Sampler, SamplerOutput, token_logprobs
 from stages.gpu_runner.speculative.ngram import NgramProposer
+from stages.gpu_runner.speculative.proposer import Proposer
 from stages.gpu_runner.speculative.rejection import verify
-from stages.gpu_runner.step_inputs import SpecInputs, StepInputs, to_device
+from stages.gpu_runner.speculative.spec_inputs import SpecInputs
+
+if TYPE_CHECKING:
+    from stages.gpu_runner.speculative.draft_model import DraftModelProposer
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, batch: InputBatch, draft=None,
+    def __init__(self, config: SpeculativeConfig, batch: InputBatch, draft: DraftModelProposer | None = None,
                  share: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """`draft`: a DraftModelProposer (draft_model.py) for method draft_model. `share`: under
         tensor parallelism, broadcasts rank 0's drafts to the other ranks."""
@@ -32,6 +39,7 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.batch = batch
         self.lag = torch.zeros(batch.max_num_seqs, dtype=torch.int64, device=batch.device)
+        self.proposer: Proposer | None
         if config.method == "ngram":
             self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
         else:
@@ -91,7 +99,7 @@ class Speculator:
         asked = batch.sampling.logprobs[rows]
         if logits is None or not len(rows) or asked.max() < 0:
             return SamplerOutput(tokens, None, None)
-        values, ids = _logprobs(logits, tokens.clamp_min(0), int(asked.max()))
+        values, ids = token_logprobs(logits, tokens.clamp_min(0), int(asked.max()))
         return SamplerOutput(tokens, values, ids)
 
     def _verify(self, logits: torch.Tensor, spec: SpecInputs, sampler: Sampler, eos_token_ids: list[int]) -> torch.Tensor:

@@ -1,13 +1,13 @@
 """Triton kernel of rotary embedding (rotate-half), optionally after a per-head RMSNorm (Qwen3).
 
-Loaded through kernels.loading. Every product and sum is rounded to the activations' dtype
+Loaded through triton_kernels.loading. Every product and sum is rounded to the activations' dtype
 where the torch path (apply_rotary on cos/sin cast to that dtype) rounds it, so a bf16 result
 is the torch result to the bit.
 """
 import triton
 import triton.language as tl
 
-from stages.gpu_runner.kernels.loading import jit_module_in_loading_mode
+from stages.gpu_runner.triton_kernels.loading import jit_module_in_loading_mode
 
 _common = jit_module_in_loading_mode("common")
 round_to = _common.round_to

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from stages.contracts.plan import StepPlan
-from stages.gpu_runner.input_batch import InputBatch
-from stages.gpu_runner.step_layout import StepLayout, token_slots
+from stages.gpu_runner.inputs.input_batch import InputBatch
+from stages.gpu_runner.inputs.step_layout import StepLayout, token_slots
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:

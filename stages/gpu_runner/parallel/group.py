@@ -1,20 +1,14 @@
-"""Tensor parallelism: the ranks' process group, how the model is cut between them, and the collectives.
+"""Tensor parallelism's process group: joining and leaving it, this rank's place in it, the collectives,
+and the plan broadcast.
 
-Megatron's cut: q/k/v and gate/up are column-parallel (each rank holds its own heads and its own
-slice of the intermediate size), o and down are row-parallel and followed by one all-reduce
-each, the embedding and the LM head are vocab-parallel (each rank holds a contiguous range of
-token ids; the embedding is masked and all-reduced, the logits are gathered on rank 0, which
-alone samples). KV heads are split like the query heads; with fewer KV heads than ranks each
-KV head is held by the ranks whose query heads read it.
-
-The group rides on torch.distributed: gloo on CPU, NCCL on CUDA (one device per rank). Plans
-reach ranks that read no plan ring by a broadcast over a gloo group (`PlanBroadcast`).
+The group rides on torch.distributed: gloo on CPU, NCCL on CUDA (one device per rank). The logits
+are gathered on rank 0, which alone samples; its tokens reach the other ranks by a broadcast.
+Plans reach ranks that read no plan ring by a broadcast over a gloo group (`PlanBroadcast`).
+How the model is cut between the ranks is sharding.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -24,12 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from stages.gpu_runner.model_config import ModelConfig
-
 JOIN_POLL_S = 0.05
-ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
-ROW_PARALLEL_BIAS = ("self_attn.o_proj.bias", "mlp.down_proj.bias")
-VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 class RankJoinError(RuntimeError):
@@ -58,41 +47,6 @@ def naming_lost_peers(tp: TensorParallel | None, master_addr: str, master_port: 
             raise
         raise PeerLostError(f"tensor-parallel rank {tp.rank} of {tp.size}: a peer rank left the group at "
                             f"{master_addr}:{master_port} ({text.splitlines()[0] if text else type(exc).__name__})") from exc
-
-
-def check_tensor_parallel(config: ModelConfig, size: int, device_type: str, local_ranks: int | None = None) -> None:
-    """ValueError naming both numbers when `size` ranks (`local_ranks` of them on this machine:
-    all unless given) cannot share this model."""
-    if size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size}")
-    if config.num_heads % size:
-        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {config.num_heads} "
-                         f"attention heads")
-    kv = config.num_kv_heads
-    if kv % size and size % kv:
-        raise ValueError(f"tensor_parallel_size {size} and the model's {kv} KV heads: one must divide the other")
-    if config.intermediate_size % size:
-        raise ValueError(f"tensor_parallel_size {size} does not divide the model's intermediate size "
-                         f"{config.intermediate_size}")
-    local_ranks = size if local_ranks is None else local_ranks
-    if device_type == "cuda" and local_ranks > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size {size} puts {local_ranks} ranks on this machine, one per CUDA "
-                         f"device; it has {torch.cuda.device_count()}")
-
-
-def shard_config(config: ModelConfig, size: int) -> ModelConfig:
-    """The shapes one of `size` ranks holds (heads and intermediate size divided; the vocabulary
-    and hidden size are whole: the vocab-parallel layers keep their own sizes)."""
-    if size == 1:
-        return config
-    return dataclasses.replace(config, num_heads=config.num_heads // size,
-                               num_kv_heads=max(1, config.num_kv_heads // size),
-                               intermediate_size=config.intermediate_size // size)
-
-
-def vocab_shard_size(vocab_size: int, size: int) -> int:
-    """Token ids per rank of the vocab-parallel layers (the last rank's range is padded)."""
-    return math.ceil(vocab_size / size)
 
 
 @dataclass(slots=True)
@@ -136,40 +90,6 @@ class TensorParallel:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
-
-
-def shard_tensor(name: str, read: Callable[[object], torch.Tensor], shape: tuple[int, ...], config: ModelConfig,
-                 rank: int, size: int) -> torch.Tensor:
-    """This rank's part of checkpoint tensor `name` of full `shape`; `read(index)` reads a slice of
-    it from the file (safetensors `get_slice`), so a rank never reads what it does not hold."""
-    if size == 1:
-        return read(slice(None))
-    suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
-    if name in VOCAB_PARALLEL:
-        per_rank = vocab_shard_size(config.vocab_size, size)
-        start = rank * per_rank
-        part = read(slice(start, min(start + per_rank, config.vocab_size)))
-        if part.shape[0] < per_rank:  # the last rank's padded tail: never looked up, cut from the gathered logits
-            part = torch.cat([part, part.new_zeros(per_rank - part.shape[0], *part.shape[1:])])
-        return part
-    if suffix in ROW_PARALLEL:
-        per_rank = shape[1] // size
-        return read((slice(None), slice(rank * per_rank, (rank + 1) * per_rank)))
-    if suffix in ROW_PARALLEL_BIAS:  # added once, after the all-reduce sums the ranks' parts
-        full = read(slice(None))
-        return full if rank == 0 else torch.zeros_like(full)
-    head_dim = config.head_dim
-    if suffix.startswith(("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")):
-        per_rank = shape[0] // size
-        return read(slice(rank * per_rank, (rank + 1) * per_rank))
-    if suffix.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
-        kv = config.num_kv_heads
-        if kv >= size:
-            per_rank = shape[0] // size
-            return read(slice(rank * per_rank, (rank + 1) * per_rank))
-        head = rank * kv // size  # the KV head this rank's query heads read
-        return read(slice(head * head_dim, (head + 1) * head_dim))
-    return read(slice(None))  # norms: replicated
 
 
 def use_local_device(device_type: str, local_rank: int, ranks_per_node: int) -> None:
@@ -274,9 +194,4 @@ class PlanBroadcast:
         payload = torch.empty(num_bytes, dtype=torch.uint8)
         dist.broadcast(payload, src=self.src, group=self.group)
         return memoryview(payload.numpy())
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter this rank holds."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 

@@ -1,4 +1,4 @@
-"""The compiled CPU attention kernel (cpu_kernels) against attention computed in float64 with plain
+"""The compiled CPU attention kernel (cpu_ops) against attention computed in float64 with plain
 torch: decode and verify rows over block-paged slots, GQA and MHA, prefix and window masks, rows
 that see nothing, torch's thread count, what it refuses, its build cache, and the torch fallback
 that takes over when it is switched off."""
@@ -11,13 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stages.gpu_runner import cpu_kernels
-from stages.gpu_runner.cpu_kernels import sample_logits
+from stages.gpu_runner import cpu_ops
+from stages.gpu_runner.attention.cpu_attention import native_attends
+from stages.gpu_runner.attention.torch_backend import TorchBackend, paged_attention
+from stages.gpu_runner.attention.torch_metadata import AttentionMetadata, verify_batch
+from stages.gpu_runner.cpu_ops import sample_logits
 from stages.gpu_runner.layers.norm import rms_norm as layer_rms_norm
 from stages.gpu_runner.layers.rotary import apply_rotary
-from stages.gpu_runner.attention import AttentionMetadata, TorchBackend, _native, _verify_batch, paged_attention
 
-if cpu_kernels.library() is None:
+if cpu_ops.library() is None:
     pytest.skip("no C compiler: the CPU kernels are not built", allow_module_level=True)
 
 BLOCK_SIZE = 16
@@ -65,9 +67,9 @@ def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) 
 
 @pytest.fixture
 def fresh_library(monkeypatch: pytest.MonkeyPatch):
-    cpu_kernels.library.cache_clear()
+    cpu_ops.library.cache_clear()
     yield monkeypatch
-    cpu_kernels.library.cache_clear()
+    cpu_ops.library.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -79,7 +81,7 @@ def test_matches_float64_reference(dtype, queries, heads, kv_heads, head_dim, wi
     query, flat_cache, slots, mask = paged_case(queries=queries, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                                 dtype=dtype, window=window)
     scale = head_dim ** -0.5
-    out = cpu_kernels.paged_attention(query, flat_cache, slots, mask, scale)
+    out = cpu_ops.paged_attention(query, flat_cache, slots, mask, scale)
     assert out.shape == query.shape and out.dtype == dtype
     assert_close(out, reference(query, flat_cache, slots, mask, scale), dtype)
 
@@ -87,9 +89,9 @@ def test_matches_float64_reference(dtype, queries, heads, kv_heads, head_dim, wi
 def test_window_masks_keys_at_the_start() -> None:
     query, flat_cache, slots, mask = paged_case(queries=1, heads=6, kv_heads=2, head_dim=16, window=WINDOW)
     assert not mask[-1, 0, :CONTEXTS[-1] - WINDOW].any() and mask[-1, 0, CONTEXTS[-1] - WINDOW:].all()
-    windowed = cpu_kernels.paged_attention(query, flat_cache, slots, mask, 0.25)
+    windowed = cpu_ops.paged_attention(query, flat_cache, slots, mask, 0.25)
     prefix = torch.arange(slots.shape[1]) < torch.tensor(CONTEXTS).view(-1, 1, 1)
-    full = cpu_kernels.paged_attention(query, flat_cache, slots, prefix, 0.25)
+    full = cpu_ops.paged_attention(query, flat_cache, slots, prefix, 0.25)
     assert not torch.allclose(windowed[-1], full[-1])
     assert_close(windowed, reference(query, flat_cache, slots, mask, 0.25), torch.float32)
 
@@ -99,7 +101,7 @@ def test_query_that_sees_nothing_gets_zeros(dtype) -> None:
     query, flat_cache, slots, mask = paged_case(queries=3, heads=6, kv_heads=2, head_dim=16, dtype=dtype)
     mask[1, 2] = False
     mask[3, 0] = False
-    out = cpu_kernels.paged_attention(query, flat_cache, slots, mask, 0.25)
+    out = cpu_ops.paged_attention(query, flat_cache, slots, mask, 0.25)
     assert not out.isnan().any()
     assert torch.equal(out[1, 2], torch.zeros_like(out[1, 2])) and torch.equal(out[3, 0], torch.zeros_like(out[3, 0]))
     assert_close(out, reference(query, flat_cache, slots, mask, 0.25), dtype)
@@ -110,7 +112,7 @@ def test_bf16_output_rounds_to_nearest_even() -> None:
     query = torch.zeros_like(query)
     mask = torch.zeros(slots.shape[0], 1, slots.shape[1], dtype=torch.bool)
     mask[:, :, 5] = mask[:, :, 12] = True
-    out = cpu_kernels.paged_attention(query, flat_cache, slots, mask, 0.125)
+    out = cpu_ops.paged_attention(query, flat_cache, slots, mask, 0.125)
     values = flat_cache[1][slots[:, [5, 12]]].float().repeat_interleave(3, dim=2)
     assert torch.equal(out[:, 0], values.mean(1).bfloat16())
 
@@ -120,8 +122,8 @@ def test_non_contiguous_query_and_mask() -> None:
     strided_query = query.transpose(1, 2).contiguous().transpose(1, 2)
     strided_mask = mask.transpose(1, 2).contiguous().transpose(1, 2)
     assert not strided_query.is_contiguous() and not strided_mask.is_contiguous()
-    out = cpu_kernels.paged_attention(strided_query, flat_cache, slots, strided_mask, 0.25)
-    assert torch.equal(out, cpu_kernels.paged_attention(query, flat_cache, slots, mask, 0.25))
+    out = cpu_ops.paged_attention(strided_query, flat_cache, slots, strided_mask, 0.25)
+    assert torch.equal(out, cpu_ops.paged_attention(query, flat_cache, slots, mask, 0.25))
 
 
 def test_follows_torch_thread_count() -> None:
@@ -134,45 +136,45 @@ def test_follows_torch_thread_count() -> None:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             assert runtime.omp_get_max_threads() == threads
-            results.append(cpu_kernels.paged_attention(query, flat_cache, slots, mask, 0.125))
+            results.append(cpu_ops.paged_attention(query, flat_cache, slots, mask, 0.125))
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(results[0], results[1])
 
 
 def test_supports() -> None:
-    assert cpu_kernels.supports(torch.float32, 64) and cpu_kernels.supports(torch.bfloat16, 16)
-    assert not cpu_kernels.supports(torch.float16, 64)
-    assert not cpu_kernels.supports(torch.float32, 40)
-    assert not cpu_kernels.supports(torch.bfloat16, 40)
+    assert cpu_ops.supports(torch.float32, 64) and cpu_ops.supports(torch.bfloat16, 16)
+    assert not cpu_ops.supports(torch.float16, 64)
+    assert not cpu_ops.supports(torch.float32, 40)
+    assert not cpu_ops.supports(torch.bfloat16, 40)
 
 
 def test_refuses_what_it_does_not_support() -> None:
     query, flat_cache, slots, mask = paged_case(queries=1, heads=6, kv_heads=2, head_dim=16)
     with pytest.raises(ValueError):
-        cpu_kernels.paged_attention(query, flat_cache.bfloat16(), slots, mask, 0.25)
+        cpu_ops.paged_attention(query, flat_cache.bfloat16(), slots, mask, 0.25)
     with pytest.raises(ValueError):
-        cpu_kernels.paged_attention(query.half(), flat_cache.half(), slots, mask, 0.25)
+        cpu_ops.paged_attention(query.half(), flat_cache.half(), slots, mask, 0.25)
     with pytest.raises(ValueError):
-        cpu_kernels.paged_attention(query[:, :, :5], flat_cache, slots, mask, 0.25)
+        cpu_ops.paged_attention(query[:, :, :5], flat_cache, slots, mask, 0.25)
     query40, cache40, slots40, mask40 = paged_case(queries=1, heads=2, kv_heads=2, head_dim=40)
     with pytest.raises(ValueError):
-        cpu_kernels.paged_attention(query40, cache40, slots40, mask40, 0.25)
+        cpu_ops.paged_attention(query40, cache40, slots40, mask40, 0.25)
 
 
 def test_builds_into_kernel_cache(fresh_library, tmp_path) -> None:
-    fresh_library.setenv(cpu_kernels.CACHE_VARIABLE, str(tmp_path))
-    lib = cpu_kernels.library()
+    fresh_library.setenv(cpu_ops.CACHE_VARIABLE, str(tmp_path))
+    lib = cpu_ops.library()
     assert lib is not None
     built = list(tmp_path.iterdir())
     assert len(built) == 1 and built[0].suffix == ".so" and built[0].name.startswith("cpu_kernels-")
     assert lib._name == str(built[0])
     stamp = built[0].stat().st_mtime_ns
-    cpu_kernels.library.cache_clear()
-    assert cpu_kernels.library()._name == str(built[0])
+    cpu_ops.library.cache_clear()
+    assert cpu_ops.library()._name == str(built[0])
     assert list(tmp_path.iterdir()) == built and built[0].stat().st_mtime_ns == stamp
     query, flat_cache, slots, mask = paged_case(queries=1, heads=6, kv_heads=2, head_dim=16)
-    assert_close(cpu_kernels.paged_attention(query, flat_cache, slots, mask, 0.25),
+    assert_close(cpu_ops.paged_attention(query, flat_cache, slots, mask, 0.25),
                  reference(query, flat_cache, slots, mask, 0.25), torch.float32)
 
 
@@ -197,8 +199,8 @@ def verify_step(heads: int, kv_heads: int, head_dim: int = 16, num_queries: int 
     query, kv_cache, meta = decode_step(heads, kv_heads, head_dim, contexts)
     rows = len(contexts)
     start = torch.tensor(contexts) - num_queries
-    verify = _verify_batch(meta.block_table, torch.arange(rows), start, num_queries, max(contexts), BLOCK_SIZE,
-                           torch.arange(rows * num_queries))
+    verify = verify_batch(meta.block_table, torch.arange(rows), start, num_queries, max(contexts), BLOCK_SIZE,
+                          torch.arange(rows * num_queries))
     meta = AttentionMetadata(slot_mapping=torch.zeros(rows * num_queries, dtype=torch.int64), decode=None, prefills=[],
                              block_table=meta.block_table, block_size=BLOCK_SIZE, max_context=max(contexts),
                              verify=verify)
@@ -210,11 +212,11 @@ def verify_step(heads: int, kv_heads: int, head_dim: int = 16, num_queries: int 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (8, 8)], ids=["gqa", "mha8"])
 def test_torch_fallback_when_switched_off(fresh_library, step, heads, kv_heads) -> None:
     query, kv_cache, meta = step(heads, kv_heads)
-    assert _native(query)
+    assert native_attends(query)
     native = paged_attention(query, kv_cache, meta, 0.25)
-    fresh_library.setenv(cpu_kernels.ENABLE_VARIABLE, "0")
-    cpu_kernels.library.cache_clear()
-    assert cpu_kernels.library() is None and not _native(query)
+    fresh_library.setenv(cpu_ops.ENABLE_VARIABLE, "0")
+    cpu_ops.library.cache_clear()
+    assert cpu_ops.library() is None and not native_attends(query)
     fallback = paged_attention(query, kv_cache, meta, 0.25)
     torch.testing.assert_close(fallback, native, atol=1e-5, rtol=1e-5)
 
@@ -266,7 +268,7 @@ def test_rms_norm_equals_the_torch_path(unit_offset: bool, with_residual: bool) 
         weight = (0.5 + torch.rand(96, generator=generator)).to(dtype)
         total = x + residual if with_residual else x
         want = layer_rms_norm(total, weight, 1e-6, unit_offset)
-        got, got_residual = cpu_kernels.rms_norm(x, weight, 1e-6, unit_offset, residual if with_residual else None)
+        got, got_residual = cpu_ops.rms_norm(x, weight, 1e-6, unit_offset, residual if with_residual else None)
         if with_residual:
             assert torch.equal(got_residual, total)
         else:
@@ -282,7 +284,7 @@ def test_silu_and_mul_equals_the_torch_path_on_views_of_one_projection() -> None
     for dtype in (torch.float32, torch.bfloat16):
         merged = (torch.randn(64, 2 * 256, generator=generator) * 4).to(dtype)
         gate, up = merged.split([256, 256], dim=-1)  # strided views, as the merged projection gives
-        got = cpu_kernels.silu_and_mul(gate, up)
+        got = cpu_ops.silu_and_mul(gate, up)
         want = F.silu(gate) * up
         if dtype == torch.bfloat16:
             assert torch.equal(got, want)
@@ -297,11 +299,11 @@ def test_rotary_equals_the_torch_path_on_a_strided_query() -> None:
         query = qkv[:, :6 * 32].view(5, 6, 32)  # heads contiguous, tokens at the fused projection's stride
         cos = torch.randn(5, 1, 32, generator=generator).to(dtype)
         sin = torch.randn(5, 1, 32, generator=generator).to(dtype)
-        assert torch.equal(cpu_kernels.rotary(query, cos, sin), apply_rotary(query, cos, sin))
+        assert torch.equal(cpu_ops.rotary(query, cos, sin), apply_rotary(query, cos, sin))
 
 
 def test_elementwise_kernels_take_only_cpu_tensors_of_one_supported_dtype() -> None:
     x = torch.zeros(2, 16)
-    assert cpu_kernels.elementwise_ready(x, x.bfloat16().float())
-    assert not cpu_kernels.elementwise_ready(x, x.bfloat16())
-    assert not cpu_kernels.elementwise_ready(x.half(), x.half())
+    assert cpu_ops.elementwise_ready(x, x.bfloat16().float())
+    assert not cpu_ops.elementwise_ready(x, x.bfloat16())
+    assert not cpu_ops.elementwise_ready(x.half(), x.half())

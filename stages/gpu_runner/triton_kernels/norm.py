@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from stages.gpu_runner.kernels.loading import kernels_for, next_power_of_2
+from stages.gpu_runner.triton_kernels.loading import kernels_for, next_power_of_2
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:

@@ -1,6 +1,6 @@
 """Triton kernels of paged attention: split-KV decode (partial + reduce) and ragged causal prefill.
 
-Loaded through kernels.loading, never imported directly. Softmax runs in base 2 on scores
+Loaded through triton_kernels.loading, never imported directly. Softmax runs in base 2 on scores
 pre-multiplied by scale * log2(e). Masked scores are a large negative finite number, not -inf,
 so a tile or split with nothing to attend yields zero weight instead of NaN.
 
@@ -12,7 +12,7 @@ the keys before it in that block are masked.
 import triton
 import triton.language as tl
 
-from stages.gpu_runner.kernels.loading import jit_module_in_loading_mode
+from stages.gpu_runner.triton_kernels.loading import jit_module_in_loading_mode
 
 _common = jit_module_in_loading_mode("common")
 round_to = _common.round_to

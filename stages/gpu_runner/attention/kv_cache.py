@@ -1,10 +1,10 @@
-"""Sizing and allocation of the paged KV cache (layout: see attention.py)."""
+"""Sizing and allocation of the paged KV cache (layout: see torch_backend.py)."""
 from __future__ import annotations
 
 import torch
 
 from stages.contracts.config import EngineConfig
-from stages.gpu_runner.model_config import ModelConfig
+from stages.gpu_runner.models.config import ModelConfig
 
 # Host memory given to the KV cache on CPU when neither num_kv_blocks nor a budget is set.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30

@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from stages.gpu_runner.backend import AttentionBackend
-from stages.gpu_runner.input_batch import InputBatch, TableWrites
 from stages.contracts.plan import StepPlan
-from stages.gpu_runner.step_layout import concat_ranges, step_layout, token_slots
+from stages.gpu_runner.attention.interface import AttentionBackend
+from stages.gpu_runner.inputs.input_batch import InputBatch, TableWrites
+from stages.gpu_runner.inputs.step_layout import concat_ranges, step_layout, token_slots
+from stages.gpu_runner.speculative.spec_inputs import SpecInputs
 
 
 @dataclass(slots=True)
@@ -39,25 +40,6 @@ class StepInputs:
     sampled_num_tokens: np.ndarray  # int64 [m]: known tokens before the sampled one
     gather_index: torch.Tensor | None = None  # int64 [num_tokens]: where input_ids were read in the flat token table
     spec: SpecInputs | None = None  # a speculative step's extra inputs
-
-
-@dataclass(slots=True)
-class SpecInputs:
-    """What a speculative step adds (the plan's `num_draft_tokens` / `lagged`).
-
-    Output entries are the sampled rows in plan order, each once, or 1 + K times for a row that
-    verifies K drafts; `logits_index` has one entry each. `positions`, the slots, the input gather
-    and `sampled_token_index` above are already moved back by `shift`."""
-
-    shift: torch.Tensor  # int64 [n]: how far each row's real positions trail the plan's
-    num_drafts: int  # K: drafts of each verifying row (0: none verifies)
-    plain_entries: np.ndarray  # int64: entries of sampled rows that verify nothing
-    plain_shift: torch.Tensor  # int64 [len(plain_entries)]: their rows' shift
-    verify_rows: np.ndarray  # int32 [d]: rows that verify drafts
-    verify_rows_dev: torch.Tensor  # int64 [d]
-    verify_entries: np.ndarray  # int64 [d * (K + 1)]: their entries, row after row
-    verify_start: torch.Tensor  # int64 [d]: the real position of each one's last known token
-    verify_planned_start: np.ndarray  # int64 [d]: the plan's (an upper bound)
 
 
 def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:

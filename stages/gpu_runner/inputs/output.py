@@ -17,7 +17,7 @@ class StepOutput:
     `token_ids` etc. live on the device. `host_*` are pinned host buffers that an async
     copy fills; `ready` is recorded after that copy (None on CPU, where the step is done
     when execute returns). A runner with `copy_to_host` off (the runner stage, which hands the
-    tokens over through the mailbox) leaves `host_*` None. On the simulated device (simulated.py) the tokens exist only from
+    tokens over through the mailbox) leaves `host_*` None. On the simulated device (simulated/) the tokens exist only from
     CLOCK_MONOTONIC `ready_at_ns` on (0 elsewhere). `to_host()` is the only call that waits.
     """
 

@@ -1,14 +1,15 @@
-"""The attention backend: one object the decoder layers call for KV writes, paged attention, RMSNorm
-and rotary, and that builds the per-step attention metadata those calls read.
+"""What an attention backend is: the object the attention layers call to write this step's KV into
+the paged cache and attend, and that builds the per-step attention metadata those calls read.
 
-Two implement it: `TorchBackend` (attention.py, plain torch; the CPU product path) and
-`TritonBackend` (triton_attention.py, the kernels of `stages/gpu_runner/kernels/`). A backend
-builds only the metadata it reads, from host-known numbers: nothing here waits on the device.
+Two implement it: `TorchBackend` (torch_backend.py, plain torch; the CPU product path) and
+`TritonBackend` (triton_backend.py, the kernels of `stages/gpu_runner/triton_kernels/`);
+selector.py picks one. A backend builds only the metadata it reads, from host-known numbers:
+nothing here waits on the device. (RMSNorm and rotary are the layers' own: layers/kernels.py.)
 
 Metadata comes from two places. A dynamic step (any plan) asks `host_arrays` for the numbers it
 wants in the step's single packed upload and then `step_metadata` for the metadata over their
-device copies. A bucketed decode step (static_decode.py) calls `static_decode_metadata`, which
-reads only the persistent static buffers, so that on CUDA the call can be captured in a graph.
+device copies. A bucketed decode step (inputs/static_decode.py) calls `static_decode_metadata`,
+which reads only the persistent static buffers, so that on CUDA the call can be captured in a graph.
 """
 from __future__ import annotations
 
@@ -17,14 +18,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from stages.contracts.config import ATTENTION_BACKENDS
-from stages.gpu_runner.step_layout import StepLayout
+from stages.gpu_runner.inputs.step_layout import StepLayout
 
 if TYPE_CHECKING:
-    from stages.gpu_runner.input_batch import InputBatch
-    from stages.gpu_runner.layers.norm import RMSNorm
-    from stages.gpu_runner.layers.rotary import RotaryEmbedding
-    from stages.gpu_runner.static_decode import StaticDecodeInputs
+    from stages.gpu_runner.inputs.input_batch import InputBatch
+    from stages.gpu_runner.inputs.static_decode import StaticDecodeInputs
 
 
 class AttentionBackend(Protocol):
@@ -52,22 +50,6 @@ class AttentionBackend(Protocol):
         `max_context` is the longest context among the real rows (a backend that is captured in
         a graph must not depend on it)."""
 
-    def rope(self, positions: torch.Tensor, rotary: RotaryEmbedding, dtype: torch.dtype) -> Any:
-        """What `rotary` and `qk_norm_rotary` read for this step's positions (built once per forward)."""
-
-    def rotary(self, query: torch.Tensor, key: torch.Tensor, rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """query [T, H, D], key [T, KVH, D] -> the two rotated."""
-
-    def qk_norm_rotary(self, query: torch.Tensor, key: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
-                       rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head RMSNorm of query and key (Qwen3, Gemma 3), then rotary."""
-
-    def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """RMSNorm over the last dimension, with the weight, eps and convention of `norm`."""
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(x + residual), x + residual)."""
-
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                   meta: Any, scale: float, window: int | None = None) -> torch.Tensor:
         """Write this step's key/value into the paged cache, then attend: [T, H, D] -> [T, H, D].
@@ -90,13 +72,3 @@ def window_blocks(window: int | None, block_size: int, max_blocks: int) -> int:
 def check_window(window: int | None) -> None:
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"an attention window must be a positive int or None, got {window!r}")
-
-
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """The backend `name` (auto | torch | triton) means on `device`: auto is triton on CUDA, torch elsewhere."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return name
-

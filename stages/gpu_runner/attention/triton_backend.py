@@ -1,5 +1,5 @@
-"""The triton attention backend: paged attention that reads each row's blocks in place, fused
-RMSNorm and rotary, from `stages/gpu_runner/kernels/` (compiled on CUDA, interpreted on CPU).
+"""The triton attention backend: paged attention that reads each row's blocks in place, with the kernels
+of `stages/gpu_runner/triton_kernels/` (compiled on CUDA, interpreted on CPU).
 
 Its metadata is the step's rows' block tables, their context lengths (int32) and, for prefill and
 mixed steps, where each row's queries start; a decode-only step needs no query starts. The static
@@ -15,13 +15,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from stages.gpu_runner.step_layout import StepLayout
-from stages.gpu_runner.layers.norm import RMSNorm
-from stages.gpu_runner.layers.rotary import RotaryEmbedding
+from stages.gpu_runner.inputs.step_layout import StepLayout
 
 if TYPE_CHECKING:
-    from stages.gpu_runner.input_batch import InputBatch
-    from stages.gpu_runner.static_decode import StaticDecodeInputs
+    from stages.gpu_runner.inputs.input_batch import InputBatch
+    from stages.gpu_runner.inputs.static_decode import StaticDecodeInputs
 
 
 @dataclass(slots=True)
@@ -37,12 +35,12 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, device: torch.device, block_size: int) -> None:
-        from stages.gpu_runner import kernels
+        from stages.gpu_runner import triton_kernels
 
         if block_size < 16 or block_size & (block_size - 1):
             raise ValueError(f"attention_backend 'triton' needs a block_size that is a power of two >= 16, "
                              f"got {block_size}")
-        self.kernels = kernels.load(device)
+        self.kernels = triton_kernels.load(device)
         self.block_size = block_size
 
     def host_arrays(self, layout: StepLayout) -> list[np.ndarray]:
@@ -79,27 +77,6 @@ class TritonBackend:
             block_tables=inputs.block_table.index_select(0, inputs.rows[:num_rows]),
             seq_lens=inputs.seq_lens[:num_rows].to(torch.int32),
             query_start_loc=None, max_query_len=1)
-
-    def rope(self, positions: torch.Tensor, rotary: RotaryEmbedding,
-             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return positions, rotary.cos, rotary.sin
-
-    def rotary(self, query: torch.Tensor, key: torch.Tensor,
-               rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        self.kernels.rotary_embedding_(query, key, *rope)
-        return query, key
-
-    def qk_norm_rotary(self, query: torch.Tensor, key: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
-                       rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        self.kernels.qk_norm_rotary_(query, key, q_norm.weight, k_norm.weight, q_norm.eps, *rope,
-                                     unit_offset=q_norm.unit_offset)
-        return query, key
-
-    def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        return self.kernels.rms_norm(x, norm.weight, norm.eps, norm.unit_offset)
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kernels.fused_add_rms_norm(x, residual, norm.weight, norm.eps, norm.unit_offset)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                   meta: TritonMetadata, scale: float, window: int | None = None) -> torch.Tensor:

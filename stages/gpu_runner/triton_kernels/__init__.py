@@ -1,6 +1,7 @@
 """Triton kernels of the GPU runner: paged attention, KV store, RMSNorm, rotary; compiled on CUDA, interpreted on CPU.
 
-The runner calls `load(device)` once: it builds the kernels in the device's mode (see
+The attention backend (attention/triton_backend.py) and the layers' kernels (layers/kernels.py)
+call `load(device)` once each: it builds the kernels in the device's mode (see
 loading.py for why the mode is fixed when they are defined) and returns them together. The
 functions themselves pick the mode from their tensors' device, so calling them directly works too.
 """
@@ -11,10 +12,10 @@ from typing import Callable
 
 import torch
 
-from stages.gpu_runner.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
-from stages.gpu_runner.kernels.loading import interpreted, jit_module
-from stages.gpu_runner.kernels.norm import fused_add_rms_norm, rms_norm
-from stages.gpu_runner.kernels.rotary import qk_norm_rotary_, rotary_embedding_
+from stages.gpu_runner.triton_kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
+from stages.gpu_runner.triton_kernels.loading import interpreted, jit_module
+from stages.gpu_runner.triton_kernels.norm import fused_add_rms_norm, rms_norm
+from stages.gpu_runner.triton_kernels.rotary import qk_norm_rotary_, rotary_embedding_
 
 
 @dataclass(frozen=True, slots=True)

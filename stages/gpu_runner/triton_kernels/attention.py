@@ -1,12 +1,12 @@
 """Paged attention in Triton: split-KV decode and one-launch ragged prefill over the block table.
 
-Same cache layout and semantics as stages/gpu_runner/attention.py ([2, num_blocks, block_size,
+Same cache layout and semantics as attention/torch_backend.py ([2, num_blocks, block_size,
 num_kv_heads, head_dim], keys at 0, values at 1; this step's K/V already written), but the
 kernels read each row's blocks in place through the block table instead of gathering every
 row's padded context. Launch shapes depend on host-known sizes only, so both launches can be
 captured in a CUDA graph with fixed shapes.
 
-Both attend a sliding window when given one (backend.py: a query at p attends keys
+Both attend a sliding window when given one (attention/interface.py: a query at p attends keys
 max(0, p - window + 1)..p), passed to the kernels as a runtime scalar; None passes a window
 longer than any context, which is full causal attention.
 """
@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from stages.gpu_runner.backend import check_window, window_blocks
-from stages.gpu_runner.kernels.loading import cdiv, kernels_for, next_power_of_2
+from stages.gpu_runner.attention.interface import check_window, window_blocks
+from stages.gpu_runner.triton_kernels.loading import cdiv, kernels_for, next_power_of_2
 
 # Decode splits: enough programs to fill the GPU at small batch, never a split shorter than this.
 _TARGET_PROGRAMS = 256
@@ -172,7 +172,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
 def store_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write this step's K and V ([num_tokens, num_kv_heads, head_dim]) into the cache at their slots
     (int64 [num_tokens], block_id * block_size + offset) in one launch; a token with slot -1 (a
-    static batch's padding) writes nothing. Same result as stages/gpu_runner/attention.write_kv."""
+    static batch's padding) writes nothing. Same result as attention/torch_backend.write_kv."""
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
                          f"got shape {tuple(kv_cache.shape)}")

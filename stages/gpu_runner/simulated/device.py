@@ -9,16 +9,16 @@ one stream of T ms steps that use no CPU: step N starts at max(its launch, step 
 its tokens are ready T ms later. `execute` returns at once, as a launch does; the step's
 `ready_at_ns` goes with its tokens into the mailbox, whose readers sleep until then.
 
-Tokens are the same for every row of a step and encode the step (simulated_steps.py), never an
+Tokens are the same for every row of a step and encode the step (steps.py), never an
 EOS id, so a client can tell which step a streamed token came from. No logprobs are produced.
 
-Rows with a grammar (constraints.py) do the real runner's host work: after the launch, wait for
+Rows with a grammar (sampling/constraints.py) do the real runner's host work: after the launch, wait for
 the row's previous token (its step's `ready_ns`), advance the matcher and fill the bitmask. The
 step's sampling needs that mask, so its tokens are ready at max(start + T, mask done): host time
 past the step's end shows as the device waiting. Such a row's token is an allowed one picked
 from the mask (standing in for the device's masked sampling; its time is not charged to the
 step), so it does not name its step.
-With `simulated_device_trace` set, each step's times are recorded in that file (simulated_steps.py).
+With `simulated_device_trace` set, each step's times are recorded in that file (steps.py).
 """
 from __future__ import annotations
 
@@ -32,16 +32,16 @@ import torch
 from shm.clock import now_ns
 from stages.contracts.config import EngineConfig
 from stages.contracts.plan import StepPlan
-from stages.gpu_runner.input_batch import InputBatch
-from stages.gpu_runner.kv_cache import num_blocks_for_budget
-from stages.gpu_runner.loader import tokenizer_path
-from stages.gpu_runner.attention import TorchBackend
-from stages.gpu_runner.constraints import RowConstraints
-from stages.gpu_runner.model_config import load_model_config, resolve_device, resolve_dtype, served_max_model_len
-from stages.gpu_runner.output import StepOutput
-from stages.gpu_runner.sampler import SamplingMetadata
-from stages.gpu_runner.simulated_steps import SimulatedTokens, StepTimeline
-from stages.gpu_runner.step_inputs import prepare_step, to_device
+from stages.gpu_runner.attention.kv_cache import num_blocks_for_budget
+from stages.gpu_runner.attention.torch_backend import TorchBackend
+from stages.gpu_runner.inputs.input_batch import InputBatch
+from stages.gpu_runner.inputs.output import StepOutput
+from stages.gpu_runner.inputs.step_inputs import prepare_step, to_device
+from stages.gpu_runner.loaders.loader import tokenizer_path
+from stages.gpu_runner.models.config import load_model_config, resolve_device, resolve_dtype, served_max_model_len
+from stages.gpu_runner.sampling.constraints import RowConstraints
+from stages.gpu_runner.sampling.metadata import SamplingMetadata
+from stages.gpu_runner.simulated.steps import SimulatedTokens, StepTimeline
 
 
 class SimulatedDeviceRunner:

@@ -23,7 +23,7 @@ import torch
 
 from shm.clock import sleep_until_ns
 from stages.contracts.plan import StepPlan
-from stages.gpu_runner.step_inputs import to_device
+from stages.gpu_runner.inputs.step_inputs import to_device
 
 _BITS = 32
 # Threads that fill a step's masks: a quarter of the CPUs (the other stages need theirs), at most 8.

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from stages.gpu_runner.model_config import ModelConfig, ModelLoadError, load_model_config
+from stages.gpu_runner.models.config import ModelConfig, ModelLoadError, load_model_config
 from stages.gpu_runner.models.base import CausalLM
 from stages.gpu_runner.models.registry import model_class
-from stages.gpu_runner.parallel import TensorParallel, shard_tensor
+from stages.gpu_runner.parallel.group import TensorParallel
+from stages.gpu_runner.parallel.sharding import shard_tensor
 from stages.progress import Progress
 
 TOKENIZER_FILE = "tokenizer.json"

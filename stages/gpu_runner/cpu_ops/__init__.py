@@ -1,6 +1,8 @@
-"""Native CPU kernels (attention.c, sample.c, elementwise.c): C sources beside this file, compiled
+"""The CPU operators: native kernels (attention.c, sample.c, elementwise.c), C sources beside this file, compiled
 on first use with the machine's C compiler for the machine's own CPU (-march=native), cached, and
-called through ctypes; a wrapper called where they are not built raises RuntimeError.
+called through ctypes; a wrapper called where they are not built raises RuntimeError. Their callers:
+attention/cpu_attention.py (paged attention), layers/kernels.py and layers/mlp.py (RMSNorm, rotary,
+SwiGLU), sampling/sampler.py (sampling).
 
 Where no compiler is found, the build fails, or PIPELINE_CPU_KERNELS=0, `library()` is None and
 callers keep their plain-torch path. The cache is PIPELINE_KERNEL_CACHE, else
@@ -94,7 +96,7 @@ def _built(caller: str) -> ctypes.CDLL:
     """`library()`, for a kernel's wrapper: a RuntimeError naming `caller` where it is not built."""
     lib = library()
     if lib is None:
-        raise RuntimeError(f"{caller}: the CPU kernels are not built (see cpu_kernels.library)")
+        raise RuntimeError(f"{caller}: the CPU kernels are not built (see cpu_ops.library)")
     return lib
 
 

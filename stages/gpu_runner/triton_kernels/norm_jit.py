@@ -1,8 +1,8 @@
-"""Triton kernel of RMSNorm, optionally fused with the residual add; loaded through kernels.loading."""
+"""Triton kernel of RMSNorm, optionally fused with the residual add; loaded through triton_kernels.loading."""
 import triton
 import triton.language as tl
 
-from stages.gpu_runner.kernels.loading import jit_module_in_loading_mode
+from stages.gpu_runner.triton_kernels.loading import jit_module_in_loading_mode
 
 _common = jit_module_in_loading_mode("common")
 round_to = _common.round_to

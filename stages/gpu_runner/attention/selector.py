@@ -1,0 +1,26 @@
+"""Which attention backend a runner uses: the config's name (auto | torch | triton) on its device."""
+from __future__ import annotations
+
+import torch
+
+from stages.contracts.config import ATTENTION_BACKENDS
+from stages.gpu_runner.attention.interface import AttentionBackend
+from stages.gpu_runner.attention.torch_backend import TorchBackend
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """The backend `name` (auto | torch | triton) means on `device`: auto is triton on CUDA, torch elsewhere."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name
+
+
+def make_attention_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
+    """The backend `name` resolves to on `device`; the triton kernels are loaded only when asked for."""
+    if resolve_attention_backend(name, device) == "triton":
+        from stages.gpu_runner.attention.triton_backend import TritonBackend
+
+        return TritonBackend(device, block_size)
+    return TorchBackend(block_size)

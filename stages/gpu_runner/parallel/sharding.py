@@ -1,0 +1,95 @@
+"""Tensor parallelism's cut of the model: which checkpoint tensors each rank holds and the shapes it holds.
+
+Megatron's cut: q/k/v and gate/up are column-parallel (each rank holds its own heads and its own
+slice of the intermediate size), o and down are row-parallel and followed by one all-reduce
+each, the embedding and the LM head are vocab-parallel (each rank holds a contiguous range of
+token ids). KV heads are split like the query heads; with fewer KV heads than ranks each KV head
+is held by the ranks whose query heads read it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+from stages.gpu_runner.models.config import ModelConfig
+
+ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+ROW_PARALLEL_BIAS = ("self_attn.o_proj.bias", "mlp.down_proj.bias")
+VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def check_tensor_parallel(config: ModelConfig, size: int, device_type: str, local_ranks: int | None = None) -> None:
+    """ValueError naming both numbers when `size` ranks (`local_ranks` of them on this machine:
+    all unless given) cannot share this model."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size}")
+    if config.num_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {config.num_heads} "
+                         f"attention heads")
+    kv = config.num_kv_heads
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size {size} and the model's {kv} KV heads: one must divide the other")
+    if config.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's intermediate size "
+                         f"{config.intermediate_size}")
+    local_ranks = size if local_ranks is None else local_ranks
+    if device_type == "cuda" and local_ranks > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {size} puts {local_ranks} ranks on this machine, one per CUDA "
+                         f"device; it has {torch.cuda.device_count()}")
+
+
+def shard_config(config: ModelConfig, size: int) -> ModelConfig:
+    """The shapes one of `size` ranks holds (heads and intermediate size divided; the vocabulary
+    and hidden size are whole: the vocab-parallel layers keep their own sizes)."""
+    if size == 1:
+        return config
+    return dataclasses.replace(config, num_heads=config.num_heads // size,
+                               num_kv_heads=max(1, config.num_kv_heads // size),
+                               intermediate_size=config.intermediate_size // size)
+
+
+def vocab_shard_size(vocab_size: int, size: int) -> int:
+    """Token ids per rank of the vocab-parallel layers (the last rank's range is padded)."""
+    return math.ceil(vocab_size / size)
+
+
+def shard_tensor(name: str, read: Callable[[object], torch.Tensor], shape: tuple[int, ...], config: ModelConfig,
+                 rank: int, size: int) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `name` of full `shape`; `read(index)` reads a slice of
+    it from the file (safetensors `get_slice`), so a rank never reads what it does not hold."""
+    if size == 1:
+        return read(slice(None))
+    suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+    if name in VOCAB_PARALLEL:
+        per_rank = vocab_shard_size(config.vocab_size, size)
+        start = rank * per_rank
+        part = read(slice(start, min(start + per_rank, config.vocab_size)))
+        if part.shape[0] < per_rank:  # the last rank's padded tail: never looked up, cut from the gathered logits
+            part = torch.cat([part, part.new_zeros(per_rank - part.shape[0], *part.shape[1:])])
+        return part
+    if suffix in ROW_PARALLEL:
+        per_rank = shape[1] // size
+        return read((slice(None), slice(rank * per_rank, (rank + 1) * per_rank)))
+    if suffix in ROW_PARALLEL_BIAS:  # added once, after the all-reduce sums the ranks' parts
+        full = read(slice(None))
+        return full if rank == 0 else torch.zeros_like(full)
+    head_dim = config.head_dim
+    if suffix.startswith(("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")):
+        per_rank = shape[0] // size
+        return read(slice(rank * per_rank, (rank + 1) * per_rank))
+    if suffix.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
+        kv = config.num_kv_heads
+        if kv >= size:
+            per_rank = shape[0] // size
+            return read(slice(rank * per_rank, (rank + 1) * per_rank))
+        head = rank * kv // size  # the KV head this rank's query heads read
+        return read(slice(head * head_dim, (head + 1) * head_dim))
+    return read(slice(None))  # norms: replicated
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter this rank holds."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

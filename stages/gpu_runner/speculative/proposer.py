@@ -1,0 +1,16 @@
+"""What proposes drafts: a prompt lookup (ngram.py), a draft model (draft_model.py), or any other
+method that reads the token table on the device and returns each verifying row's K drafts."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Proposer(Protocol):
+    k: int  # drafts per verifying row
+
+    def propose(self, token_table: torch.Tensor, rows: torch.Tensor, num_known: torch.Tensor,
+                max_known: int) -> torch.Tensor:
+        """int64 [d, K] drafts for `rows` (int64 [d]) whose first num_known[i] tokens are known;
+        max_known is a host-known upper bound of num_known."""
