@@ -31,7 +31,7 @@ from pipeline.serve.model import ServedModel
 from pipeline.serve.openai.app import OpenAIApi
 from pipeline.serve.server import DaemonServer
 from pipeline.serve.socket_connection import SocketConnection
-from pipeline.serve.stage_backend import StageBackend
+from pipeline.engine.supervision import StageBackend
 from pipeline.serve.supervisor import StageSupervisor
 from shm.naming import new_instance_id
 from stages.contracts.config import EngineConfig

@@ -10,7 +10,7 @@ import pytest
 from pipeline.engine.backend import BackendStats
 from pipeline.engine.inprocess import InProcessBackend
 from pipeline.protocol import FrameDecoder, ServerMessage, SpeculativeCounts, StatsReply, encode_frame
-from pipeline.serve.stage_backend import StageBackend
+from pipeline.engine.supervision import StageBackend
 from pipeline.serve.status import stats_reply
 from stages.scheduler.stats import SchedulerStats
 from stages.status import SchedulerCounters, StatusBoard

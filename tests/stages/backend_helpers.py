@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from device_choice import engine_device
 
-from pipeline.serve.stage_backend import StageBackend
+from pipeline.engine.supervision import StageBackend
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams

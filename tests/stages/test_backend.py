@@ -16,7 +16,7 @@ from device_choice import engine_device
 from stage_procs import run_backend_then_hang
 
 from pipeline import LLM
-from pipeline.serve.stage_backend import StageBackend
+from pipeline.engine.supervision import StageBackend
 from stages.contracts.config import EngineConfig
 from pipeline.errors import ErrorCode, StageFailed
 from stages.contracts.params import SamplingParams

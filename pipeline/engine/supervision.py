@@ -48,7 +48,7 @@ from stages.messages import Kind, encode_generate, encode_req_id
 from stages.process import EXIT_PEER_DIED, launch
 from stages.status import StatusBoard
 
-log = logging.getLogger("pipeline.serve.stage_backend")
+log = logging.getLogger("pipeline.engine.supervision")
 
 # The daemon's read of the events ring sleeps on the doorbell at once: a step's events come once
 # per device step, so a spin before sleeping is CPU spent for nothing on every step (about a
