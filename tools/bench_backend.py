@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 import checkout_path  # noqa: E402,F401 - first: the checkout on sys.path, not tools/ (see there)
-from pipeline.engine.supervision import StageBackend  # noqa: E402
+from pipeline.engine.multiprocess import StageBackend  # noqa: E402
 from stages.contracts.config import EngineConfig  # noqa: E402
 from pipeline.engine.llm import LLM  # noqa: E402
 from stages.contracts.params import SamplingParams  # noqa: E402

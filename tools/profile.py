@@ -22,7 +22,7 @@ from pipeline.client import Client  # noqa: E402
 from pipeline.serve.daemon import read_daemon_pid  # noqa: E402
 from pipeline.errors import DaemonNotRunning, PipelineError  # noqa: E402
 from pipeline.paths import default_socket_path  # noqa: E402
-from pipeline.serve.profile_control import ANSWER_TIMEOUT_S  # noqa: E402
+from pipeline.engine.profiling import ANSWER_TIMEOUT_S  # noqa: E402
 
 DESCRIPTION = """\
 Profile the daemon on --socket for --seconds while it serves.

@@ -10,7 +10,8 @@ import logging
 
 from pipeline.errors import ProtocolError
 from pipeline.protocol import ClientMessage, Delta, FrameDecoder, ServerMessage, encode_frame, error_for
-from pipeline.serve.server import DaemonServer, Request
+from pipeline.serve.requests import Request
+from pipeline.serve.server import DaemonServer
 
 log = logging.getLogger("pipeline.serve")
 

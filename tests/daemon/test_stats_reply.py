@@ -9,8 +9,8 @@ import pytest
 
 from pipeline.engine.backend import BackendStats
 from pipeline.engine.inprocess import InProcessBackend
+from pipeline.engine.multiprocess import StageBackend
 from pipeline.protocol import FrameDecoder, ServerMessage, SpeculativeCounts, StatsReply, encode_frame
-from pipeline.engine.supervision import StageBackend
 from pipeline.serve.status import stats_reply
 from stages.scheduler.stats import SchedulerStats
 from stages.status import SchedulerCounters, StatusBoard

@@ -27,7 +27,7 @@ from pipeline.serve.openai.asgi import (
     StreamResponse,
     until_disconnect,
 )
-from pipeline.serve.openai.call import Choice, HttpCall, Reply
+from pipeline.serve.openai.call import Choice, HttpCall, Reply, all_finished, token_usage
 from pipeline.serve.openai.errors import OpenAIError, error_body, from_pipeline_error
 from pipeline.serve.openai.params import (
     ChoiceRequest,
@@ -46,6 +46,7 @@ from pipeline.serve.openai.schemas import (
 from pipeline.serve.openai.sse import DONE, SSE_CONTENT_TYPE, ChatStream, CompletionStream
 from pipeline.serve.openai.tools import ToolPlan, ToolStream, template_tools, tool_plan
 from pipeline.serve.server import DaemonServer
+from pipeline.serve.status import health_reply, stats_reply
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # as the socket's frame limit: far above any max_model_len's prompt
 JSON = "application/json"
@@ -123,7 +124,7 @@ class OpenAIApi:
         return json_response(encoder.encode({"object": "list", "data": [card]}))
 
     async def health(self, request: HttpRequest) -> Response:
-        reply = self.server.health()
+        reply = health_reply(self.server)
         if reply.status == "ok":
             return json_response(encoder.encode({"status": "ok"}))
         return json_response(encoder.encode({"status": reply.status, "reason": reply.reason}), 503)
@@ -132,7 +133,7 @@ class OpenAIApi:
         return json_response(encoder.encode({"version": version()}))
 
     async def metrics(self, request: HttpRequest) -> Response:
-        stats = self.server.stats()
+        stats = stats_reply(self.server)
         self.server.metrics.set_stats(
             num_requests_running=stats.num_running_requests, num_requests_waiting=stats.num_waiting_requests,
             kv_cache_usage=stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0,
@@ -207,7 +208,7 @@ class OpenAIApi:
                                                     token_ids=reply.token_ids or [] if with_ids else None))
                     yield b"".join(out)
                 if stream.include_usage:
-                    yield stream.usage_chunk(call.num_prompt_tokens(), call.num_completion_tokens)
+                    yield stream.usage_chunk(*token_usage(call.choices))
                 yield DONE
             finally:
                 call.close()
@@ -222,14 +223,14 @@ class OpenAIApi:
         finally:
             watcher.cancel()
             call.close()
-        if not call.finished:  # the client went away: nobody reads this answer
+        if not all_finished(call.choices):  # the client went away: nobody reads this answer
             return error_response(OpenAIError(400, "the client closed the connection before the response"))
         failed = next((choice.error for choice in call.choices if choice.error is not None), None)
         if failed is not None:
             return error_response(from_pipeline_error(failed))
         choices = [FinishedChoice((self._prompt_text(choice) if echo else "") + "".join(choice.text),
                                   choice.done.finish_reason, choice.logprobs) for choice in call.choices]
-        usage = count_usage(call.num_prompt_tokens(), call.num_completion_tokens)
+        usage = count_usage(*token_usage(call.choices))
         return json_response(body(choices, usage))
 
     def _prompt_text(self, choice: Choice) -> str:
