@@ -3,13 +3,14 @@
 Each request gets a small integer `req_id` (the backend's name for it) and a public request id
 nobody can guess (what clients see). A connection is anything that takes replies without
 waiting (requests.py): a Unix-socket client (socket_connection.py) or one HTTP call
-(openai/call.py). The event loop reads the stages' events as their ring's doorbell wakes it
+(openai/call.py), which turn their clients' messages into `start_request`, `abort_request` and
+`drop_connection`. The event loop reads the stages' events as their ring's doorbell wakes it
 (supervisor.py, LoopReader) and fans them out to the connections (a step's plain tokens through
 token_routing.py); the stage supervisor's thread watches the stages, and when one dies it
 restarts them, and the requests in flight resume on the fresh ones where they were
 (recovery.py). Health and stats replies are status.py's. Nothing on the event loop waits: a
-write to a connection only grows that client's buffer, and a request that finds no
-room (`max_num_seqs + max_waiting` requests in flight, or a full request ring) is refused with
+write to a connection only grows that client's buffer, and a request that finds no room
+(`max_num_seqs + max_waiting` requests in flight, or a full request ring) is refused with
 `overloaded` at once. Every request's life is recorded in the daemon's metrics (metrics.py).
 """
 from __future__ import annotations
@@ -21,27 +22,10 @@ from enum import Enum
 
 from pipeline.engine.backend import Backend
 from pipeline.errors import InvalidRequest, Overloaded, PipelineError, PromptTooLong, RequestAborted, StageFailed
-from pipeline.protocol import (
-    Abort,
-    Aborted,
-    Accepted,
-    ClientMessage,
-    Delta,
-    Done,
-    Error,
-    Generate,
-    Health,
-    Profile,
-    Stats,
-    TokenLogprobs,
-    Usage,
-    error_for,
-    new_request_id,
-)
+from pipeline.protocol import Aborted, Delta, Done, Error, ServerMessage, TokenLogprobs, Usage, new_request_id
 from pipeline.serve.config import DaemonConfig
 from pipeline.serve.metrics import Metrics
 from pipeline.serve.model import ServedModel
-from pipeline.serve.profile_control import answer_profile
 from pipeline.serve.recovery import Recovery, ResumeState
 from pipeline.serve.requests import Connection, FlushLater, Request
 from pipeline.serve.status import health_reply, stats_reply
@@ -50,7 +34,6 @@ from shm.ring import RecordTooLarge
 from stages.contracts.errors import ErrorCode
 from stages.contracts.outputs import OutputEvent, TokenTexts
 from stages.contracts.params import InvalidParams, SamplingParams
-from stages.grammar import check_guided
 
 log = logging.getLogger("pipeline.serve")
 
@@ -102,30 +85,7 @@ class DaemonServer:
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
 
-    # ---- client messages
-
-    def handle(self, connection: Connection, message: ClientMessage) -> None:
-        if isinstance(message, Generate):
-            self._generate(connection, message)
-        elif isinstance(message, Abort):
-            self._abort(connection, message.request_id)
-        elif isinstance(message, Health):
-            connection.send(health_reply(self))
-        elif isinstance(message, Stats):
-            connection.send(stats_reply(self))
-        elif isinstance(message, Profile):
-            answer_profile(self.backend, message, connection.send)
-
-    def _generate(self, connection: Connection, message: Generate) -> None:
-        try:
-            params = message.params.to_params()
-            check_guided(params)
-            request_id = self.start_request(connection, message.prompt, params, message.stream,
-                                            delta_frames=message.delta_frames)
-        except (PipelineError, InvalidParams) as exc:
-            connection.send(error_for(exc))
-            return
-        connection.send(Accepted(request_id))
+    # ---- requests from connections
 
     def start_request(self, connection: Connection, prompt: str | list[int], params: SamplingParams,
                       stream: bool, resume_token_ids: list[int] | None = None, *, delta_frames: bool = False) -> str:
@@ -176,8 +136,8 @@ class DaemonServer:
         if self.state is BackendState.DOWN:
             raise StageFailed(f"stages failed ({self.last_failure}) and are not restarted: {self.down_reason}")
 
-    def _abort(self, connection: Connection, request_id: str) -> None:
-        # Only the connection that made a request may abort it by message.
+    def abort_request(self, connection: Connection, request_id: str) -> None:
+        """A client's Abort: only the connection that made a request may abort it by message."""
         request = connection.requests.get(request_id)
         if request is None:
             connection.send(Error(ErrorCode.NOT_FOUND.value, f"no running request {request_id} on this connection",
@@ -328,3 +288,11 @@ class DaemonServer:
                 None, request.request_id))
         for connection in list(self.connections):
             connection.close()
+
+    # ---- health and stats (status.py)
+
+    def health(self) -> ServerMessage:
+        return health_reply(self)
+
+    def stats(self) -> ServerMessage:
+        return stats_reply(self)

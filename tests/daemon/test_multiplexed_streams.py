@@ -19,10 +19,8 @@ from pipeline.client import AsyncClient
 from pipeline.client.aio import AsyncStream
 from pipeline.client.mux import Channel
 from pipeline.errors import ConnectionLost, PipelineError, RequestAborted
-import pipeline.serve.server as server_module
 from pipeline.serve.server import DaemonServer
 from pipeline.serve.socket_connection import SocketConnection
-from pipeline.serve.status import health_reply
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent, TokenTexts
 
@@ -190,8 +188,7 @@ def test_a_step_of_many_streams_is_one_deltas_frame_and_mixed_ends_reach_each_st
     run(test)
 
 
-def test_an_older_client_and_a_daemon_without_deltas_frames_get_a_frame_per_delta(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_older_client_and_a_daemon_without_deltas_frames_get_a_frame_per_delta() -> None:
     async def test() -> None:
         async with daemon() as (server, backend, path):
             async with AsyncClient(path) as client:  # a connection per request asks for no Deltas frames
@@ -202,8 +199,8 @@ def test_an_older_client_and_a_daemon_without_deltas_frames_get_a_frame_per_delt
                 finish(server, [0, 1])
                 assert await asyncio.gather(*readers) == ["0:4 ", "1:4 "]
                 assert sorted(kinds) == ["Delta", "Delta", "Done", "Done"]
-            monkeypatch.setattr(server_module, "health_reply",  # as an older daemon
-                                lambda server: msgspec.structs.replace(health_reply(server), delta_frames=False))
+            health = server.health
+            server.health = lambda: msgspec.structs.replace(health(), delta_frames=False)  # as an older daemon
             async with AsyncClient(path, multiplex=True) as client:
                 streams = await started(client, backend, server, 2)
                 kinds = sent_kinds(server)

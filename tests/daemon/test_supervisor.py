@@ -15,7 +15,7 @@ from pipeline.errors import StageFailed
 from pipeline.protocol import Abort, Aborted, Accepted, Error, Generate
 from pipeline.serve.config import DaemonConfig
 from pipeline.serve.server import BackendState, DaemonServer
-from pipeline.serve.status import health_reply, stats_reply
+from pipeline.serve.socket_connection import handle_message
 from pipeline.serve.supervisor import RestartBudget, RestartPolicy, StageSupervisor
 from stages.contracts.config import EngineConfig
 from shm.naming import new_instance_id, unlink_instance
@@ -66,7 +66,7 @@ def _run_supervised(scenario: Callable[[DaemonServer, FakeFactory, StageSupervis
 
 def _generate(server: DaemonServer) -> RecordingConnection:
     connection = RecordingConnection()
-    server.handle(connection, Generate(prompt="hello"))  # type: ignore[arg-type]
+    handle_message(server, connection, Generate(prompt="hello"))  # type: ignore[arg-type]
     return connection
 
 
@@ -79,7 +79,7 @@ def test_supervisor_parks_requests_restarts_resumes_them_and_reports_degraded_me
         first.fail("stage 'runner' was killed by signal 9", "runner")
         await _until(lambda: server.state is BackendState.RESTARTING)
         assert [type(m) for m in running.sent] == [Accepted]  # parked, not failed
-        health = health_reply(server)
+        health = server.health()
         assert health.status == "degraded" and "restarting after: stage 'runner'" in str(health.reason)
         queued = _generate(server)  # comes during the restart: it waits, as the parked one does
         assert [type(m) for m in queued.sent] == [Accepted]
@@ -89,12 +89,12 @@ def test_supervisor_parks_requests_restarts_resumes_them_and_reports_degraded_me
         second = factory.made[1]
         assert first.closed and server.backend is second and second.instance != first.instance
         assert second.submitted == [0, 1]  # the parked request and the queued one, in order, on the fresh stages
-        health = health_reply(server)
+        health = server.health()
         assert health.status == "ok" and health.num_restarts == 1 and health.instance == second.instance
         assert health.last_failure == "stage 'runner' was killed by signal 9"
         _generate(server)
         assert second.submitted == [0, 1, 2]
-        stats = stats_reply(server)
+        stats = server.stats()
         assert (stats.num_resumed_requests, stats.num_guard_failed_requests) == (2, 0)
 
         # A restart that fails is tried again after a backoff; the requests wait on.
@@ -110,7 +110,7 @@ def test_supervisor_parks_requests_restarts_resumes_them_and_reports_degraded_me
         factory.failures.extend(RuntimeError("model.safetensors is corrupt") for _ in range(10))
         third.fail("stage 'detokenizer' exited with code 1", "detokenizer")  # another stage: no guard
         await _until(lambda: server.state is BackendState.DOWN)
-        health = health_reply(server)
+        health = server.health()
         assert health.status == "degraded" and "the last restart failed: RuntimeError: model.safetensors is corrupt" \
             in str(health.reason) and "(the limit is 5)" in str(health.reason)
         ended = running.sent[-1]
@@ -155,7 +155,7 @@ def test_poison_guard_fails_a_request_in_flight_through_two_crashes_in_a_row_of_
         failed = unanswered.sent[-1]
         assert isinstance(failed, Error) and "'tokenizer0'" in failed.message
         assert isinstance(answered.sent[-1], Accepted) and factory.made[5].submitted == [3]  # resumed
-        stats = stats_reply(server)
+        stats = server.stats()
         assert (stats.num_resumed_requests, stats.num_guard_failed_requests) == (6, 3)
 
     _run_supervised(scenario, max_restarts=5)
@@ -170,7 +170,7 @@ def test_supervisor_stops_restarting_stages_that_die_again_and_again() -> None:
         factory.made[-1].fail("stage 'runner' exited with code 1: CUDA error")
         await _until(lambda: server.state is BackendState.DOWN)
         assert len(factory.made) == 3
-        reason = str(health_reply(server).reason)
+        reason = str(server.health().reason)
         assert "not restarting after 2 restarts within 600 s already (the limit is 2)" in reason
 
     _run_supervised(scenario, max_restarts=2)
@@ -202,7 +202,7 @@ def test_aborts_in_the_restart_gap_and_resubmissions_that_find_the_ring_full() -
     connections = [_generate(server) for _ in range(4)]
     server.on_backend_failed("stage 'runner' was killed by signal 9", "runner")
     request_id = connections[1].sent[0].request_id
-    server.handle(connections[1], Abort(request_id))  # in the gap: ends at once, is not resumed
+    handle_message(server, connections[1], Abort(request_id))  # in the gap: ends at once, is not resumed
     assert [type(m) for m in connections[1].sent] == [Accepted, Error, Aborted]
     second.room = 1
     server.on_backend_restarted(second)
@@ -214,7 +214,7 @@ def test_aborts_in_the_restart_gap_and_resubmissions_that_find_the_ring_full() -
     second.room = None
     server.on_events([])
     assert second.submitted == [0, 2] and server.num_in_flight == 2
-    assert stats_reply(server).num_resumed_requests == 2
+    assert server.stats().num_resumed_requests == 2
 
 
 @pytest.fixture

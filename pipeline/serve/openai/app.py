@@ -46,7 +46,6 @@ from pipeline.serve.openai.schemas import (
 from pipeline.serve.openai.sse import DONE, SSE_CONTENT_TYPE, ChatStream, CompletionStream
 from pipeline.serve.openai.tools import ToolPlan, ToolStream, template_tools, tool_plan
 from pipeline.serve.server import DaemonServer
-from pipeline.serve.status import health_reply, stats_reply
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # as the socket's frame limit: far above any max_model_len's prompt
 JSON = "application/json"
@@ -124,7 +123,7 @@ class OpenAIApi:
         return json_response(encoder.encode({"object": "list", "data": [card]}))
 
     async def health(self, request: HttpRequest) -> Response:
-        reply = health_reply(self.server)
+        reply = self.server.health()
         if reply.status == "ok":
             return json_response(encoder.encode({"status": "ok"}))
         return json_response(encoder.encode({"status": reply.status, "reason": reply.reason}), 503)
@@ -133,7 +132,7 @@ class OpenAIApi:
         return json_response(encoder.encode({"version": version()}))
 
     async def metrics(self, request: HttpRequest) -> Response:
-        stats = stats_reply(self.server)
+        stats = self.server.stats()
         self.server.metrics.set_stats(
             num_requests_running=stats.num_running_requests, num_requests_waiting=stats.num_waiting_requests,
             kv_cache_usage=stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0,
