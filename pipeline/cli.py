@@ -49,7 +49,7 @@ def _start(args: argparse.Namespace) -> int:
     if args.detach:
         return _start_detached(args, socket_path)
     from pipeline.serve.daemon import run_daemon
-    from pipeline.serve.stage_backend import StageBackend
+    from pipeline.engine.multiprocess import StageBackend
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = engine_config(args)

@@ -1,6 +1,6 @@
 """What the daemon needs of an engine: the `Backend` protocol, and the health and stats it reports.
 
-Two backends serve it: `StageBackend` (pipeline/serve/stage_backend.py), the stage processes
+Two backends serve it: `StageBackend` (pipeline/engine/multiprocess.py), the stage processes
 joined by rings, and `InProcessBackend` (pipeline/engine/inprocess.py), the same engine stepped
 by a thread of the daemon's own process. The daemon and the stage supervisor see only this.
 """

@@ -25,13 +25,13 @@ import uvloop
 from pipeline.errors import PipelineError
 from pipeline.paths import ensure_socket_dir
 from pipeline.engine.backend import BackendFactory
+from pipeline.engine.multiprocess import StageBackend
 from pipeline.serve.config import DaemonConfig
 from pipeline.serve.http import HttpListener, bind
 from pipeline.serve.model import ServedModel
 from pipeline.serve.openai.app import OpenAIApi
 from pipeline.serve.server import DaemonServer
 from pipeline.serve.socket_connection import SocketConnection
-from pipeline.serve.stage_backend import StageBackend
 from pipeline.serve.supervisor import StageSupervisor
 from shm.naming import new_instance_id
 from stages.contracts.config import EngineConfig

@@ -17,9 +17,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipeline.engine.supervision import SESSION_ENV
 from pipeline.errors import PipelineError
 
-SESSION_ENV = "PIPELINE_NSYS_SESSION"
 TRACE = "cuda,nvtx,osrt"
 REPORT_SUFFIX = ".nsys-rep"
 

@@ -2,12 +2,15 @@
 
 Each request gets a small integer `req_id` (the backend's name for it) and a public request id
 nobody can guess (what clients see). A connection is anything that takes replies without
-waiting: a Unix-socket client (socket_connection.py) or one HTTP call (openai/call.py). The
-event loop reads the stages' events as their ring's doorbell wakes it (supervisor.py, LoopReader)
-and fans them out to the connections; the stage supervisor's thread watches the stages, and
-when one dies it restarts them, and the requests in flight resume on the fresh ones where they were
-(recovery.py). Nothing on the event loop waits: a write to a connection only grows that client's buffer, and a request that finds no
-room (`max_num_seqs + max_waiting` requests in flight, or a full request ring) is refused with
+waiting (requests.py): a Unix-socket client (socket_connection.py) or one HTTP call
+(openai/call.py), which turn their clients' messages into `start_request`, `abort_request` and
+`drop_connection`. The event loop reads the stages' events as their ring's doorbell wakes it
+(supervisor.py, LoopReader) and fans them out to the connections (a step's plain tokens through
+token_routing.py); the stage supervisor's thread watches the stages, and when one dies it
+restarts them, and the requests in flight resume on the fresh ones where they were
+(recovery.py). Health and stats replies are status.py's. Nothing on the event loop waits: a
+write to a connection only grows that client's buffer, and a request that finds no room
+(`max_num_seqs + max_waiting` requests in flight, or a full request ring) is refused with
 `overloaded` at once. Every request's life is recorded in the daemon's metrics (metrics.py).
 """
 from __future__ import annotations
@@ -15,145 +18,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
 
-import numpy as np
-
-from pipeline.errors import InvalidRequest, Overloaded, PipelineError, PromptTooLong, RequestAborted, StageFailed
-from pipeline.protocol import (
-    Abort,
-    Aborted,
-    Accepted,
-    Chat,
-    ClientMessage,
-    Delta,
-    Deltas,
-    Done,
-    Error,
-    Generate,
-    Health,
-    Profile,
-    ServerMessage,
-    Stats,
-    TokenLogprobs,
-    Usage,
-    error_for,
-    new_request_id,
-)
 from pipeline.engine.backend import Backend
+from pipeline.errors import InvalidRequest, Overloaded, PipelineError, PromptTooLong, RequestAborted, StageFailed
+from pipeline.protocol import Aborted, Delta, Done, Error, ServerMessage, TokenLogprobs, Usage, new_request_id
 from pipeline.serve.config import DaemonConfig
-from pipeline.serve.metrics import Metrics, RequestTimeline
-from pipeline.serve.model import ServedModel, chat_prompt
-from pipeline.serve.profile_control import answer_profile
+from pipeline.serve.metrics import Metrics
+from pipeline.serve.model import ServedModel
 from pipeline.serve.recovery import Recovery, ResumeState
+from pipeline.serve.requests import Connection, FlushLater, Request
 from pipeline.serve.status import health_reply, stats_reply
+from pipeline.serve.token_routing import route_token_texts
 from shm.ring import RecordTooLarge
 from stages.contracts.errors import ErrorCode
 from stages.contracts.outputs import OutputEvent, TokenTexts
 from stages.contracts.params import InvalidParams, SamplingParams
-from stages.grammar import check_guided
 
 log = logging.getLogger("pipeline.serve")
-
-
-class Connection(Protocol):
-    """One client's end, as the server sees it: replies go out through `send`, which never waits."""
-
-    requests: dict[str, Request]  # this connection's running requests by public id
-
-    def send(self, message: ServerMessage) -> None: ...
-
-    def send_text(self, request_id: str, text: str, token_ids: list[int]) -> None:
-        """`send(Delta(request_id, text, token_ids))`, where the connection can do without the Delta."""
-
-    def close(self) -> None: ...
-
-    def abort(self) -> None: ...
-
-
-class Flushable(Protocol):
-    def flush(self) -> None: ...
-
-
-class FlushLater:
-    """`flush_later(connection)`: `connection.flush()` runs when this turn of the event loop is
-    over, with every other connection's that asked in this turn: one callback a turn, however
-    many connections write. A connection asks once per turn."""
-
-    def __init__(self) -> None:
-        self._due: list[Flushable] = []
-
-    def __call__(self, connection: Flushable) -> None:
-        if not self._due:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._due.append(connection)
-
-    def _flush(self) -> None:
-        due, self._due = self._due, []
-        for connection in due:
-            try:
-                connection.flush()
-            except Exception:  # one connection's failure must not keep the others' replies back
-                log.exception("writing to a connection failed")
 
 
 class BackendState(Enum):
     SERVING = "serving"
     RESTARTING = "restarting"  # a stage died; the supervisor is starting fresh ones, requests wait
     DOWN = "down"  # a stage died and the supervisor gave up restarting
-
-
-@dataclass(slots=True)
-class DeltaFrame:
-    """The rows of an output batch bound for one connection that reads `Deltas` frames."""
-
-    rows: list[int] = field(default_factory=list)
-    request_ids: list[str] = field(default_factory=list)
-
-    def message(self, text: str, text_ends: list[int], token_ids: list[int],
-                token_ends: list[int]) -> Deltas | Delta:
-        """Its `Deltas` (a `Delta` for one row), sliced from the batch's flat text and tokens
-        (`*_ends` per row)."""
-        rows = self.rows
-        if len(rows) == len(text_ends) > 1:  # the whole batch, as for a client that multiplexes every stream
-            return Deltas(self.request_ids, text, text_ends, token_ids, token_ends)
-        pieces, tokens, piece_ends, tokens_ends = [], [], [], []
-        num_chars = 0
-        for row in rows:
-            start, first = (text_ends[row - 1], token_ends[row - 1]) if row else (0, 0)
-            pieces.append(text[start:text_ends[row]])
-            num_chars += text_ends[row] - start
-            piece_ends.append(num_chars)
-            tokens += token_ids[first:token_ends[row]]
-            tokens_ends.append(len(tokens))
-        if len(rows) == 1:
-            return Delta(self.request_ids[0], pieces[0], tokens)
-        return Deltas(self.request_ids, "".join(pieces), piece_ends, tokens, tokens_ends)
-
-
-@dataclass(slots=True)
-class Request:
-    req_id: int
-    request_id: str
-    connection: Connection
-    stream: bool
-    delta_frames: bool  # its deltas go in its connection's `Deltas` frames
-    num_logprobs: int | None
-    timeline: RequestTimeline
-    resume: ResumeState
-    prompt_token_ids: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)  # every output delivered: a restart resumes after them
-    queue_time_s: float | None = None  # from arrival to the scheduler's first admission
-    # Text and logprobs, kept only for requests that are not streamed (Done carries them).
-    texts: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # Set by a connection that frames a streamed request's plain deltas itself (HttpCall): each
-    # goes here at once, as its text and number of tokens. The sink may leave (write, data) in
-    # the list it is given: the server makes those writes back to back once the batch is routed.
-    text_sink: Callable[[str, int, list[tuple[Callable[[bytes], object], bytes]]], None] | None = None
 
 
 def _token_logprobs(event: OutputEvent) -> list[TokenLogprobs] | None:
@@ -197,31 +85,7 @@ class DaemonServer:
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
 
-    # ---- client messages
-
-    def handle(self, connection: Connection, message: ClientMessage) -> None:
-        if isinstance(message, (Generate, Chat)):
-            self._generate(connection, message)
-        elif isinstance(message, Abort):
-            self._abort(connection, message.request_id)
-        elif isinstance(message, Health):
-            connection.send(self.health())
-        elif isinstance(message, Stats):
-            connection.send(self.stats())
-        elif isinstance(message, Profile):
-            answer_profile(self.backend, message, connection.send)
-
-    def _generate(self, connection: Connection, message: Generate | Chat) -> None:
-        try:
-            params = message.params.to_params()
-            check_guided(params)
-            prompt = message.prompt if isinstance(message, Generate) else chat_prompt(self.model, message.messages)
-            request_id = self.start_request(connection, prompt, params, message.stream,
-                                            delta_frames=message.delta_frames)
-        except (PipelineError, InvalidParams) as exc:
-            connection.send(error_for(exc))
-            return
-        connection.send(Accepted(request_id))
+    # ---- requests from connections
 
     def start_request(self, connection: Connection, prompt: str | list[int], params: SamplingParams,
                       stream: bool, resume_token_ids: list[int] | None = None, *, delta_frames: bool = False) -> str:
@@ -272,8 +136,8 @@ class DaemonServer:
         if self.state is BackendState.DOWN:
             raise StageFailed(f"stages failed ({self.last_failure}) and are not restarted: {self.down_reason}")
 
-    def _abort(self, connection: Connection, request_id: str) -> None:
-        # Only the connection that made a request may abort it by message.
+    def abort_request(self, connection: Connection, request_id: str) -> None:
+        """A client's Abort: only the connection that made a request may abort it by message."""
         request = connection.requests.get(request_id)
         if request is None:
             connection.send(Error(ErrorCode.NOT_FOUND.value, f"no running request {request_id} on this connection",
@@ -313,7 +177,7 @@ class DaemonServer:
     def on_events(self, events: list[OutputEvent | TokenTexts]) -> None:
         for event in events:
             if isinstance(event, TokenTexts):
-                self._on_token_texts(event)
+                self.num_generated_tokens += route_token_texts(event, self._requests, self.metrics)
                 continue
             request = self._requests.get(event.req_id)
             if request is None:
@@ -321,62 +185,6 @@ class DaemonServer:
             self._on_event(request, event)
         if self.recovery.num_waiting and self.backend is not None:
             self._end_stage_failed(self.recovery.retry(self.backend, self._requests))
-
-    def _on_token_texts(self, batch: TokenTexts) -> None:
-        """Plain events: tokens and their text each, nothing that ends a request. The loop over
-        the rows is the daemon's per-token cost, so it does only what each row needs."""
-        raw = batch.text.tobytes()
-        text = raw.decode("utf-8")  # one decode for the batch: no piece splits a character
-        text_ends = batch.text_ends
-        if len(text) != len(raw):  # not ASCII: byte offsets to character offsets
-            continuation_bytes = np.concatenate(([0], np.cumsum((batch.text & 0xC0) == 0x80)))
-            text_ends = text_ends - continuation_bytes[text_ends]
-        token_ids = batch.token_ids.tolist()
-        token_ends = list(range(1, len(token_ids) + 1)) if batch.token_ends is None else batch.token_ends.tolist()
-        text_ends = text_ends.tolist()
-        get, reached, now = self._requests.get, self.metrics.tokens_reached, time.monotonic()
-        frames: dict[Connection, DeltaFrame] = {}  # per connection that reads `Deltas`
-        writes: list[tuple[Callable[[bytes], object], bytes]] = []  # the text sinks'
-        num_tokens = 0
-        start = first = 0
-        for row, (req_id, end, last) in enumerate(zip(batch.req_ids.tolist(), text_ends, token_ends)):
-            request = get(req_id)
-            if request is None:  # aborted or dropped meanwhile: its last tokens go nowhere
-                start, first = end, last
-                continue
-            count = last - first
-            request.resume.answered = True
-            if count == 1:
-                request.token_ids.append(token_ids[first])
-            else:
-                request.token_ids += token_ids[first:last]
-            num_tokens += count
-            reached(request.timeline, count, now)
-            sink = request.text_sink
-            if sink is not None:
-                sink(text[start:end], count, writes)
-            elif request.delta_frames:
-                frame = frames.get(request.connection)
-                if frame is None:
-                    frame = frames[request.connection] = DeltaFrame()
-                frame.rows.append(row)
-                frame.request_ids.append(request.request_id)
-            elif request.stream:
-                request.connection.send_text(request.request_id, text[start:end], token_ids[first:last])
-            else:
-                request.texts.append(text[start:end])
-            start, first = end, last
-        for connection, frame in frames.items():
-            connection.send(frame.message(text, text_ends, token_ids, token_ends))
-        # Back to back: a reader woken by one write finds the next ones there too, so the clients
-        # wake a few times a step rather than at every write spread over the routing.
-        for write, data in writes:
-            try:
-                write(data)
-            except Exception:  # one connection's failure must not keep the others' text back
-                log.exception("writing to a connection failed")
-        self.num_generated_tokens += num_tokens
-        self.metrics.tokens_counted(num_tokens)
 
     def _on_event(self, request: Request, event: OutputEvent) -> None:
         connection = request.connection
@@ -488,4 +296,3 @@ class DaemonServer:
 
     def stats(self) -> ServerMessage:
         return stats_reply(self)
-

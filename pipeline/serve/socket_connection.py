@@ -1,5 +1,8 @@
 """One client connection on the daemon's Unix socket: frames in, messages out, never awaiting.
 
+Each client message becomes a call of the daemon server (`handle_message`), as each HTTP call
+becomes one in openai/.
+
 Replies are gathered and written once per turn of the event loop (DaemonServer.flush_later): a
 step's deltas for every request of a connection leave in one write, however many streams it
 carries."""
@@ -8,11 +11,47 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pipeline.errors import ProtocolError
-from pipeline.protocol import ClientMessage, Delta, FrameDecoder, ServerMessage, encode_frame, error_for
-from pipeline.serve.server import DaemonServer, Request
+from pipeline.errors import PipelineError, ProtocolError
+from pipeline.protocol import (Abort, Accepted, Chat, ClientMessage, Delta, FrameDecoder, Generate, Health, Profile,
+                               ServerMessage, Stats, encode_frame, error_for)
+from pipeline.serve.model import chat_prompt
+from pipeline.serve.profile_control import answer_profile
+from pipeline.serve.requests import Connection, Request
+from pipeline.serve.server import DaemonServer
+from stages.contracts.params import InvalidParams
+from stages.grammar import check_guided
 
 log = logging.getLogger("pipeline.serve")
+
+
+def handle_message(server: DaemonServer, connection: Connection, message: ClientMessage) -> None:
+    """Answers one client message: a Generate, or a Chat whose messages the model's chat template
+    renders, starts a request (Accepted, or the Error that
+    refused it), an Abort ends one of the connection's requests; Health, Stats and Profile get
+    their replies."""
+    if isinstance(message, (Generate, Chat)):
+        _generate(server, connection, message)
+    elif isinstance(message, Abort):
+        server.abort_request(connection, message.request_id)
+    elif isinstance(message, Health):
+        connection.send(server.health())
+    elif isinstance(message, Stats):
+        connection.send(server.stats())
+    elif isinstance(message, Profile):
+        answer_profile(server.backend, message, connection.send)
+
+
+def _generate(server: DaemonServer, connection: Connection, message: Generate | Chat) -> None:
+    try:
+        params = message.params.to_params()
+        check_guided(params)
+        prompt = message.prompt if isinstance(message, Generate) else chat_prompt(server.model, message.messages)
+        request_id = server.start_request(connection, prompt, params, message.stream,
+                                          delta_frames=message.delta_frames)
+    except (PipelineError, InvalidParams) as exc:
+        connection.send(error_for(exc))
+        return
+    connection.send(Accepted(request_id))
 
 
 class SocketConnection(asyncio.Protocol):
@@ -33,7 +72,7 @@ class SocketConnection(asyncio.Protocol):
         try:
             self._decoder.feed(data)
             while (message := self._decoder.next_message()) is not None:
-                self._server.handle(self, message)
+                handle_message(self._server, self, message)
         except ProtocolError as exc:
             self.send(error_for(exc))
             self.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tokenizers import Encoding, Tokenizer
 
-from pipeline.serve.stage_backend import StageBackend
+from pipeline.engine.multiprocess import StageBackend
 from stages.contracts.topology import Stage
 from stages.process import StageContext, run_stage
 from stages.tokenizer import stage as tokenizer_stage

@@ -16,6 +16,7 @@ from pipeline.serve.openai.call import HttpCall, Reply
 from pipeline.serve.openai.params import ChoiceRequest
 from pipeline.serve.openai.sse import ChatStream, CompletionStream
 from pipeline.serve.server import DaemonServer
+from pipeline.serve.socket_connection import handle_message
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent, TokenTexts
 from stages.contracts.params import SamplingParams
@@ -109,7 +110,7 @@ def test_a_batchs_text_chunks_leave_back_to_back_once_every_row_is_routed() -> N
         one, _ = http_call(server, wire, "one")  # req_id 0
         two, _ = http_call(server, wire, "two")  # req_id 1
         socket = RecordingConnection()
-        server.handle(socket, Generate(prompt=[5, 6], stream=True))  # req_id 2
+        handle_message(server, socket, Generate(prompt=[5, 6], stream=True))  # req_id 2
         both, _ = http_call(server, wire, "both", num_choices=2)  # req_id 3; its second choice waits for the first
         requests = server._requests
         assert requests[0].text_sink is not None and requests[1].text_sink is not None

@@ -10,8 +10,8 @@ import pytest
 
 from pipeline.engine.backend import BackendStats
 from pipeline.engine.inprocess import InProcessBackend
+from pipeline.engine.multiprocess import StageBackend
 from pipeline.protocol import FrameDecoder, ServerMessage, SpeculativeCounts, StatsReply, encode_frame
-from pipeline.serve.stage_backend import StageBackend
 from pipeline.serve.status import stats_reply
 from stages.contracts.counters import PrefixCacheCounts, SchedulerCounters, from_ints, num_counts
 from stages.status import StatusBoard

@@ -15,6 +15,7 @@ from pipeline.errors import StageFailed
 from pipeline.protocol import Abort, Aborted, Accepted, Error, Generate
 from pipeline.serve.config import DaemonConfig
 from pipeline.serve.server import BackendState, DaemonServer
+from pipeline.serve.socket_connection import handle_message
 from pipeline.serve.supervisor import RestartBudget, RestartPolicy, StageSupervisor
 from stages.contracts.config import EngineConfig
 from shm.naming import new_instance_id, unlink_instance
@@ -66,7 +67,7 @@ def _run_supervised(scenario: Callable[[DaemonServer, FakeFactory, StageSupervis
 
 def _generate(server: DaemonServer) -> RecordingConnection:
     connection = RecordingConnection()
-    server.handle(connection, Generate(prompt="hello"))  # type: ignore[arg-type]
+    handle_message(server, connection, Generate(prompt="hello"))  # type: ignore[arg-type]
     return connection
 
 
@@ -202,7 +203,7 @@ def test_aborts_in_the_restart_gap_and_resubmissions_that_find_the_ring_full() -
     connections = [_generate(server) for _ in range(4)]
     server.on_backend_failed("stage 'runner' was killed by signal 9", "runner")
     request_id = connections[1].sent[0].request_id
-    server.handle(connections[1], Abort(request_id))  # in the gap: ends at once, is not resumed
+    handle_message(server, connections[1], Abort(request_id))  # in the gap: ends at once, is not resumed
     assert [type(m) for m in connections[1].sent] == [Accepted, Error, Aborted]
     second.room = 1
     server.on_backend_restarted(second)

@@ -150,7 +150,7 @@ def test_ranks_that_do_not_spread_evenly_over_the_nodes_are_refused_by_the_cli(m
 
 def test_a_rank_that_never_joins_fails_start_naming_the_rank_and_the_address(model: Path) -> None:
     from pipeline.errors import StageFailed
-    from pipeline.serve.stage_backend import StageBackend
+    from pipeline.engine.multiprocess import StageBackend
     from shm.naming import list_entries, new_instance_id
     from stages.contracts.config import EngineConfig
 

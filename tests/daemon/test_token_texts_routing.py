@@ -9,6 +9,7 @@ from fake_stage_backend import FakeBackend, RecordingConnection
 
 from pipeline.protocol import Delta, Done, Generate
 from pipeline.serve.server import DaemonServer
+from pipeline.serve.socket_connection import handle_message
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent, TokenTexts
 
@@ -24,9 +25,9 @@ def texts(req_ids: list[int], token_ids: list[int], pieces: list[str]) -> TokenT
 def test_plain_batches_become_deltas_and_the_last_event_ends_each_request() -> None:
     server = DaemonServer(FakeBackend(EngineConfig(model="unused"), "1_a"), max_num_seqs=4)
     streamed, unary, gone = RecordingConnection(), RecordingConnection(), RecordingConnection()
-    server.handle(streamed, Generate(prompt=[5, 6], stream=True))  # req_id 0
-    server.handle(unary, Generate(prompt=[5, 6]))  # req_id 1
-    server.handle(gone, Generate(prompt=[5, 6], stream=True))  # req_id 2
+    handle_message(server, streamed, Generate(prompt=[5, 6], stream=True))  # req_id 0
+    handle_message(server, unary, Generate(prompt=[5, 6]))  # req_id 1
+    handle_message(server, gone, Generate(prompt=[5, 6], stream=True))  # req_id 2
     server.drop_connection(gone)
     first = [OutputEvent(r, "a", np.array([7], np.int32), prompt_token_ids=np.array([5, 6], np.int32))
              for r in (0, 1)]
@@ -46,8 +47,8 @@ def test_plain_batches_become_deltas_and_the_last_event_ends_each_request() -> N
 def test_a_merged_batch_gives_each_request_one_delta_with_all_its_tokens() -> None:
     server = DaemonServer(FakeBackend(EngineConfig(model="unused"), "1_a"), max_num_seqs=4)
     streamed, unary = RecordingConnection(), RecordingConnection()
-    server.handle(streamed, Generate(prompt=[5, 6], stream=True))  # req_id 0
-    server.handle(unary, Generate(prompt=[5, 6]))  # req_id 1
+    handle_message(server, streamed, Generate(prompt=[5, 6], stream=True))  # req_id 0
+    handle_message(server, unary, Generate(prompt=[5, 6]))  # req_id 1
     server.on_events([OutputEvent(r, "", np.zeros(0, np.int32), prompt_token_ids=np.array([5, 6], np.int32))
                       for r in (0, 1)])
     merged = TokenTexts(np.array([1, 0], np.int64), np.array([9, 3, 8, 4, 2], np.int32),
@@ -66,7 +67,7 @@ def test_pieces_of_every_width_and_empty_ones_split_where_their_bytes_do() -> No
     server = DaemonServer(FakeBackend(EngineConfig(model="unused"), "1_a"), max_num_seqs=8)
     connections = [RecordingConnection() for _ in range(5)]
     for connection in connections:
-        server.handle(connection, Generate(prompt=[5, 6], stream=True))
+        handle_message(server, connection, Generate(prompt=[5, 6], stream=True))
     server.on_events([OutputEvent(r, "", np.zeros(0, np.int32), prompt_token_ids=np.array([5, 6], np.int32))
                       for r in range(5)])
     pieces = ["", "🙂a", "x", "", "é中"]  # a partial character shows nothing; 4-, 1-, 2- and 3-byte ones

@@ -13,7 +13,7 @@ from pipeline.serve.openai.params import ChoiceRequest
 from pipeline.serve.openai.responses import encoder
 from pipeline.serve.openai.sse import ChatStream, CompletionStream
 from pipeline.serve.config import DaemonConfig
-from pipeline.serve.server import FlushLater
+from pipeline.serve.requests import FlushLater
 from stages.contracts.params import SamplingParams
 
 CREATED = 1700000000

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import InvalidRequest, StageFailed
-from pipeline.serve.profile_control import ProfileControl, check_trace_directory
+from pipeline.engine.profiling import ProfileControl, check_trace_directory
 from stages.profiling import StageProfiler
 from stages.status import PROFILE_DIRECTORY_BYTES, ProfileAnswer, ProfileOutcome, StatusBoard
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from device_choice import engine_device
 
-from pipeline.serve.stage_backend import StageBackend
+from pipeline.engine.multiprocess import StageBackend
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
@@ -27,7 +27,7 @@ def start_backend(model: Path, **options: object) -> StageBackend:
 
 def assert_cleaned_up(backend: StageBackend) -> None:
     """After close(): no stage process left, no /dev/shm entry of the instance."""
-    assert all(not process.is_alive() for _, process in backend._procs)
+    assert all(not process.is_alive() for _, process in backend.processes.procs)
     assert not [e for e in list_entries() if backend.instance in e]
 
 

@@ -9,7 +9,7 @@ import pytest
 from backend_helpers import MakeBackend, assert_cleaned_up, start_backend
 from device_choice import engine_device
 
-from pipeline.serve.stage_backend import StageBackend
+from pipeline.engine.multiprocess import StageBackend
 from pipeline.models.tiny_model import make_tiny_model
 
 

@@ -16,7 +16,7 @@ from device_choice import engine_device
 from stage_procs import run_backend_then_hang
 
 from pipeline import LLM
-from pipeline.serve.stage_backend import StageBackend
+from pipeline.engine.multiprocess import StageBackend
 from stages.contracts.config import EngineConfig
 from pipeline.errors import ErrorCode, StageFailed
 from stages.contracts.params import SamplingParams
@@ -75,7 +75,7 @@ def test_greedy_sync_matches_llm_and_close_cleans_up(make_backend: MakeBackend, 
     start = time.monotonic()
     backend.close()
     assert time.monotonic() - start < 5.0
-    assert [process.exitcode for _, process in backend._procs] == [0] * 5
+    assert [process.exitcode for _, process in backend.processes.procs] == [0] * 5
     assert_cleaned_up(backend)
 
 

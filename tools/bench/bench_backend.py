@@ -20,7 +20,7 @@ import numpy as np
 
 from pipeline.engine.llm import LLM
 from pipeline.models.tiny_model import make_tiny_model
-from pipeline.serve.stage_backend import StageBackend
+from pipeline.engine.multiprocess import StageBackend
 from shm.naming import new_instance_id
 from stages.contracts.config import EngineConfig
 from stages.contracts.params import SamplingParams

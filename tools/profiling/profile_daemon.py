@@ -20,7 +20,7 @@ from pipeline.errors import DaemonNotRunning, PipelineError
 from pipeline.paths import default_socket_path
 from pipeline.serve import nsys
 from pipeline.serve.daemon import read_daemon_pid
-from pipeline.serve.profile_control import ANSWER_TIMEOUT_S
+from pipeline.engine.profiling import ANSWER_TIMEOUT_S
 
 DESCRIPTION = """\
 Profile the daemon on --socket for --seconds while it serves.

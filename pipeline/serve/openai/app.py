@@ -27,7 +27,7 @@ from pipeline.serve.openai.asgi import (
     StreamResponse,
     until_disconnect,
 )
-from pipeline.serve.openai.call import Choice, HttpCall, Reply
+from pipeline.serve.openai.call import Choice, HttpCall, Reply, all_finished, token_usage
 from pipeline.serve.openai.errors import OpenAIError, error_body, from_pipeline_error
 from pipeline.serve.openai.params import (
     ChoiceRequest,
@@ -200,7 +200,7 @@ class OpenAIApi:
                                                     token_ids=reply.token_ids or [] if with_ids else None))
                     yield b"".join(out)
                 if stream.include_usage:
-                    yield stream.usage_chunk(call.num_prompt_tokens(), call.num_completion_tokens)
+                    yield stream.usage_chunk(*token_usage(call.choices))
                 yield DONE
             finally:
                 call.close()
@@ -215,14 +215,14 @@ class OpenAIApi:
         finally:
             watcher.cancel()
             call.close()
-        if not call.finished:  # the client went away: nobody reads this answer
+        if not all_finished(call.choices):  # the client went away: nobody reads this answer
             return error_response(OpenAIError(400, "the client closed the connection before the response"))
         failed = next((choice.error for choice in call.choices if choice.error is not None), None)
         if failed is not None:
             return error_response(from_pipeline_error(failed))
         choices = [FinishedChoice((self._prompt_text(choice) if echo else "") + "".join(choice.text),
                                   choice.done.finish_reason, choice.logprobs) for choice in call.choices]
-        usage = count_usage(call.num_prompt_tokens(), call.num_completion_tokens)
+        usage = count_usage(*token_usage(call.choices))
         return json_response(body(choices, usage))
 
     def _prompt_text(self, choice: Choice) -> str:

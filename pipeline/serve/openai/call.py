@@ -32,7 +32,8 @@ from pipeline.serve.openai.asgi import CHUNK_HEADS, NUM_CHUNK_HEADS, DirectWrite
 from pipeline.serve.openai.params import ChoiceRequest
 from pipeline.serve.openai.responses import encoder
 from pipeline.serve.openai.sse import ChatStream, CompletionStream
-from pipeline.serve.server import DaemonServer, Request
+from pipeline.serve.requests import Request
+from pipeline.serve.server import DaemonServer
 
 _encode, _join = encoder.encode, b"".join  # bound once: the batch loop calls them per token
 
@@ -62,6 +63,22 @@ class Choice:
     def prompt_key(self) -> object:
         """Equal for choices of the same prompt."""
         return self.prompt if isinstance(self.prompt, str) else tuple(self.prompt)
+
+    def hold(self, text: str, num_tokens: int, interval: int) -> str | None:
+        """With a stream interval above 1: the text to frame now (what is held, with `text`),
+        or None while `text` waits for the interval's tokens (a choice's first text goes at once)."""
+        self.held.append(text)
+        self.held_tokens += num_tokens
+        if self.framed and self.held_tokens < interval:
+            return None
+        return self.take_held()
+
+    def take_held(self) -> str:
+        text = "".join(self.held)
+        self.held.clear()
+        self.held_tokens = 0
+        self.framed = True
+        return text
 
 
 @dataclass(slots=True)
@@ -170,7 +187,7 @@ class HttpCall:
         self._took_tokens(choice, text, token_ids)
         if self.text_frame is not None:
             if self.stream_interval > 1:
-                due = self._hold(choice, text, len(token_ids))
+                due = choice.hold(text, len(token_ids), self.stream_interval)
                 if due is None:
                     return
                 text = due
@@ -179,26 +196,10 @@ class HttpCall:
         self._queue(Reply(choice, text, token_ids=token_ids))
         self._changed.set()
 
-    def _hold(self, choice: Choice, text: str, num_tokens: int) -> str | None:
-        """With a stream interval above 1: the text to frame now (what is held, with `text`),
-        or None while `text` waits for the interval's tokens (a choice's first text goes at once)."""
-        choice.held.append(text)
-        choice.held_tokens += num_tokens
-        if choice.framed and choice.held_tokens < self.stream_interval:
-            return None
-        return self._take_held(choice)
-
-    def _take_held(self, choice: Choice) -> str:
-        text = "".join(choice.held)
-        choice.held.clear()
-        choice.held_tokens = 0
-        choice.framed = True
-        return text
-
     def _release_held(self, choice: Choice) -> None:
         """The frame of a choice's held text, before whatever ends it."""
         if choice.held:
-            self._queue_text_frame(choice, self._take_held(choice))
+            self._queue_text_frame(choice, choice.take_held())
 
     def _queue_text_frame(self, choice: Choice, text: str) -> None:
         frame = self.text_frame(choice.index, text)  # type: ignore[misc]  # set: the caller checked
@@ -245,7 +246,7 @@ class HttpCall:
         choice = self.choices[0]
         choice.num_tokens += num_tokens
         if self.stream_interval > 1:
-            due = self._hold(choice, text, num_tokens)
+            due = choice.hold(text, num_tokens, self.stream_interval)
             if due is None:
                 return
             text = due
@@ -305,17 +306,13 @@ class HttpCall:
 
     # ---- the response's side
 
-    @property
-    def finished(self) -> bool:
-        return all(choice.finished for choice in self.choices)
-
     async def next_replies(self) -> list[Reply | bytes]:
         """The replies that came since the last call, waiting for one unless every choice has
         finished or the call was closed (then [] means there is nothing more). Bytes are frames
         made already. Until the next call, nothing is written straight to the connection: the
         caller is writing these."""
         self._taken = False
-        while not self._replies and not self.finished and not self._closed:
+        while not self._replies and not all_finished(self.choices) and not self._closed:
             self._changed.clear()
             await self._changed.wait()
         replies, self._replies = self._replies, []
@@ -327,14 +324,18 @@ class HttpCall:
         while await self.next_replies():
             pass
 
-    @property
-    def num_completion_tokens(self) -> int:
-        return sum(choice.done.usage.completion_tokens if choice.done else choice.num_tokens for choice in self.choices)
 
-    def num_prompt_tokens(self) -> int:
-        """Each distinct prompt counted once."""
-        seen: dict[object, int] = {}
-        for choice in self.choices:
-            if choice.done is not None:
-                seen[choice.prompt_key] = choice.done.usage.prompt_tokens
-        return sum(seen.values())
+def all_finished(choices: list[Choice]) -> bool:
+    """Whether every choice has its end (a finish or an error)."""
+    return all(choice.finished for choice in choices)
+
+
+def token_usage(choices: list[Choice]) -> tuple[int, int]:
+    """The call's prompt tokens (each distinct prompt counted once) and completion tokens."""
+    prompt_tokens: dict[object, int] = {}
+    for choice in choices:
+        if choice.done is not None:
+            prompt_tokens[choice.prompt_key] = choice.done.usage.prompt_tokens
+    completion_tokens = sum(choice.done.usage.completion_tokens if choice.done else choice.num_tokens
+                            for choice in choices)
+    return sum(prompt_tokens.values()), completion_tokens
