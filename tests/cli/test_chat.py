@@ -32,12 +32,13 @@ def spawn_chat(socket_path: Path, state_dir: Path, *options: str, timeout_s: flo
 
 
 def ask(child: pexpect.spawn, line: str) -> str:
-    """Sends a line and returns what came back before the next prompt, its echo left out."""
+    """Sends a line and returns what came back before the next prompt, its echo left out (a busy
+    terminal may redraw the input line, so the echo can come more than once: the last one counts)."""
     child.sendline(line)
     child.expect_exact(PROMPT)
     lines = plain(child.before).splitlines()
     echoes = [i for i, text in enumerate(lines) if text.strip().endswith(line)]
-    return "\n".join(lines[echoes[0] + 1 if echoes else 0:]).strip("\n")
+    return "\n".join(lines[echoes[-1] + 1 if echoes else 0:]).strip("\n")
 
 
 def stats_of(report: str) -> dict[str, float]:
