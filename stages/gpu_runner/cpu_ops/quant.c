@@ -1,0 +1,213 @@
+/* GGUF block-quantized weights used in place: a weight [rows, cols] is `rows` runs of blocks, each
+ * row `row_bytes` long, exactly as the file stores it (ggml's block layouts).
+ *
+ * quant_dequantize_rows decodes chosen rows to float32 (the embedding's gathered rows, a prefill's
+ * tiles); quant_matmul is the decode step's fused dequantize-and-dot: out[j, r] = x[j] . W[r], each
+ * output row's blocks decoded once into a cache-resident float32 buffer and dotted with every
+ * activation row, output rows shared by the OpenMP threads.
+ *
+ * Every decoded value is the float32 that loaders/gguf_quants.py gives, bit for bit: the same
+ * operations in the same order, each rounded (-ffp-contract=off; nothing here is an FMA except the
+ * dot's own accumulation). Only the dot's order of summation differs from a float32 matmul.
+ * Type ids are ggml's (GGMLQuantizationType).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+static float f16(const uint8_t *at) {
+    const uint16_t h = (uint16_t)(at[0] | (at[1] << 8));
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, word;
+    if (exponent == 0x1f) {
+        word = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        word = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        word = sign;
+    } else { /* subnormal: normalise */
+        exponent = 113;
+        while (!(mantissa & 0x400u)) {
+            mantissa <<= 1;
+            exponent--;
+        }
+        word = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    float value;
+    memcpy(&value, &word, sizeof value);
+    return value;
+}
+
+static void q8_0(const uint8_t *b, float *w) {
+    const float d = f16(b);
+    for (int i = 0; i < 32; i++) w[i] = (float)(int8_t)b[2 + i] * d;
+}
+
+static void q4_0(const uint8_t *b, float *w) {
+    const float d = f16(b);
+    for (int i = 0; i < 16; i++) {
+        w[i] = ((float)(b[2 + i] & 0xf) - 8.0f) * d;
+        w[i + 16] = ((float)(b[2 + i] >> 4) - 8.0f) * d;
+    }
+}
+
+static void q4_1(const uint8_t *b, float *w) {
+    const float d = f16(b), m = f16(b + 2);
+    for (int i = 0; i < 16; i++) {
+        w[i] = (float)(b[4 + i] & 0xf) * d + m;
+        w[i + 16] = (float)(b[4 + i] >> 4) * d + m;
+    }
+}
+
+/* Q5_0/Q5_1: bit i of the little-endian uint32 at qh is value i's fifth bit. */
+static void q5(const uint8_t *b, const uint8_t *qh_at, float *w, int with_min) {
+    const float d = f16(b), m = with_min ? f16(b + 2) : 0.0f;
+    const uint32_t qh = (uint32_t)qh_at[0] | ((uint32_t)qh_at[1] << 8) | ((uint32_t)qh_at[2] << 16)
+                        | ((uint32_t)qh_at[3] << 24);
+    const uint8_t *qs = qh_at + 4;
+    for (int i = 0; i < 16; i++) {
+        const int low = (qs[i] & 0xf) | (int)(((qh >> i) & 1u) << 4);
+        const int high = (qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1u) << 4);
+        if (with_min) {
+            w[i] = (float)low * d + m;
+            w[i + 16] = (float)high * d + m;
+        } else {
+            w[i] = ((float)low - 16.0f) * d;
+            w[i + 16] = ((float)high - 16.0f) * d;
+        }
+    }
+}
+
+/* Q4_K/Q5_K: eight 6-bit scales and mins in bytes 4..16, times the block's d and dmin. */
+static void k_scales(const uint8_t *b, float *scale, float *min) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *low = b + 4, *high = b + 8, *mixed = b + 12;
+    for (int j = 0; j < 4; j++) {
+        scale[j] = d * (float)(low[j] & 0x3f);
+        min[j] = dmin * (float)(high[j] & 0x3f);
+        scale[j + 4] = d * (float)((mixed[j] & 0x0f) | ((low[j] >> 2) & 0x30));
+        min[j + 4] = dmin * (float)((mixed[j] >> 4) | ((high[j] >> 2) & 0x30));
+    }
+}
+
+/* Q4_K (qh NULL) and Q5_K: runs of 32 bytes hold two sub-blocks, low nibbles then high. */
+static void qk_45(const uint8_t *b, const uint8_t *qh, const uint8_t *qs, float *w) {
+    float scale[8], min[8];
+    k_scales(b, scale, min);
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *run = qs + (j / 2) * 32;
+        const int shift = (j % 2) * 4;
+        for (int i = 0; i < 32; i++) {
+            int q = (run[i] >> shift) & 0xf;
+            if (qh != NULL) q |= ((qh[i] >> j) & 1) << 4;
+            w[j * 32 + i] = (float)q * scale[j] - min[j];
+        }
+    }
+}
+
+static void q6_k(const uint8_t *b, float *w) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *scales = (const int8_t *)(b + 192);
+    const float d = f16(b + 208);
+    for (int half = 0; half < 2; half++)
+        for (int part = 0; part < 4; part++)
+            for (int i = 0; i < 32; i++) {
+                const int at = half * 128 + part * 32 + i;
+                const int low = (ql[half * 64 + (part % 2) * 32 + i] >> ((part / 2) * 4)) & 0xf;
+                const int high = (qh[half * 32 + i] >> (part * 2)) & 3;
+                w[at] = (float)((low | (high << 4)) - 32) * (d * (float)scales[at / 16]);
+            }
+}
+
+static int block_values(int qtype) {
+    return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K ? 256 : 32;
+}
+
+static int block_bytes(int qtype) {
+    switch (qtype) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* Bytes of one block of `qtype`, 0 for a type these kernels do not decode. */
+int quant_block_bytes(int qtype) { return block_bytes(qtype); }
+
+static void decode_row(const uint8_t *row, int qtype, int64_t cols, float *w) {
+    const int values = block_values(qtype), bytes = block_bytes(qtype);
+    for (int64_t k = 0; k < cols / values; k++) {
+        const uint8_t *b = row + k * bytes;
+        float *out = w + k * values;
+        switch (qtype) {
+        case Q4_0: q4_0(b, out); break;
+        case Q4_1: q4_1(b, out); break;
+        case Q5_0: q5(b, b + 2, out, 0); break;
+        case Q5_1: q5(b, b + 4, out, 1); break;
+        case Q8_0: q8_0(b, out); break;
+        case Q4_K: qk_45(b, NULL, b + 16, out); break;
+        case Q5_K: qk_45(b, b + 16, b + 48, out); break;
+        case Q6_K: q6_k(b, out); break;
+        }
+    }
+}
+
+static float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float sum = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+    }
+    sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#elif defined(__AVX2__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+#endif
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* out [n, cols] = rows ids[i] (or first + i where ids is NULL) of the weight, decoded. */
+void quant_dequantize_rows(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t cols, const int64_t *ids,
+                           int64_t first, int64_t n, float *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++)
+        decode_row(blocks + (ids != NULL ? ids[i] : first + i) * row_bytes, qtype, cols, out + i * cols);
+}
+
+/* out [n, rows] = x [n, cols] times the weight [rows, cols] transposed. */
+void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t rows, int64_t cols, const float *x,
+                  int64_t n, float *out) {
+#pragma omp parallel
+    {
+        float *w = malloc(sizeof(float) * cols);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            decode_row(blocks + r * row_bytes, qtype, cols, w);
+            for (int64_t j = 0; j < n; j++) out[j * rows + r] = dot(w, x + j * cols, cols);
+        }
+        free(w);
+    }
+}

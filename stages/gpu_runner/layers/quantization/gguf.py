@@ -1,0 +1,51 @@
+"""The GGUF linear method: a weight kept as the file's blocks (a `QuantizedWeight`), on the CPU.
+
+One place picks the kernel by the number of activation rows: up to DECODE_ROWS (a decode step's
+batch) the fused dequantize-and-dot of cpu_ops/quant.c reads each block once for all rows; more
+rows (a prefill) decode the weight a tile of rows at a time into a cache-sized float32 buffer and
+multiply it with torch's matmul. Embedding lookups decode just the rows they gather. Results
+equal "dequantize, then multiply in float32" up to the order of the dot's summation.
+"""
+from __future__ import annotations
+
+import torch
+
+from stages.gpu_runner.cpu_ops import quant
+from stages.gpu_runner.layers.quantization.base import LinearMethod, QuantizedWeight
+
+# Activation rows the fused kernel takes; past this, decoding a tile once and multiplying it by
+# torch's matmul is faster (tools/micro/bench_quant_linear.py).
+DECODE_ROWS = 8
+# float32 values of one decoded tile: 1 MiB, which stays in a core's L2 cache.
+TILE_VALUES = 1 << 18
+
+
+class GGUFMethod(LinearMethod):
+    def apply(self, weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows, cols = weight.shape
+        if x.device.type != "cpu":
+            raise ValueError(f"GGUF blocks are multiplied on the CPU only, not {x.device}")
+        flat = x.reshape(-1, cols)
+        if flat.shape[0] <= DECODE_ROWS:
+            out = quant.matmul(flat, weight.blocks, weight.qtype, cols)
+        else:
+            out = self._tiled(flat.to(torch.float32), weight)
+        out = out.to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], rows)
+
+    @staticmethod
+    def _tiled(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+        rows, cols = weight.shape
+        step = max(1, TILE_VALUES // cols)
+        out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+        for start in range(0, rows, step):
+            count = min(step, rows - start)
+            tile = quant.dequantize_rows(weight.blocks, weight.qtype, cols, start=start, count=count)
+            out[:, start:start + count] = x @ tile.t()
+        return out
+
+    def embed(self, weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rows = quant.dequantize_rows(weight.blocks, weight.qtype, weight.shape[1], ids=ids)
+        return rows.to(dtype).view(*ids.shape, weight.shape[1])
