@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -24,6 +24,9 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 
 static float f16(const uint8_t *at) {
     const uint16_t h = (uint16_t)(at[0] | (at[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, word;
     if (exponent == 0x1f) {
@@ -126,6 +129,68 @@ static void q6_k(const uint8_t *b, float *w) {
             }
 }
 
+#if defined(__AVX512F__)
+/* Values 0-15 and 16-31 of a 4-bit block: the low and the high nibbles of its 16 bytes. */
+static inline void nibbles(const uint8_t *qs, __m512 *w) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0xf);
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+}
+
+/* A 32-value block into w[0] (values 0-15) and w[1] (16-31), the same roundings as the scalar code. */
+static inline void block32(const uint8_t *b, int qtype, __m512 *w) {
+    const __m512 d = _mm512_set1_ps(f16(b));
+    switch (qtype) {
+    case Q8_0:
+        for (int i = 0; i < 2; i++)
+            w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                       _mm_loadu_si128((const __m128i *)(b + 2 + 16 * i)))), d);
+        return;
+    case Q4_0:
+        nibbles(b + 2, w);
+        for (int i = 0; i < 2; i++) w[i] = _mm512_mul_ps(_mm512_sub_ps(w[i], _mm512_set1_ps(8.0f)), d);
+        return;
+    case Q4_1:
+        nibbles(b + 4, w);
+        for (int i = 0; i < 2; i++) w[i] = _mm512_add_ps(_mm512_mul_ps(w[i], d), _mm512_set1_ps(f16(b + 2)));
+        return;
+    default: { /* Q5_0, Q5_1: the fifth bit adds 16, exactly, to the small integer held as a float */
+        const uint8_t *at = b + (qtype == Q5_0 ? 2 : 4);
+        uint32_t qh;
+        memcpy(&qh, at, 4);
+        nibbles(at + 4, w);
+        const __m512 sixteen = _mm512_set1_ps(16.0f);
+        w[0] = _mm512_mask_add_ps(w[0], (__mmask16)(qh & 0xffffu), w[0], sixteen);
+        w[1] = _mm512_mask_add_ps(w[1], (__mmask16)(qh >> 16), w[1], sixteen);
+        for (int i = 0; i < 2; i++)
+            w[i] = qtype == Q5_0 ? _mm512_mul_ps(_mm512_sub_ps(w[i], sixteen), d)
+                                 : _mm512_add_ps(_mm512_mul_ps(w[i], d), _mm512_set1_ps(f16(b + 2)));
+    }
+    }
+}
+
+/* out[j * out_stride] = x[j] . the row, for j < n: each block decoded once, into registers. */
+static void dot_row32(const uint8_t *row, int qtype, int64_t cols, const float *x, int64_t n, float *out,
+                      int64_t out_stride) {
+    const int bytes = qtype == Q8_0 ? 34 : qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q5_0 ? 22 : 24;
+    __m512 acc[8];
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        const int64_t m = n - j0 < 8 ? n - j0 : 8;
+        for (int64_t j = 0; j < m; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < cols / 32; k++) {
+            __m512 w[2];
+            block32(row + k * bytes, qtype, w);
+            for (int64_t j = 0; j < m; j++) {
+                const float *xj = x + (j0 + j) * cols + k * 32;
+                acc[j] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xj), acc[j]);
+                acc[j] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xj + 16), acc[j]);
+            }
+        }
+        for (int64_t j = 0; j < m; j++) out[(j0 + j) * out_stride] = _mm512_reduce_add_ps(acc[j]);
+    }
+}
+#endif
+
 static int block_values(int qtype) {
     return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K ? 256 : 32;
 }
@@ -149,6 +214,17 @@ int quant_block_bytes(int qtype) { return block_bytes(qtype); }
 
 static void decode_row(const uint8_t *row, int qtype, int64_t cols, float *w) {
     const int values = block_values(qtype), bytes = block_bytes(qtype);
+#if defined(__AVX512F__)
+    if (values == 32) {
+        for (int64_t k = 0; k < cols / 32; k++) {
+            __m512 v[2];
+            block32(row + k * bytes, qtype, v);
+            _mm512_storeu_ps(w + k * 32, v[0]);
+            _mm512_storeu_ps(w + k * 32 + 16, v[1]);
+        }
+        return;
+    }
+#endif
     for (int64_t k = 0; k < cols / values; k++) {
         const uint8_t *b = row + k * bytes;
         float *out = w + k * values;
@@ -205,6 +281,12 @@ void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t r
         float *w = malloc(sizeof(float) * cols);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
+#if defined(__AVX512F__)
+            if (block_values(qtype) == 32) {
+                dot_row32(blocks + r * row_bytes, qtype, cols, x, n, out + r, rows);
+                continue;
+            }
+#endif
             decode_row(blocks + r * row_bytes, qtype, cols, w);
             for (int64_t j = 0; j < n; j++) out[j * rows + r] = dot(w, x + j * cols, cols);
         }
