@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
-from real_models import smollm2_gguf
+from real_models import gemma3_gguf, smollm2_gguf
 
 from stages.gpu_runner import cpu_ops
 from stages.gpu_runner.cpu_ops import quant
@@ -110,17 +110,21 @@ def test_bad_inputs_raise_naming_the_problem():
         quant.matmul(torch.zeros(1, 64), weight.blocks[:, :-1], weight.qtype, 64)
 
 
-@pytest.mark.parametrize("name", ["token_embd.weight", "blk.0.attn_q.weight", "blk.3.ffn_down.weight",
-                                  "blk.29.ffn_gate.weight"])
-def test_real_smollm2_tensors(name):
-    """The default model's Q8_0 embedding (its tied head) and Q4_1 projections."""
-    file = GGUFFile(smollm2_gguf())
+@pytest.mark.parametrize("file_of, name, qtype", [
+    # The default model: its Q8_0 embedding (also its tied head) and Q4_1 projections.
+    (smollm2_gguf, "token_embd.weight", QType.Q8_0), (smollm2_gguf, "blk.0.attn_q.weight", QType.Q4_1),
+    (smollm2_gguf, "blk.3.ffn_down.weight", QType.Q4_1), (smollm2_gguf, "blk.29.ffn_gate.weight", QType.Q4_1),
+    # Gemma-3-270M Q4_K_M: every block type it holds.
+    (gemma3_gguf, "blk.0.attn_q.weight", QType.Q5_0), (gemma3_gguf, "blk.0.attn_output.weight", QType.Q4_K),
+    (gemma3_gguf, "blk.0.ffn_down.weight", QType.Q6_K), (gemma3_gguf, "blk.0.attn_v.weight", QType.Q8_0)],
+    ids=lambda value: value.__name__ if callable(value) else str(value))
+def test_real_tensors(file_of, name, qtype):
+    file = GGUFFile(file_of())
     info = file.tensors[name]
     raw = torch.from_numpy(np.array(file.raw(name), copy=True).reshape(-1).view(np.uint8))
     weight = QuantizedWeight(info.qtype.value, raw.view(info.shape[0], -1), tuple(info.shape))
-    assert QType(weight.qtype) in (QType.Q8_0, QType.Q4_1)
-    rows = slice(0, 2048)  # of the 49,152-row embedding: enough, and fast
-    weight = weight.select_rows(rows)
+    assert QType(weight.qtype) == qtype
+    weight = weight.select_rows(slice(0, 2048))  # of the 49,152-row embedding: enough, and fast
     reference = dequantized(weight)
     assert torch.equal(quant.dequantize_rows(weight.blocks, weight.qtype, weight.shape[1], start=0,
                                              count=weight.shape[0]), reference)
@@ -136,7 +140,7 @@ def test_default_model_quantized_equals_dequantized_float32_engine():
     Both engines hold the same float32 weight values; only each dot's order of summation differs,
     ~1e-6 relative per dot, carried through 30 layers: the largest difference measured (AVX-512) is
     2e-5 nats. 1e-3 nats leaves 50x that for other summation orders (AVX2, scalar, other thread
-    counts) and is still ~1000x below the log-probability gaps that decide these greedy tokens."""
+    counts)."""
     from pipeline import LLM, SamplingParams
     from pipeline.models.checkpoints import resolve_model
 
@@ -159,3 +163,12 @@ def test_default_model_quantized_equals_dequantized_float32_engine():
 
 
 LOGPROB_TOLERANCE = 1e-3
+
+
+def test_gguf_quantization_is_refused_under_tensor_parallelism():
+    from stages.contracts.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization gguf"):
+        EngineConfig(model="m", quantization="gguf", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(model="m", quantization="q8")

@@ -189,6 +189,39 @@ static void dot_row32(const uint8_t *row, int qtype, int64_t cols, const float *
         for (int64_t j = 0; j < m; j++) out[(j0 + j) * out_stride] = _mm512_reduce_add_ps(acc[j]);
     }
 }
+/* The 256-value types into w (Q4_K, Q5_K, Q6_K), 16 values a vector, the scalar code's roundings. */
+static inline __m512 widen(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
+
+static inline __m128i shifted(const uint8_t *at, int shift, int mask) {
+    return _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)at), shift), _mm_set1_epi8((char)mask));
+}
+
+static void block256(const uint8_t *b, int qtype, float *w) {
+    if (qtype == Q6_K) {
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = f16(b + 208);
+        for (int half = 0; half < 2; half++)
+            for (int part = 0; part < 4; part++)
+                for (int g = 0; g < 2; g++) {
+                    const __m128i low = shifted(b + half * 64 + (part % 2) * 32 + g * 16, (part / 2) * 4, 0xf);
+                    const __m128i high = _mm_slli_epi16(shifted(b + 128 + half * 32 + g * 16, part * 2, 3), 4);
+                    const __m512 q = _mm512_sub_ps(widen(_mm_or_si128(low, high)), _mm512_set1_ps(32.0f));
+                    const float scale = d * (float)scales[half * 8 + part * 2 + g];
+                    _mm512_storeu_ps(w + half * 128 + part * 32 + g * 16, _mm512_mul_ps(q, _mm512_set1_ps(scale)));
+                }
+        return;
+    }
+    float scale[8], min[8];
+    k_scales(b, scale, min);
+    const uint8_t *qs = b + (qtype == Q4_K ? 16 : 48);
+    for (int j = 0; j < 8; j++)
+        for (int g = 0; g < 2; g++) {
+            __m128i q = shifted(qs + (j / 2) * 32 + g * 16, (j % 2) * 4, 0xf);
+            if (qtype == Q5_K) q = _mm_or_si128(q, _mm_slli_epi16(shifted(b + 16 + g * 16, j, 1), 4));
+            const __m512 v = _mm512_mul_ps(widen(q), _mm512_set1_ps(scale[j]));
+            _mm512_storeu_ps(w + j * 32 + g * 16, _mm512_sub_ps(v, _mm512_set1_ps(min[j])));
+        }
+}
 #endif
 
 static int block_values(int qtype) {
@@ -224,6 +257,8 @@ static void decode_row(const uint8_t *row, int qtype, int64_t cols, float *w) {
         }
         return;
     }
+    for (int64_t k = 0; k < cols / 256; k++) block256(row + k * bytes, qtype, w + k * 256);
+    return;
 #endif
     for (int64_t k = 0; k < cols / values; k++) {
         const uint8_t *b = row + k * bytes;
