@@ -1,11 +1,12 @@
-"""The CPU operators: native kernels (attention.c, sample.c, elementwise.c, quant.c), C sources beside this file, compiled
-on first use with the machine's C compiler for the machine's own CPU (-march=native), cached, and
-called through ctypes; a wrapper called where they are not built raises RuntimeError. Their callers:
-attention/cpu_attention.py (paged attention), layers/kernels.py and layers/mlp.py (RMSNorm, rotary,
-SwiGLU), sampling/sampler.py (sampling), layers/quantization/gguf.py (GGUF blocks, through quant.py).
+"""The CPU operators: native kernels (attention.c, sample.c, elementwise.c, quant.c), C sources beside
+this file, compiled on first use with the machine's C compiler for the machine's own CPU
+(-march=native), cached, and called through ctypes; a wrapper called where they are not built raises
+RuntimeError. Their callers: attention/cpu_attention.py (paged attention), layers/kernels.py and
+layers/mlp.py (RMSNorm, rotary, SwiGLU), sampling/sampler.py (sampling), layers/quantization/gguf.py
+(GGUF blocks, through quant.py).
 
 Where no compiler is found, the build fails, or PIPELINE_CPU_KERNELS=0, `library()` is None and
-callers keep their plain-torch path. The cache is PIPELINE_KERNEL_CACHE, else
+callers keep their plain-torch path (GGUF weights are then dequantized at load). The cache is PIPELINE_KERNEL_CACHE, else
 ~/.cache/pipeline/kernels; a build is named by the hash of its source, flags, compiler and CPU,
 written under a temporary name and renamed into place, so concurrent processes may build at once.
 """
