@@ -151,8 +151,8 @@ class GGUFSource:
 
     def __exit__(self, *exc: object) -> None:
         if self.keep_blocks:
-            log.info("%s: weights kept as GGUF blocks: %s; dequantized at load (no CPU kernel for the type): %s",
-                     self.file.path.name, _counts(self.kept), _counts(self.decoded))
+            log.info("%s: weights kept as GGUF blocks: %s; dequantized at load (no CPU kernel for the type, "
+                     "or the kernels not built): %s", self.file.path.name, _counts(self.kept), _counts(self.decoded))
 
     def names(self) -> list[str]:
         return list(self._names)
