@@ -22,7 +22,7 @@ from real_models import gemma3_gguf, smollm2_gguf
 
 from stages.gpu_runner import cpu_ops
 from stages.gpu_runner.cpu_ops import quant
-from stages.gpu_runner.layers.linear import linear, method_for
+from stages.gpu_runner.layers.linear import MergedColumnLinear, linear, method_for
 from stages.gpu_runner.layers.quantization.base import QuantizedWeight
 from stages.gpu_runner.layers.quantization import gguf as gguf_method
 from stages.gpu_runner.layers.quantization.gguf import DECODE_ROWS
@@ -95,6 +95,27 @@ def test_quantized_matmul_equals_dequantize_then_multiply(qtype, num_rows, monke
     assert_within_float32_rounding(got - bias, x, dequantized(weight))
 
 
+@pytest.mark.parametrize("types", [(QType.Q4_1, QType.Q4_1, QType.Q4_1), (QType.Q5_0, None, QType.Q8_0)],
+                         ids=["one type: stacked", "mixed with a dense part: a tuple"])
+def test_a_merged_layer_of_quantized_parts(types):
+    """q, k and v of one block type become one weight; of several (or with a dense part), a tuple
+    of parts, each multiplied by its own method; either way forward returns the parts."""
+    sizes = [16, 16, 32]
+    layer = MergedColumnLinear(256, sizes, bias=True)
+    parts = []
+    for index, (qtype, size) in enumerate(zip(types, sizes)):
+        part = torch.randn(size, 256) if qtype is None else random_weight(qtype, size, 256, seed=index)
+        layer.load_part(index, "weight", part)
+        layer.load_part(index, "bias", torch.full((size,), float(index)))
+        parts.append(part if qtype is None else dequantized(part))
+    assert isinstance(layer.weight, QuantizedWeight if types[1] is not None else tuple)
+    x = torch.randn(3, 256)
+    got = layer(x)
+    assert [tuple(part.shape) for part in got] == [(3, size) for size in sizes]
+    for index, (out, weight) in enumerate(zip(got, parts)):
+        assert_within_float32_rounding(out - index, x, weight)
+
+
 def test_bfloat16_activations_get_bfloat16_results():
     weight = random_weight(QType.Q4_1, rows=16, cols=256, seed=1)
     x = torch.randn(2, 3, 256).to(torch.bfloat16)
@@ -147,13 +168,17 @@ def test_default_model_quantized_equals_dequantized_float32_engine():
     from pipeline import LLM, SamplingParams
     from pipeline.models.checkpoints import resolve_model
 
-    model = resolve_model(smollm2_gguf())
+    checkpoint = resolve_model(smollm2_gguf())
     prompt = "The three primary colours of light are"
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=5)
     outputs = {}
     for quantization in ("none", "gguf"):
-        llm = LLM(model, device="cpu", dtype="float32", quantization=quantization, num_kv_blocks=16,
+        llm = LLM(checkpoint, device="cpu", dtype="float32", quantization=quantization, num_kv_blocks=16,
                   max_model_len=256)
+        model = llm.runner.model
+        held = [model.embed_tokens.weight, model.layers[0].self_attn.qkv_proj.weight,
+                model.layers[0].mlp.gate_up_proj.weight, model.layers[29].mlp.down_proj.weight]
+        assert all(isinstance(weight, QuantizedWeight) == (quantization == "gguf") for weight in held)
         outputs[quantization] = llm.generate([prompt], params)[0]
         llm.close()
     dense, quantized = outputs["none"], outputs["gguf"]
