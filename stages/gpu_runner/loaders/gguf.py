@@ -19,7 +19,7 @@ import torch
 
 from stages.gpu_runner.cpu_ops import quant
 from stages.gpu_runner.layers.quantization.base import QuantizedWeight
-from stages.gpu_runner.loaders.gguf_file import GGUFError, GGUFFile
+from stages.gpu_runner.loaders.gguf_file import GGUFError, GGUFFile, TensorInfo
 from stages.gpu_runner.loaders.gguf_quants import dequantize
 from stages.gpu_runner.models.config import ModelConfig, ModelLoadError
 
@@ -184,7 +184,7 @@ class GGUFSource:
             tensor = tensor - 1.0
         return tensor if index is None else tensor[index]
 
-    def _blocks(self, name: str, info) -> QuantizedWeight:
+    def _blocks(self, name: str, info: TensorInfo) -> QuantizedWeight:
         """The weight's blocks, one run per row, q/k rows un-permuted as read() does."""
         rows = info.shape[0]
         data = torch.from_numpy(np.array(self.file.raw(info.name), copy=True).reshape(-1).view(np.uint8))
