@@ -100,7 +100,8 @@ def main() -> None:
     rows = []
     for mode in args.quantization:
         command = [sys.executable, __file__, "--child", mode, "--dtype", args.dtype, "--rounds", str(args.rounds),
-                   "--batch", str(args.batch), "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens)]
+                   "--batch", str(args.batch), "--prompt-tokens", str(args.prompt_tokens),
+                   "--max-tokens", str(args.max_tokens)]
         if args.model is not None:
             command += ["--model", args.model]
         done = subprocess.run(command, capture_output=True, text=True, check=True)
@@ -113,9 +114,10 @@ def main() -> None:
     print(f"{'quantization':<13}{'dtype':<10}{'TPOT p50':>10}{'tok/s':>8}{'TTFT p50':>10}{'RSS loaded':>12}"
           f"{'RSS end':>10}{'RSS peak':>10}" + (f"{'batch tok/s':>14}" if args.batch else ""))
     for row in rows:
+        batch = f"{row['batch_tokens_per_s']:>9} ({args.batch})" if args.batch else ""
         print(f"{row['quantization']:<13}{row['dtype']:<10}{row['tpot_ms_p50']:>8.2f}ms{row['tokens_per_s']:>8.1f}"
               f"{row['ttft_ms_p50']:>8.1f}ms{row['rss_loaded_mib']:>8} MiB{row['rss_end_mib']:>6} MiB"
-              f"{row['rss_peak_mib']:>6} MiB" + (f"{row['batch_tokens_per_s']:>9} ({args.batch})" if args.batch else ""))
+              f"{row['rss_peak_mib']:>6} MiB{batch}")
 
 
 if __name__ == "__main__":
