@@ -13,6 +13,7 @@ reference matmul is checked against the same bound, so both lie within float32 r
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,3 +201,35 @@ def test_gguf_quantization_is_refused_under_tensor_parallelism():
         EngineConfig(model="m", quantization="gguf", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(model="m", quantization="q8")
+
+
+@pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]],
+                         ids=["avx2", "scalar"])
+def test_the_paths_for_other_cpus_decode_and_multiply_the_same(flags, tmp_path):
+    """quant.c built without AVX-512 (its AVX2 dot, scalar decoding) and without any vector
+    extension: the same decoded values bit for bit, products within the same bound."""
+    import ctypes
+    import platform
+    import subprocess
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the flags name x86 extensions")
+    source = Path(cpu_ops.__file__).with_name("quant.c")
+    built_lib = tmp_path / "quant.so"
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    subprocess.run([compiler, "-O3", "-march=native", *flags, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
+                    "-std=c11", str(source), "-o", str(built_lib), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(built_lib))
+    for qtype in TYPES:
+        weight = random_weight(qtype, rows=8, cols=512, seed=qtype.value)
+        decoded = torch.empty(8, 512)
+        lib.quant_dequantize_rows(ctypes.c_void_p(weight.blocks.data_ptr()), int(qtype), ctypes.c_int64(
+            weight.blocks.shape[1]), ctypes.c_int64(512), None, ctypes.c_int64(0), ctypes.c_int64(8),
+            ctypes.c_void_p(decoded.data_ptr()))
+        assert torch.equal(decoded, dequantized(weight)), qtype.name
+        x = torch.randn(3, 512)
+        out = torch.empty(3, 8)
+        lib.quant_matmul(ctypes.c_void_p(weight.blocks.data_ptr()), int(qtype), ctypes.c_int64(weight.blocks.shape[1]),
+                         ctypes.c_int64(8), ctypes.c_int64(512), ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(3),
+                         ctypes.c_void_p(out.data_ptr()))
+        assert_within_float32_rounding(out, x, dequantized(weight))
