@@ -2,9 +2,13 @@
  * row `row_bytes` long, exactly as the file stores it (ggml's block layouts).
  *
  * quant_dequantize_rows decodes chosen rows to float32 (the embedding's gathered rows, a prefill's
- * tiles); quant_matmul is the decode step's fused dequantize-and-dot: out[j, r] = x[j] . W[r], each
- * output row's blocks decoded once into a cache-resident float32 buffer and dotted with every
- * activation row, output rows shared by the OpenMP threads.
+ * tiles); quant_matmul is the decode step's fused dequantize-and-dot: out[j, r] = x[j] . W[r],
+ * output rows shared by the OpenMP threads. With AVX-512, a 32-value block (Q4_0, Q4_1, Q5_0, Q5_1,
+ * Q8_0) is decoded into two registers and multiplied there with up to 8 activation rows at a time;
+ * a 256-value block (Q4_K, Q5_K, Q6_K) is decoded 16 values a vector into a cache-resident float32
+ * row, then dotted with every activation row (AVX-512 or AVX2 dot). Without AVX-512 the decoding is
+ * the scalar code (which the compiler may vectorize). Activations stay float32: no 8-bit
+ * quantization of them (llama.cpp's integer dots), so the only rounding is the dot's.
  *
  * Every decoded value is the float32 that loaders/gguf_quants.py gives, bit for bit: the same
  * operations in the same order, each rounded (-ffp-contract=off; nothing here is an FMA except the
@@ -314,6 +318,7 @@ void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t r
 #pragma omp parallel
     {
         float *w = malloc(sizeof(float) * cols);
+        if (w == NULL) abort(); /* cols floats: a few KiB */
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
 #if defined(__AVX512F__)
