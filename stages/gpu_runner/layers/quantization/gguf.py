@@ -15,7 +15,9 @@ from stages.gpu_runner.layers.quantization.base import LinearMethod, QuantizedWe
 
 # Activation rows the fused kernel takes. Measured on a 2-core AVX-512 machine (SmolLM2's Q4_1
 # projections and Q8_0 head, 2 threads), the fused kernel beats decoding tiles and multiplying them
-# with torch's matmul up to 32 rows; a prefill's hundreds of rows go the tiled way.
+# with torch's matmul up to 32 rows; a prefill's hundreds of rows go the tiled way. Both lose to the
+# dense float32 matmul at many rows (tools/bench/bench_one_stream.py --batch 32: a third of its
+# tokens/s), which is why --quantization none stays the default.
 DECODE_ROWS = 32
 # float32 values of one decoded tile (4 MiB): a bounded buffer even for a 262,144-row head.
 TILE_VALUES = 1 << 20
