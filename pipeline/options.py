@@ -118,6 +118,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="where the model runs (auto: CUDA when there is a device, else the CPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="the weights' and activations' type (auto: the checkpoint's on CUDA, float32 on the CPU)")
+    parser.add_argument("--quantization", default="none", choices=["none", "gguf"],
+                        help="gguf: keep a GGUF file's quantized weights as their blocks and multiply them in place "
+                             "on the CPU (less memory; on CUDA they are dequantized at load); none: dequantize every "
+                             "weight to --dtype at load (default: none)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=256, help="requests decoded together at most")
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="prompt and output tokens of one request at most (default: the model's context length)")
@@ -203,7 +207,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         step_tokens = CPU_MAX_NUM_BATCHED_TOKENS if model_on_cpu(args.device) else EngineConfig().max_num_batched_tokens
     try:
         return EngineConfig(
-            model=model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+            model=model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+            max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, max_num_batched_tokens=step_tokens,
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, num_tokenizers=args.num_tokenizers,
             async_scheduling=not args.no_async_scheduling, enable_prefix_caching=not args.no_prefix_caching,

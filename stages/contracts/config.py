@@ -14,6 +14,9 @@ from stages.contracts.speculative import SpeculativeConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# none: every weight dequantized to the dtype at load; gguf: a GGUF file's block-quantized weights
+# kept as blocks and multiplied in place, on the CPU (on CUDA they are still dequantized at load).
+QUANTIZATIONS = ("none", "gguf")
 KV_CONNECTORS = ("offload",)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
 CPU_PLACEMENTS = ("auto", "split", "shared")  # stages/process.py stage_cores
@@ -47,6 +50,7 @@ class EngineConfig:
     model: str = ""  # checkpoint directory ("" only where a ready-made runner is given to LLM)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    quantization: str = "none"  # none | gguf (QUANTIZATIONS)
     max_num_seqs: int = 256  # batch rows: requests holding KV at once
     max_model_len: int | None = None  # prompt + outputs of one request; None: the model's, bounded by the KV pool
     max_num_batched_tokens: int = 8192  # tokens computed per step, all rows together
@@ -87,6 +91,7 @@ class EngineConfig:
             raise ValueError(f"model must be a checkpoint directory path (str), got {self.model!r}")
         _check_choice("device", self.device, DEVICES)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("cpu_placement", self.cpu_placement, CPU_PLACEMENTS)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_tokenizers", "mailbox_slots",
@@ -130,6 +135,9 @@ class EngineConfig:
         return 0 if self.speculative_config is None else self.speculative.num_speculative_tokens
 
     def _check_tensor_parallel(self) -> None:
+        if self.quantization == "gguf" and self.tensor_parallel_size > 1:
+            raise ValueError("quantization gguf holds each weight whole on one rank: it does not run with "
+                             f"tensor_parallel_size {self.tensor_parallel_size}; use quantization none")
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes "
                              f"{self.nnodes} (the same number of ranks on every machine)")

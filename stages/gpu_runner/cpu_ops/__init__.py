@@ -1,11 +1,12 @@
-"""The CPU operators: native kernels (attention.c, sample.c, elementwise.c), C sources beside this file, compiled
-on first use with the machine's C compiler for the machine's own CPU (-march=native), cached, and
-called through ctypes; a wrapper called where they are not built raises RuntimeError. Their callers:
-attention/cpu_attention.py (paged attention), layers/kernels.py and layers/mlp.py (RMSNorm, rotary,
-SwiGLU), sampling/sampler.py (sampling).
+"""The CPU operators: native kernels (attention.c, sample.c, elementwise.c, quant.c), C sources beside
+this file, compiled on first use with the machine's C compiler for the machine's own CPU
+(-march=native), cached, and called through ctypes; a wrapper called where they are not built raises
+RuntimeError. Their callers: attention/cpu_attention.py (paged attention), layers/kernels.py and
+layers/mlp.py (RMSNorm, rotary, SwiGLU), sampling/sampler.py (sampling), layers/quantization/gguf.py
+(GGUF blocks, through quant.py).
 
 Where no compiler is found, the build fails, or PIPELINE_CPU_KERNELS=0, `library()` is None and
-callers keep their plain-torch path. The cache is PIPELINE_KERNEL_CACHE, else
+callers keep their plain-torch path (GGUF weights are then dequantized at load). The cache is PIPELINE_KERNEL_CACHE, else
 ~/.cache/pipeline/kernels; a build is named by the hash of its source, flags, compiler and CPU,
 written under a temporary name and renamed into place, so concurrent processes may build at once.
 """
@@ -27,7 +28,7 @@ from stages.progress import Progress
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.c", "sample.c", "elementwise.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.c", "sample.c", "elementwise.c", "quant.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "exp.h"))
 # No contraction of a * b + c into one rounding: elementwise.c rounds where torch's operators do.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -85,10 +86,13 @@ def library() -> ctypes.CDLL | None:
         "rms_norm": [pointer, size, pointer, pointer, pointer, pointer, size, size, real, flag, flag],
         "silu_and_mul": [pointer, pointer, size, pointer, size, size, flag],
         "rotary": [pointer, size, pointer, pointer, pointer, size, size, size, flag],
+        "quant_dequantize_rows": [pointer, flag, size, size, pointer, size, size, pointer],
+        "quant_matmul": [pointer, flag, size, size, size, pointer, size, pointer],
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)
         function.restype, function.argtypes = None, argtypes
+    lib.quant_block_bytes.restype, lib.quant_block_bytes.argtypes = flag, [flag]
     return lib
 
 

@@ -1,10 +1,13 @@
-"""Token embeddings and the LM head, split by vocabulary ranges under tensor parallelism."""
+"""Token embeddings and the LM head, split by vocabulary ranges under tensor parallelism. Either may
+hold quantized blocks (layers/linear.py): the embedding then decodes the rows it gathers, and the
+tied head multiplies the blocks as any linear layer does."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from stages.gpu_runner.layers.linear import linear
+from stages.gpu_runner.layers.linear import linear, method_for
+from stages.gpu_runner.layers.quantization.base import QuantizedWeight
 from stages.gpu_runner.parallel.group import TensorParallel
 from stages.gpu_runner.parallel.sharding import vocab_shard_size
 
@@ -20,6 +23,8 @@ class VocabEmbedding(nn.Embedding):
         self.vocab_start = 0 if tp is None else tp.rank * per_rank
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):  # held whole: never under tensor parallelism
+            return method_for(self.weight).embed(self.weight, input_ids, self.compute_dtype)
         if self.tp is None:
             return super().forward(input_ids)
         local = input_ids - self.vocab_start

@@ -1,5 +1,6 @@
 """GGUF checkpoints: the HF config a file's metadata implies, and its tensors under HF names,
-dequantized on read, with llama.cpp's conversions undone.
+dequantized on read (or, where asked, 2-D weights of a type the CPU kernels multiply kept as their
+blocks: layers/quantization/), with llama.cpp's conversions undone.
 
 llama.cpp's converter permutes the q and k rows of llama-architecture files (its rotary pairs
 adjacent dimensions; HF pairs halves), and stores Gemma's RMSNorm weights as 1 + w. Both are
@@ -7,13 +8,18 @@ reversed here, so the model code sees what an HF checkpoint holds.
 """
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from stages.gpu_runner.loaders.gguf_file import GGUFError, GGUFFile
+from stages.gpu_runner.cpu_ops import quant
+from stages.gpu_runner.layers.quantization.base import QuantizedWeight
+from stages.gpu_runner.loaders.gguf_file import GGUFError, GGUFFile, TensorInfo
 from stages.gpu_runner.loaders.gguf_quants import dequantize
 from stages.gpu_runner.models.config import ModelConfig, ModelLoadError
 
@@ -32,6 +38,8 @@ _BLOCK_NORMS = {"llama": {"ffn_norm": "post_attention_layernorm"},
                 "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                            "post_ffw_norm": "post_feedforward_layernorm"}}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+log = logging.getLogger(__name__)
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
@@ -119,12 +127,16 @@ def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class GGUFSource:
-    """A GGUF file's tensors by HF name, dequantized to float32 on read."""
+    """A GGUF file's tensors by HF name, dequantized to float32 on read; with `keep_blocks`, a 2-D
+    weight of a block type the CPU kernels multiply is read as a QuantizedWeight instead."""
 
     config_name = "the GGUF metadata"  # where the expected shapes come from, for errors
 
-    def __init__(self, path: Path, config: ModelConfig) -> None:
+    def __init__(self, path: Path, config: ModelConfig, keep_blocks: bool = False) -> None:
         self.file = open_gguf(path)
+        self.keep_blocks = keep_blocks
+        self.kept: Counter[str] = Counter()  # block type -> tensors kept quantized
+        self.decoded: Counter[str] = Counter()  # quantized type -> tensors dequantized all the same
         self.arch = _arch(self.file)
         self.config = config
         self._names = {}
@@ -138,7 +150,9 @@ class GGUFSource:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        pass
+        if self.keep_blocks:
+            log.info("%s: weights kept as GGUF blocks: %s; dequantized at load (no CPU kernel for the type, "
+                     "or the kernels not built): %s", self.file.path.name, _counts(self.kept), _counts(self.decoded))
 
     def names(self) -> list[str]:
         return list(self._names)
@@ -149,8 +163,13 @@ class GGUFSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.file.tensors[self._names[name]].shape
 
-    def read(self, name: str, index: object = None) -> torch.Tensor:
+    def read(self, name: str, index: object = None) -> torch.Tensor | QuantizedWeight:
         info = self.file.tensors[self._names[name]]
+        if self.keep_blocks and index is None and len(info.shape) == 2 and info.qtype.value > 1:
+            if quant.block_bytes(info.qtype.value):
+                self.kept[info.qtype.name] += 1
+                return self._blocks(name, info)
+            self.decoded[info.qtype.name] += 1
         # One thread: decoding runs cache-sized chunks of small ops, which a second thread does
         # not speed up and slows many times over when another process holds the other core.
         threads = torch.get_num_threads()
@@ -164,3 +183,17 @@ class GGUFSource:
         if self.arch == "gemma3" and name.endswith("norm.weight"):
             tensor = tensor - 1.0
         return tensor if index is None else tensor[index]
+
+    def _blocks(self, name: str, info: TensorInfo) -> QuantizedWeight:
+        """The weight's blocks, one run per row, q/k rows un-permuted as read() does."""
+        rows = info.shape[0]
+        data = torch.from_numpy(np.array(self.file.raw(info.name), copy=True).reshape(-1).view(np.uint8))
+        weight = QuantizedWeight(info.qtype.value, data.view(rows, -1), tuple(info.shape))
+        if self.arch in _PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
+            weight = weight.select_rows(_unpermute(torch.arange(rows), heads))
+        return weight
+
+
+def _counts(counter: Counter[str]) -> str:
+    return ", ".join(f"{count} {qtype}" for qtype, count in sorted(counter.items())) or "none"

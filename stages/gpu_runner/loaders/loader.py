@@ -1,9 +1,11 @@
 """Build the model for a checkpoint and fill it, strictly: every tensor the model needs, none it does
 not know, each of the shape the config implies. The tensors come from a loader (loaders/): a
 safetensors directory, or the GGUF file its config names; under tensor parallelism each rank
-reads only the slices it holds."""
+reads only the slices it holds. With quantization "gguf", a GGUF file's block-quantized weights stay
+as their blocks on the CPU (layers/quantization/gguf.py); elsewhere they are dequantized at load."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -14,6 +16,8 @@ from stages.gpu_runner.models.registry import model_class
 from stages.gpu_runner.parallel.group import TensorParallel
 from stages.gpu_runner.parallel.sharding import shard_tensor
 from stages.progress import Progress
+
+log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
 # A multimodal checkpoint's parts that the text model does not use, and where its text model's
@@ -41,28 +45,31 @@ def tokenizer_path(model_dir: str | Path) -> Path:
     return path
 
 
-def open_source(root: Path, config: ModelConfig):
-    """The tensor source of a checkpoint: its GGUF file when its config names one, else its safetensors."""
+def open_source(root: Path, config: ModelConfig, keep_blocks: bool = False):
+    """The tensor source of a checkpoint: its GGUF file when its config names one (its quantized
+    weights kept as blocks with `keep_blocks`), else its safetensors."""
     if config.gguf_file is not None:
         from stages.gpu_runner.loaders.gguf import GGUFSource
-        return GGUFSource(Path(config.gguf_file), config)
+        return GGUFSource(Path(config.gguf_file), config, keep_blocks)
     from stages.gpu_runner.loaders.safetensors import SafetensorsSource
     return SafetensorsSource(root)
 
 
 def load_model(
     model_dir: str | Path, *, device: torch.device, dtype: torch.dtype, max_positions: int,
-    config: ModelConfig | None = None, tp: TensorParallel | None = None,
+    config: ModelConfig | None = None, tp: TensorParallel | None = None, quantization: str = "none",
 ) -> CausalLM:
     """Build the model (this rank's shard of it under `tp`) on `device` in `dtype` and fill it from
-    the checkpoint, checking every tensor's shape."""
+    the checkpoint, checking every tensor's shape. `quantization` "gguf": a GGUF file's quantized
+    weights stay as blocks where the model runs on the CPU, whole (so not under `tp`)."""
     root = Path(model_dir)
     config = config or load_model_config(root)
+    keep_blocks = _keeps_blocks(quantization, config, device, tp)
     with torch.device("meta"):
         model = model_class(config)(config, max_positions, device, tp)
     model = model.to_empty(device=device).to(dtype)
     expected = model.expected_hf_tensors()
-    with open_source(root, config) as source:
+    with open_source(root, config, keep_blocks) as source:
         names = {model_name: name for name in source.names() if (model_name := _model_name(name)) is not None}
         missing = sorted(set(expected) - set(names))
         if missing:
@@ -87,3 +94,19 @@ def load_model(
                                                               shape, config, tp.rank, tp.size))
         progress.finish()
     return model.eval()
+
+
+def _keeps_blocks(quantization: str, config: ModelConfig, device: torch.device, tp: TensorParallel | None) -> bool:
+    """Whether a GGUF file's quantized weights stay as blocks; where "gguf" cannot be had, why is logged."""
+    if quantization != "gguf":
+        return False
+    if config.gguf_file is None:
+        log.info("quantization gguf: %s is not a GGUF file; its weights load as they are stored", config.architecture)
+        return False
+    if tp is not None:
+        raise ModelLoadError("quantization gguf holds whole weights: it does not run under tensor parallelism")
+    if device.type != "cpu":
+        log.info("quantization gguf: on %s the GGUF weights are dequantized at load (block kernels are CPU-only)",
+                 device.type)
+        return False
+    return True

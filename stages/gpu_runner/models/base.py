@@ -18,8 +18,9 @@ from stages.gpu_runner.attention.torch_backend import TorchBackend
 from stages.gpu_runner.layers.attention import ForwardContext
 from stages.gpu_runner.layers.embedding import VocabEmbedding, lm_logits
 from stages.gpu_runner.layers.kernels import LayerKernels, TorchKernels
-from stages.gpu_runner.layers.linear import PACKED, MergedColumnLinear
+from stages.gpu_runner.layers.linear import PACKED, MergedColumnLinear, load_weight
 from stages.gpu_runner.layers.norm import RMSNorm
+from stages.gpu_runner.layers.quantization.base import QuantizedWeight
 from stages.gpu_runner.layers.rotary import RopeSpec, RotaryEmbedding
 from stages.gpu_runner.models.config import ModelConfig
 from stages.gpu_runner.parallel.group import TensorParallel
@@ -96,9 +97,9 @@ class CausalLM(nn.Module):
         return shapes
 
     @torch.no_grad()
-    def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> None:
+    def load_hf_tensor(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
         """Copy one checkpoint tensor (name as in expected_hf_tensors, shape already checked; this
-        rank's shard of it under tensor parallelism) in place."""
+        rank's shard of it under tensor parallelism) in place; quantized blocks replace the parameter."""
         module_path, _, kind = name.removeprefix("model.").rpartition(".")
         parent, _, leaf = module_path.rpartition(".")
         if leaf in PACKED:
@@ -107,4 +108,4 @@ class CausalLM(nn.Module):
             assert isinstance(module, MergedColumnLinear)
             module.load_part(index, kind, tensor)
             return
-        getattr(self.get_submodule(module_path), kind).copy_(tensor)
+        load_weight(self.get_submodule(module_path), kind, tensor)

@@ -91,5 +91,8 @@ def shard_tensor(name: str, read: Callable[[object], torch.Tensor], shape: tuple
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter this rank holds."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of every parameter this rank holds, and of the quantized weights (layers/linear.py
+    hold_weight) that replace some."""
+    held = [module.weight for module in model.modules() if "weight" in module.__dict__]
+    parts = [part for weight in held for part in (weight if isinstance(weight, tuple) else (weight,))]
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(part.nbytes for part in parts)

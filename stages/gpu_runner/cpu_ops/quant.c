@@ -1,0 +1,335 @@
+/* GGUF block-quantized weights used in place: a weight [rows, cols] is `rows` runs of blocks, each
+ * row `row_bytes` long, exactly as the file stores it (ggml's block layouts).
+ *
+ * quant_dequantize_rows decodes chosen rows to float32 (the embedding's gathered rows, a prefill's
+ * tiles); quant_matmul is the decode step's fused dequantize-and-dot: out[j, r] = x[j] . W[r],
+ * output rows shared by the OpenMP threads. With AVX-512, a 32-value block (Q4_0, Q4_1, Q5_0, Q5_1,
+ * Q8_0) is decoded into two registers and multiplied there with up to 8 activation rows at a time;
+ * a 256-value block (Q4_K, Q5_K, Q6_K) is decoded 16 values a vector into a cache-resident float32
+ * row, then dotted with every activation row (AVX-512 or AVX2 dot). Without AVX-512 the decoding is
+ * the scalar code (which the compiler may vectorize). Activations stay float32: no 8-bit
+ * quantization of them (llama.cpp's integer dots), so the only rounding is the dot's.
+ *
+ * Every decoded value is the float32 that loaders/gguf_quants.py gives, bit for bit: the same
+ * operations in the same order, each rounded (-ffp-contract=off; nothing here is an FMA except the
+ * dot's own accumulation). Only the dot's order of summation differs from a float32 matmul.
+ * Type ids are ggml's (GGMLQuantizationType).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+static float f16(const uint8_t *at) {
+    const uint16_t h = (uint16_t)(at[0] | (at[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, word;
+    if (exponent == 0x1f) {
+        word = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        word = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        word = sign;
+    } else { /* subnormal: normalise */
+        exponent = 113;
+        while (!(mantissa & 0x400u)) {
+            mantissa <<= 1;
+            exponent--;
+        }
+        word = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    float value;
+    memcpy(&value, &word, sizeof value);
+    return value;
+}
+
+static void q8_0(const uint8_t *b, float *w) {
+    const float d = f16(b);
+    for (int i = 0; i < 32; i++) w[i] = (float)(int8_t)b[2 + i] * d;
+}
+
+static void q4_0(const uint8_t *b, float *w) {
+    const float d = f16(b);
+    for (int i = 0; i < 16; i++) {
+        w[i] = ((float)(b[2 + i] & 0xf) - 8.0f) * d;
+        w[i + 16] = ((float)(b[2 + i] >> 4) - 8.0f) * d;
+    }
+}
+
+static void q4_1(const uint8_t *b, float *w) {
+    const float d = f16(b), m = f16(b + 2);
+    for (int i = 0; i < 16; i++) {
+        w[i] = (float)(b[4 + i] & 0xf) * d + m;
+        w[i + 16] = (float)(b[4 + i] >> 4) * d + m;
+    }
+}
+
+/* Q5_0/Q5_1: bit i of the little-endian uint32 at qh is value i's fifth bit. */
+static void q5(const uint8_t *b, const uint8_t *qh_at, float *w, int with_min) {
+    const float d = f16(b), m = with_min ? f16(b + 2) : 0.0f;
+    const uint32_t qh = (uint32_t)qh_at[0] | ((uint32_t)qh_at[1] << 8) | ((uint32_t)qh_at[2] << 16)
+                        | ((uint32_t)qh_at[3] << 24);
+    const uint8_t *qs = qh_at + 4;
+    for (int i = 0; i < 16; i++) {
+        const int low = (qs[i] & 0xf) | (int)(((qh >> i) & 1u) << 4);
+        const int high = (qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1u) << 4);
+        if (with_min) {
+            w[i] = (float)low * d + m;
+            w[i + 16] = (float)high * d + m;
+        } else {
+            w[i] = ((float)low - 16.0f) * d;
+            w[i + 16] = ((float)high - 16.0f) * d;
+        }
+    }
+}
+
+/* Q4_K/Q5_K: eight 6-bit scales and mins in bytes 4..16, times the block's d and dmin. */
+static void k_scales(const uint8_t *b, float *scale, float *min) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *low = b + 4, *high = b + 8, *mixed = b + 12;
+    for (int j = 0; j < 4; j++) {
+        scale[j] = d * (float)(low[j] & 0x3f);
+        min[j] = dmin * (float)(high[j] & 0x3f);
+        scale[j + 4] = d * (float)((mixed[j] & 0x0f) | ((low[j] >> 2) & 0x30));
+        min[j + 4] = dmin * (float)((mixed[j] >> 4) | ((high[j] >> 2) & 0x30));
+    }
+}
+
+/* Q4_K (qh NULL) and Q5_K: runs of 32 bytes hold two sub-blocks, low nibbles then high. */
+static void qk_45(const uint8_t *b, const uint8_t *qh, const uint8_t *qs, float *w) {
+    float scale[8], min[8];
+    k_scales(b, scale, min);
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *run = qs + (j / 2) * 32;
+        const int shift = (j % 2) * 4;
+        for (int i = 0; i < 32; i++) {
+            int q = (run[i] >> shift) & 0xf;
+            if (qh != NULL) q |= ((qh[i] >> j) & 1) << 4;
+            w[j * 32 + i] = (float)q * scale[j] - min[j];
+        }
+    }
+}
+
+static void q6_k(const uint8_t *b, float *w) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *scales = (const int8_t *)(b + 192);
+    const float d = f16(b + 208);
+    for (int half = 0; half < 2; half++)
+        for (int part = 0; part < 4; part++)
+            for (int i = 0; i < 32; i++) {
+                const int at = half * 128 + part * 32 + i;
+                const int low = (ql[half * 64 + (part % 2) * 32 + i] >> ((part / 2) * 4)) & 0xf;
+                const int high = (qh[half * 32 + i] >> (part * 2)) & 3;
+                w[at] = (float)((low | (high << 4)) - 32) * (d * (float)scales[at / 16]);
+            }
+}
+
+#if defined(__AVX512F__)
+/* Values 0-15 and 16-31 of a 4-bit block: the low and the high nibbles of its 16 bytes. */
+static inline void nibbles(const uint8_t *qs, __m512 *w) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0xf);
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+}
+
+/* A 32-value block into w[0] (values 0-15) and w[1] (16-31), the same roundings as the scalar code. */
+static inline void block32(const uint8_t *b, int qtype, __m512 *w) {
+    const __m512 d = _mm512_set1_ps(f16(b));
+    switch (qtype) {
+    case Q8_0:
+        for (int i = 0; i < 2; i++)
+            w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                       _mm_loadu_si128((const __m128i *)(b + 2 + 16 * i)))), d);
+        return;
+    case Q4_0:
+        nibbles(b + 2, w);
+        for (int i = 0; i < 2; i++) w[i] = _mm512_mul_ps(_mm512_sub_ps(w[i], _mm512_set1_ps(8.0f)), d);
+        return;
+    case Q4_1:
+        nibbles(b + 4, w);
+        for (int i = 0; i < 2; i++) w[i] = _mm512_add_ps(_mm512_mul_ps(w[i], d), _mm512_set1_ps(f16(b + 2)));
+        return;
+    default: { /* Q5_0, Q5_1: the fifth bit adds 16, exactly, to the small integer held as a float */
+        const uint8_t *at = b + (qtype == Q5_0 ? 2 : 4);
+        uint32_t qh;
+        memcpy(&qh, at, 4);
+        nibbles(at + 4, w);
+        const __m512 sixteen = _mm512_set1_ps(16.0f);
+        w[0] = _mm512_mask_add_ps(w[0], (__mmask16)(qh & 0xffffu), w[0], sixteen);
+        w[1] = _mm512_mask_add_ps(w[1], (__mmask16)(qh >> 16), w[1], sixteen);
+        for (int i = 0; i < 2; i++)
+            w[i] = qtype == Q5_0 ? _mm512_mul_ps(_mm512_sub_ps(w[i], sixteen), d)
+                                 : _mm512_add_ps(_mm512_mul_ps(w[i], d), _mm512_set1_ps(f16(b + 2)));
+    }
+    }
+}
+
+/* out[j * out_stride] = x[j] . the row, for j < n: each block decoded once, into registers. */
+static void dot_row32(const uint8_t *row, int qtype, int64_t cols, const float *x, int64_t n, float *out,
+                      int64_t out_stride) {
+    const int bytes = qtype == Q8_0 ? 34 : qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q5_0 ? 22 : 24;
+    __m512 acc[8];
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        const int64_t m = n - j0 < 8 ? n - j0 : 8;
+        for (int64_t j = 0; j < m; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < cols / 32; k++) {
+            __m512 w[2];
+            block32(row + k * bytes, qtype, w);
+            for (int64_t j = 0; j < m; j++) {
+                const float *xj = x + (j0 + j) * cols + k * 32;
+                acc[j] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xj), acc[j]);
+                acc[j] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xj + 16), acc[j]);
+            }
+        }
+        for (int64_t j = 0; j < m; j++) out[(j0 + j) * out_stride] = _mm512_reduce_add_ps(acc[j]);
+    }
+}
+/* The 256-value types into w (Q4_K, Q5_K, Q6_K), 16 values a vector, the scalar code's roundings. */
+static inline __m512 widen(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
+
+static inline __m128i shifted(const uint8_t *at, int shift, int mask) {
+    return _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)at), shift), _mm_set1_epi8((char)mask));
+}
+
+static void block256(const uint8_t *b, int qtype, float *w) {
+    if (qtype == Q6_K) {
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = f16(b + 208);
+        for (int half = 0; half < 2; half++)
+            for (int part = 0; part < 4; part++)
+                for (int g = 0; g < 2; g++) {
+                    const __m128i low = shifted(b + half * 64 + (part % 2) * 32 + g * 16, (part / 2) * 4, 0xf);
+                    const __m128i high = _mm_slli_epi16(shifted(b + 128 + half * 32 + g * 16, part * 2, 3), 4);
+                    const __m512 q = _mm512_sub_ps(widen(_mm_or_si128(low, high)), _mm512_set1_ps(32.0f));
+                    const float scale = d * (float)scales[half * 8 + part * 2 + g];
+                    _mm512_storeu_ps(w + half * 128 + part * 32 + g * 16, _mm512_mul_ps(q, _mm512_set1_ps(scale)));
+                }
+        return;
+    }
+    float scale[8], min[8];
+    k_scales(b, scale, min);
+    const uint8_t *qs = b + (qtype == Q4_K ? 16 : 48);
+    for (int j = 0; j < 8; j++)
+        for (int g = 0; g < 2; g++) {
+            __m128i q = shifted(qs + (j / 2) * 32 + g * 16, (j % 2) * 4, 0xf);
+            if (qtype == Q5_K) q = _mm_or_si128(q, _mm_slli_epi16(shifted(b + 16 + g * 16, j, 1), 4));
+            const __m512 v = _mm512_mul_ps(widen(q), _mm512_set1_ps(scale[j]));
+            _mm512_storeu_ps(w + j * 32 + g * 16, _mm512_sub_ps(v, _mm512_set1_ps(min[j])));
+        }
+}
+#endif
+
+static int block_values(int qtype) {
+    return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K ? 256 : 32;
+}
+
+static int block_bytes(int qtype) {
+    switch (qtype) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* Bytes of one block of `qtype`, 0 for a type these kernels do not decode. */
+int quant_block_bytes(int qtype) { return block_bytes(qtype); }
+
+static void decode_row(const uint8_t *row, int qtype, int64_t cols, float *w) {
+    const int values = block_values(qtype), bytes = block_bytes(qtype);
+#if defined(__AVX512F__)
+    if (values == 32) {
+        for (int64_t k = 0; k < cols / 32; k++) {
+            __m512 v[2];
+            block32(row + k * bytes, qtype, v);
+            _mm512_storeu_ps(w + k * 32, v[0]);
+            _mm512_storeu_ps(w + k * 32 + 16, v[1]);
+        }
+        return;
+    }
+    for (int64_t k = 0; k < cols / 256; k++) block256(row + k * bytes, qtype, w + k * 256);
+    return;
+#endif
+    for (int64_t k = 0; k < cols / values; k++) {
+        const uint8_t *b = row + k * bytes;
+        float *out = w + k * values;
+        switch (qtype) {
+        case Q4_0: q4_0(b, out); break;
+        case Q4_1: q4_1(b, out); break;
+        case Q5_0: q5(b, b + 2, out, 0); break;
+        case Q5_1: q5(b, b + 4, out, 1); break;
+        case Q8_0: q8_0(b, out); break;
+        case Q4_K: qk_45(b, NULL, b + 16, out); break;
+        case Q5_K: qk_45(b, b + 16, b + 48, out); break;
+        case Q6_K: q6_k(b, out); break;
+        }
+    }
+}
+
+static float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float sum = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+    }
+    sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#elif defined(__AVX2__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+#endif
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* out [n, cols] = rows ids[i] (or first + i where ids is NULL) of the weight, decoded. */
+void quant_dequantize_rows(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t cols, const int64_t *ids,
+                           int64_t first, int64_t n, float *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++)
+        decode_row(blocks + (ids != NULL ? ids[i] : first + i) * row_bytes, qtype, cols, out + i * cols);
+}
+
+/* out [n, rows] = x [n, cols] times the weight [rows, cols] transposed. */
+void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t rows, int64_t cols, const float *x,
+                  int64_t n, float *out) {
+#pragma omp parallel
+    {
+        float *w = malloc(sizeof(float) * cols);
+        if (w == NULL) abort(); /* cols floats: a few KiB */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+#if defined(__AVX512F__)
+            if (block_values(qtype) == 32) {
+                dot_row32(blocks + r * row_bytes, qtype, cols, x, n, out + r, rows);
+                continue;
+            }
+#endif
+            decode_row(blocks + r * row_bytes, qtype, cols, w);
+            for (int64_t j = 0; j < n; j++) out[j * rows + r] = dot(w, x + j * cols, cols);
+        }
+        free(w);
+    }
+}
