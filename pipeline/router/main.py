@@ -32,7 +32,7 @@ class RouterConfig:
     prefix_blocks: int = 4  # leading full blocks that make a prompt's key
     health_interval_s: float = 0.5
     health_timeout_s: float = 2.0
-    stall_timeout_s: float = 30.0  # a stream silent this long, at least, gets its replica checked (pace.py)
+    stall_timeout_s: float = 30.0  # the least time a replica under a silent stream has to show a sign of life (stall.py)
 
     def __post_init__(self) -> None:
         StallRule(self.stall_timeout_s)  # a ValueError naming a bad one

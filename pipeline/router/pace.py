@@ -1,11 +1,10 @@
-"""A replica's observed pace, and the rule that says how long a silent stream from it is waited for
-before the router asks whether the replica is alive, and how long at most.
+"""A replica's observed pace, and the deadlines it gives a silent stream from it (stall.py).
 
 A replica's pace is the mean gap between two frames of one of its streams, learned from every
 frame the router reads from it (an exponentially weighted mean, so a machine that gets busy
-teaches it a slower pace within a few frames). A stream silent for `gaps` expected gaps, and never
-less than the floor (`--stall-timeout-s`), is worth a check; a stream silent for `limit` times
-that is taken for hung whatever the replica says of itself.
+teaches it a slower pace within a few frames). Its deadline is `gaps` expected gaps, never less
+than the floor (`--stall-timeout-s`): a replica under a silent stream must show a sign of life
+within it. A stream silent for `limit` deadlines is taken for hung whatever the replica says.
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ class Pace:
 
 @dataclass(frozen=True, slots=True)
 class StallRule:
-    floor_s: float  # a stream is never checked sooner than this
+    floor_s: float  # no deadline is shorter
     gaps: float = DEADLINE_GAPS
     limit: float = LIMIT_DEADLINES
 
@@ -37,7 +36,7 @@ class StallRule:
             raise ValueError(f"the stall timeout must be a positive number of seconds, got {self.floor_s!r}")
 
     def deadline_s(self, pace: Pace) -> float:
-        """How long a stream at `pace` may be silent before its replica is checked."""
+        """How long a replica at `pace` may show no sign of life under a silent stream."""
         return self.floor_s if pace.gap_s is None else max(self.floor_s, self.gaps * pace.gap_s)
 
     def limit_s(self, pace: Pace) -> float:
@@ -47,5 +46,5 @@ class StallRule:
     def describe(self, pace: Pace) -> str:
         """The expected pace and the deadline it gives, for a log line."""
         expected = "no frame seen yet" if pace.gap_s is None else f"a frame every {pace.gap_s:.3f} s"
-        return (f"expected {expected}, so checked after {self.deadline_s(pace):.1f} s (the larger of "
+        return (f"expected {expected}, so a deadline of {self.deadline_s(pace):.1f} s (the larger of "
                 f"{self.floor_s:g} s and {self.gaps:g} gaps)")

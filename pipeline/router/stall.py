@@ -2,13 +2,14 @@
 
 A replica that died is known by fact: its connection is refused, or a stream from it ends (EOF,
 reset) before its end. A stream that is only silent says nothing by itself: on a busy machine a
-healthy replica can fall silent for seconds. So a silence past the replica's deadline (pace.py)
-is a question, not a verdict: the replica's `/health` is asked, with as long to answer as the
-stream had. An answer of `200 {"status": "ok"}` means its server and its stages go round (the
-daemon reports a stage that stopped going round as degraded): it is slow, and the wait goes on,
-checked again each deadline, up to the rule's limit. No answer, or any other, means it is hung
-(a stopped process, a stuck server, stages the daemon itself calls stuck): the stream is taken
-for broken and fails over, as a stall verdict, which is not a death.
+healthy replica can fall silent for seconds. So silence is a question, not a verdict: once a
+stream has been silent for half its replica's deadline (pace.py), the replica's `/health` is
+asked, with the other half to answer. An answer of `200 {"status": "ok"}` is a sign of life: its
+server and its stages go round (the daemon reports a stage that stopped going round as
+degraded), so it is slow, and the wait goes on, the replica asked again half a deadline after
+each answer, up to the rule's limit. A replica that shows no sign of life for a whole deadline, no
+line on the stream and no ok answer (a stopped process, a stuck server, stages the daemon itself
+calls stuck), is taken for hung: the stream fails over, as a stall verdict, which is not a death.
 """
 from __future__ import annotations
 
@@ -52,30 +53,34 @@ class StallWatch:
 
     async def _wait(self, task: asyncio.Future[T], replica: Replica, since: float) -> T:
         slow = False
-        check_at = since + self.rule.deadline_s(replica.pace)
+        alive_at = since  # the replica's last sign of life: a line of the stream, or an ok /health
         while True:
-            done, _ = await asyncio.wait((task,), timeout=max(0.0, check_at - time.monotonic()))
-            if done:
+            deadline_s = self.rule.deadline_s(replica.pace)  # its other streams may teach a slower pace meanwhile
+            if await _done_by(task, alive_at + deadline_s / 2):
                 return task.result()
             silent_s = time.monotonic() - since
-            deadline_s = self.rule.deadline_s(replica.pace)  # its other streams may have taught a slower pace
-            if silent_s < deadline_s:
-                check_at = since + deadline_s
-                continue
             if silent_s >= self.rule.limit_s(replica.pace):
                 raise self._hung(replica, silent_s, f"it is past the limit of {self.rule.limit_s(replica.pace):.1f} s "
                                                     "of silence, though its /health answers")
-            healthy, why = await self.replicas.ask(self.session, replica.url, deadline_s)
+            asked = asyncio.ensure_future(self.replicas.ask(self.session, replica.url, deadline_s / 2))
+            try:
+                await asyncio.wait((task, asked), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not asked.done():
+                    asked.cancel()
             if task.done():
                 return task.result()
+            healthy, why = asked.result()
             if not healthy:
+                if await _done_by(task, alive_at + deadline_s):
+                    return task.result()
                 raise self._hung(replica, time.monotonic() - since, why)
+            alive_at = time.monotonic()
             if not slow:
                 slow = True
                 self.metrics.slow.labels(replica.url).inc()
                 log.info("backend %s: a stream from it has sent nothing for %.1f s (%s); its /health answers: "
                          "slow, not hung, still waited for", replica.url, silent_s, self.rule.describe(replica.pace))
-            check_at = time.monotonic() + deadline_s
 
     def _hung(self, replica: Replica, silent_s: float, why: str) -> Stalled:
         self.metrics.stalls.labels(replica.url).inc()
@@ -83,3 +88,9 @@ class StallWatch:
         log.warning("backend %s: a stream from it sent nothing for %.1f s (%s), and %s: taken for hung",
                     replica.url, silent_s, expected, why)
         return Stalled(f"a stream from it sent nothing for {silent_s:.1f} s ({expected}), and {why}")
+
+
+async def _done_by(task: asyncio.Future, at: float) -> bool:
+    """Whether `task` is done by `at` (time.monotonic()), waiting for it until then."""
+    done, _ = await asyncio.wait((task,), timeout=max(0.0, at - time.monotonic()))
+    return bool(done)

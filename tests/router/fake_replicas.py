@@ -32,7 +32,7 @@ class Stop:
 
 @dataclass(slots=True)
 class Pause:
-    """After `after` chunks, silent for `seconds` while /health answers, then the rest."""
+    """After `after` chunks, silent for `seconds` (or until woken) while /health answers, then the rest."""
 
     after: int
     seconds: float
@@ -81,7 +81,10 @@ class FakeReplica:
         for t in range(start, body["max_tokens"]):
             for index in range(n):
                 if isinstance(fault, Pause) and sent == fault.after:
-                    await asyncio.sleep(fault.seconds)
+                    try:
+                        await asyncio.wait_for(self.wake.wait(), fault.seconds)
+                    except TimeoutError:
+                        pass
                 elif isinstance(fault, Stop) and sent == fault.after:
                     self.stopped.set()
                     await self.wake.wait()

@@ -78,6 +78,23 @@ def test_a_stall_verdict_logs_the_pace_expected_and_the_silence_seen(tiny_model:
     assert "/health did not answer within" in verdicts[0], verdicts[0]
 
 
+def test_a_stream_silent_past_the_limit_is_hung_though_its_replica_answers(tiny_model: Path) -> None:
+    bodies: list[dict] = []
+    script = [Pause(2, 30.0)]  # silent far past the limit (10 deadlines of 0.1 s), its /health answering
+    fakes = [FakeReplica(script, bodies), FakeReplica(script, bodies)]
+
+    async def scenario(url: str, replicas: Replicas, urls: list[str], metrics: RouterMetrics) -> None:
+        texts, errors, _ = await stream(url, {"prompt": "hello", "max_tokens": 6})
+        assert errors == [] and texts == {0: WANT}
+        assert [b.get("resume_token_ids") for b in bodies] == [None, [0, 1]]
+        muted = next(u for u in urls if not replicas.by_url[u].healthy)
+        assert "past the limit of 1.0 s of silence" in replicas.by_url[muted].reason
+        assert counted(metrics, "pipeline:router_backend_slow_streams", muted) == 1
+        assert counted(metrics, "pipeline:router_backend_stall_verdicts", muted) == 1
+
+    asyncio.run(serve_fleet(tiny_model, fakes, scenario, stall_timeout_s=0.1))
+
+
 def test_the_poison_guard_counts_deaths_only_not_a_replica_taken_for_hung(tiny_model: Path) -> None:
     bodies: list[dict] = []
     # The first replica dies under the request, the second stops under its resumption (hung, not
