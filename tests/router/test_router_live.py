@@ -190,6 +190,20 @@ def complete_all(url: str, requests: list[dict]) -> list[str]:
     return asyncio.run(run())
 
 
+@pytest.fixture(scope="module")
+def references() -> dict[str, list[str]]:
+    """complete_all's texts by their requests, asked once per module (greedy or seeded: the same on
+    every replica), so that a test run many times does not ask again each time."""
+    return {}
+
+
+def reference_texts(references: dict[str, list[str]], url: str, requests: list[dict]) -> list[str]:
+    key = json.dumps(requests, sort_keys=True)
+    if key not in references:
+        references[key] = complete_all(url, requests)
+    return references[key]
+
+
 def verdicts(router_url: str, urls: list[str]) -> dict[str, tuple[float, float]]:
     """Each backend's (deaths, stall verdicts) as the router's /metrics counts them."""
     return {url: (scrape_metric(router_url, f'pipeline:router_backend_deaths_total{{backend="{url}"}}'),
@@ -197,7 +211,8 @@ def verdicts(router_url: str, urls: list[str]) -> dict[str, tuple[float, float]]
             for url in urls}
 
 
-def stopped_replica_failover(fleet, daemon_model: Path, tmp_path: Path, load: AbstractContextManager) -> None:
+def stopped_replica_failover(fleet, references: dict, daemon_model: Path, tmp_path: Path,
+                             load: AbstractContextManager) -> None:
     """SIGSTOP one replica under 9 streams: its streams go on elsewhere, every token once, and
     only it is taken for hung."""
     replicas, main_router = fleet
@@ -205,7 +220,7 @@ def stopped_replica_failover(fleet, daemon_model: Path, tmp_path: Path, load: Ab
     # however unevenly a loaded machine starts them (with 32 tokens they could all have ended).
     requests = [{"model": "default", "prompt": f"Stalled stream {i} says", "max_tokens": 96, "ignore_eos": True,
                  **({"temperature": 0} if i % 2 == 0 else {"temperature": 1.0, "seed": 200 + i})} for i in range(9)]
-    reference = complete_all(replicas[1].url, requests)
+    reference = reference_texts(references, replicas[1].url, requests)
     urls = [r.url for r in replicas]
     router = start_router(daemon_model, urls, tmp_path / "stall.log", "--stall-timeout-s", "2")
     victim = replicas[2]
@@ -232,13 +247,13 @@ def stopped_replica_failover(fleet, daemon_model: Path, tmp_path: Path, load: Ab
     wait_healthy(main_router, NUM_REPLICAS)  # the woken replica serves the module's router again
 
 
-def killed_replica_failover(fleet, load: AbstractContextManager) -> None:
+def killed_replica_failover(fleet, references: dict, load: AbstractContextManager) -> None:
     """SIGKILL one replica under 16 streams: its streams go on elsewhere, every token once, it
     leaves nothing behind, and only it is counted dead."""
     replicas, router = fleet
     requests = [{"model": "default", "prompt": f"Stream number {i} says", "max_tokens": 32, "ignore_eos": True,
                  **({"temperature": 0} if i % 2 == 0 else {"temperature": 1.0, "seed": 100 + i})} for i in range(16)]
-    reference = complete_all(replicas[1].url, requests)
+    reference = reference_texts(references, replicas[1].url, requests)
     urls = [r.url for r in replicas]
     failovers_before = scrape_metric(router.url, "pipeline:router_failovers_total")
     counts_before = verdicts(router.url, urls)
@@ -268,13 +283,13 @@ def killed_replica_failover(fleet, load: AbstractContextManager) -> None:
     assert complete(router.url, requests[0]) == reference[0]
 
 
-def test_a_replica_stopped_under_streams_is_failed_over_after_the_stall_timeout(fleet, daemon_model: Path,
+def test_a_replica_stopped_under_streams_is_failed_over_after_the_stall_timeout(fleet, references, daemon_model: Path,
                                                                                tmp_path: Path) -> None:
-    stopped_replica_failover(fleet, daemon_model, tmp_path, nullcontext())
+    stopped_replica_failover(fleet, references, daemon_model, tmp_path, nullcontext())
 
 
-def test_a_replica_killed_under_16_streams_costs_no_stream_a_token(fleet) -> None:
-    killed_replica_failover(fleet, nullcontext())
+def test_a_replica_killed_under_16_streams_costs_no_stream_a_token(fleet, references) -> None:
+    killed_replica_failover(fleet, references, nullcontext())
 
 
 # ---- the same on a busy machine: slow replicas are not taken for dead (make test-contention)
@@ -284,12 +299,13 @@ def test_a_replica_killed_under_16_streams_costs_no_stream_a_token(fleet) -> Non
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("run", runs())
 def test_failover_of_a_stopped_replica_under_cpu_contention_fails_no_healthy_request(
-        fleet, daemon_model: Path, tmp_path: Path, run: int) -> None:
-    stopped_replica_failover(fleet, daemon_model, tmp_path, cpu_contention())
+        fleet, references, daemon_model: Path, tmp_path: Path, run: int) -> None:
+    stopped_replica_failover(fleet, references, daemon_model, tmp_path, cpu_contention())
 
 
 @pytest.mark.contention
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("run", runs())
-def test_failover_of_a_killed_replica_under_cpu_contention_fails_no_healthy_request(fleet, run: int) -> None:
-    killed_replica_failover(fleet, cpu_contention())
+def test_failover_of_a_killed_replica_under_cpu_contention_fails_no_healthy_request(fleet, references,
+                                                                                   run: int) -> None:
+    killed_replica_failover(fleet, references, cpu_contention())
