@@ -34,6 +34,8 @@ class Stalled(Exception):
 
 
 class StallWatch:
+    """The router's judge of silent streams: one per router, shared by every request."""
+
     def __init__(self, rule: StallRule, session: aiohttp.ClientSession, replicas: Replicas,
                  metrics: RouterMetrics) -> None:
         self.rule = rule
