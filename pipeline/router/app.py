@@ -9,15 +9,17 @@ on through relay.py.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
 
 from pipeline.router.metrics import RouterMetrics
+from pipeline.router.pace import StallRule
 from pipeline.router.policy import Router
 from pipeline.router.prefix import PrefixKeyer, RouteKey
 from pipeline.router.relay import MAX_REPLICA_DEATHS, ChoiceState, StreamRelay
+from pipeline.router.stall import StallWatch
 from pipeline.router.upstream import UNREACHABLE, Refused, Sender, error_json
 from pipeline.serve.config import version
 from pipeline.serve.openai.app import error_response, json_response, openai_router, read_json_body
@@ -47,7 +49,12 @@ class RouterApi:
     router: Router
     keyer: PrefixKeyer
     metrics: RouterMetrics
-    stall_timeout_s: float | None = None  # see Sender
+    stall_timeout_s: float | None = None  # the floor of the stall rule (pace.py); None: a silent stream is waited for
+    watch: StallWatch | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.stall_timeout_s is not None:
+            self.watch = StallWatch(StallRule(self.stall_timeout_s), self.session, self.router.replicas, self.metrics)
 
     def app(self) -> AsgiRouter:
         return openai_router(completions=self.completions, chat_completions=self.chat_completions,
@@ -104,7 +111,7 @@ class RouterApi:
     def _sender(self, request: HttpRequest, path: str, key: RouteKey | None) -> Sender:
         headers = {"content-type": "application/json"}
         headers.update({name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers})
-        return Sender(self.session, self.router, self.metrics, path, headers, key, self.stall_timeout_s)
+        return Sender(self.session, self.router, self.metrics, path, headers, key, self.watch)
 
     async def _stream(self, sender: Sender, body: dict, states: list[ChoiceState],
                       parsed: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
@@ -113,7 +120,7 @@ class RouterApi:
                             include_usage=stream_usage(parsed), max_tokens=max_tokens,
                             count_prompt_tokens=count_prompt_tokens,
                             on_failover=self.metrics.failovers.inc,
-                            on_poisoned=self.metrics.failed.labels("replica_deaths").inc)
+                            on_failed=lambda reason: self.metrics.failed.labels(reason).inc())
         refused = await relay.open()
         if refused is not None:
             self.metrics.failed.labels("refused").inc()
@@ -136,7 +143,7 @@ class RouterApi:
                                 opened.response.headers.get("content-type", "application/json"))
             except UNREACHABLE:
                 opened.response.close()
-                self.router.replicas.mark(opened.replica.url, False, "it died while answering a request")
+                sender.died(opened.replica, "it died while answering a request")
                 deaths += 1
                 if deaths >= MAX_REPLICA_DEATHS:
                     self.metrics.failed.labels("replica_deaths").inc()

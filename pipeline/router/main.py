@@ -11,6 +11,7 @@ import uvloop
 
 from pipeline.router.app import RouterApi
 from pipeline.router.metrics import RouterMetrics
+from pipeline.router.pace import StallRule
 from pipeline.router.policy import Policy, Router
 from pipeline.router.prefix import PrefixKeyer
 from pipeline.router.replicas import Replicas
@@ -31,11 +32,10 @@ class RouterConfig:
     prefix_blocks: int = 4  # leading full blocks that make a prompt's key
     health_interval_s: float = 0.5
     health_timeout_s: float = 2.0
-    stall_timeout_s: float = 30.0  # a replica whose stream sends nothing this long is taken for broken
+    stall_timeout_s: float = 30.0  # the least time a replica under a silent stream has to show a sign of life (stall.py)
 
     def __post_init__(self) -> None:
-        if not self.stall_timeout_s > 0:
-            raise ValueError(f"the stall timeout must be a positive number of seconds, got {self.stall_timeout_s!r}")
+        StallRule(self.stall_timeout_s)  # a ValueError naming a bad one
 
 
 async def serve(config: RouterConfig) -> None:

@@ -26,10 +26,22 @@ class RouterMetrics:
                              ["backend"], registry=self.registry)
         self.sent = Counter("pipeline:router_backend_requests", "Upstream requests sent per backend.",
                             ["backend"], registry=self.registry)
+        # Why an upstream stream ended before its end: a death is a fact (a connection refused, reset or
+        # ended); a stall verdict is a judgement (silent past its deadline, and /health not ok).
+        self.deaths = Counter("pipeline:router_backend_deaths", "Upstream requests whose replica died under "
+                              "them (their connection ended or broke before their end).", ["backend"],
+                              registry=self.registry)
+        self.stalls = Counter("pipeline:router_backend_stall_verdicts", "Upstream streams taken for hung: silent "
+                              "past their replica's deadline, and its /health not ok (not deaths).", ["backend"],
+                              registry=self.registry)
+        self.slow = Counter("pipeline:router_backend_slow_streams", "Upstream streams silent past their replica's "
+                            "deadline whose replica answered /health ok: slow, waited for.", ["backend"],
+                            registry=self.registry)
         for url in backends:
             self.outstanding.labels(url).set(0)
             self.healthy.labels(url).set(0)
-            self.sent.labels(url)
+            for counter in (self.sent, self.deaths, self.stalls, self.slow):
+                counter.labels(url)
         for route in Route:
             self.routed.labels(route.value)
 

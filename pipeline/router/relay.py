@@ -2,8 +2,8 @@
 
 The router asks its replica for each chunk's token ids (the `return_token_ids` extension) and
 keeps, per choice, every token delivered to the client. When the replica's stream breaks before
-`[DONE]` (the replica died, or its connection did, or it sent nothing for the stall timeout: a
-stopped or hung process), every unfinished choice is resubmitted to
+`[DONE]` (the replica died or its connection did, or it was taken for hung: silent past its
+deadline while its /health did not answer ok, stall.py), every unfinished choice is resubmitted to
 another replica as its own request: the same body with n = 1, the choice's own seed and prompt,
 and the delivered tokens as `resume_token_ids`, which the daemon continues exactly as it resumes
 a request after a stage crash (seeded sampling, penalties, max_tokens and stop strings go on from
@@ -11,21 +11,28 @@ the output position). The resumed chunks are renumbered to the choice's index an
 response's id, so the client's stream goes on with no error and no token lost or repeated.
 
 A choice in flight on two replicas that died is not resubmitted a third time: like the daemon's
-poison guard, the router ends it with an error frame saying it may be what kills them.
+poison guard, the router ends it with an error frame saying it may be what kills them. Only deaths
+count: a replica taken for hung under it is not one (a slow machine proves nothing against the
+request). A choice under MAX_STALLS hung replicas in a row is ended too, so that a request that
+no replica serves does not go round the ring for ever.
 """
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
+from enum import Enum
 
 import msgspec
 
+from pipeline.router.stall import Stalled
 from pipeline.router.upstream import UNREACHABLE, Opened, Refused, Sender
 from pipeline.serve.openai.errors import OpenAIError, error_body
 
 MAX_REPLICA_DEATHS = 2  # deaths of replicas a choice was in flight on, before it is failed
+MAX_STALLS = 3  # replicas taken for hung in a row under a choice, before it is failed
 DONE = b"data: [DONE]\n\n"
 _DATA = b"data: "
 _TOKEN_IDS = re.compile(rb',"token_ids":\[[0-9,]*\]')  # JSON escapes quotes inside text: only the field matches
@@ -52,6 +59,14 @@ class _Chunk(msgspec.Struct):
 _chunk_decoder = msgspec.json.Decoder(_Chunk)
 
 
+class End(Enum):
+    """How an upstream stream ended."""
+
+    DONE = "done"  # its [DONE] came
+    DIED = "died"  # its connection ended or broke first: the replica died under it
+    HUNG = "hung"  # its replica was taken for hung (stall.py): not a death
+
+
 @dataclass(slots=True)
 class ChoiceState:
     index: int
@@ -59,7 +74,20 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     num_chars: int = 0  # of text delivered (completion logprobs' text_offset go on from it)
     finished: bool = False
-    deaths: int = 0
+    deaths: int = 0  # of replicas it was in flight on
+    stalls: int = 0  # replicas taken for hung under it since it last made progress
+
+
+def _given_up(choice: ChoiceState) -> tuple[str, str] | None:
+    """(reason, message) when `choice` is not resubmitted again: too many deaths under it, or
+    too many replicas in a row taken for hung."""
+    if choice.deaths >= MAX_REPLICA_DEATHS:
+        return "replica_deaths", (f"choice {choice.index} was in flight on {choice.deaths} replicas that died in a row; "
+                                  "it is not resubmitted again: it may be what kills them")
+    if choice.stalls >= MAX_STALLS:
+        return "replica_stalls", (f"choice {choice.index} was on {choice.stalls} replicas in a row that went silent "
+                                  "under it and were taken for hung; it is not resubmitted again")
+    return None
 
 
 @dataclass(slots=True)
@@ -75,7 +103,7 @@ class _Attempt:
 class StreamRelay:
     def __init__(self, sender: Sender, body: dict, choices: list[ChoiceState], *, client_wants_ids: bool,
                  include_usage: bool, max_tokens: int | None, count_prompt_tokens: Callable[[], int],
-                 on_failover: Callable[[], None], on_poisoned: Callable[[], None]) -> None:
+                 on_failover: Callable[[], None], on_failed: Callable[[str], None]) -> None:
         self.sender = sender
         self.body = body
         self.choices = choices
@@ -84,12 +112,12 @@ class StreamRelay:
         self.max_tokens = max_tokens
         self.count_prompt_tokens = count_prompt_tokens
         self.on_failover = on_failover
-        self.on_poisoned = on_poisoned
+        self.on_failed = on_failed  # with the reason the router ended a choice
         self.failed_over = False
         self.head: dict | None = None  # id, object, created, model of the response's chunks
         self._usage_frame: bytes | None = None
-        # frames, or (attempt, broken) when an upstream stream ended (attempt None: never opened)
-        self._queue: asyncio.Queue[bytes | tuple[_Attempt | None, bool]] = asyncio.Queue()
+        # frames, or (attempt, end) when an upstream stream ended (attempt None: never opened)
+        self._queue: asyncio.Queue[bytes | tuple[_Attempt | None, End]] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
         self._num_running = 0  # upstream streams whose end is not yet taken from the queue
         self._first: _Attempt | None = None
@@ -117,9 +145,9 @@ class StreamRelay:
                     yield item
                     continue
                 self._num_running -= 1
-                attempt, broken = item
-                if attempt is not None and broken:
-                    for frame in self._fail_over(attempt):
+                attempt, end = item
+                if attempt is not None and end is not End.DONE:
+                    for frame in self._fail_over(attempt, end):
                         yield frame
             if self.include_usage:
                 yield self._usage()
@@ -131,7 +159,7 @@ class StreamRelay:
     # ---- upstream streams
 
     def _spawn(self, stream: Coroutine[None, None, None]) -> None:
-        """Runs one upstream stream; it ends by putting (attempt, broken) on the queue."""
+        """Runs one upstream stream; it ends by putting (attempt, end) on the queue."""
         self._num_running += 1
         task = asyncio.ensure_future(stream)
         self._tasks.add(task)
@@ -139,32 +167,39 @@ class StreamRelay:
 
     async def _read(self, attempt: _Attempt) -> None:
         response, replica = attempt.opened.response, attempt.opened.replica
-        done = False
-        why = "a stream from it broke before its end"
+        end, why = End.DIED, "a stream from it broke before its end"
+        progress_at = time.monotonic()  # of the last line read
+        frame_at: float | None = None  # of the last frame read
         try:
-            while line := await asyncio.wait_for(response.content.readline(), self.sender.stall_timeout_s):
+            while line := await self.sender.wait(response.content.readline(), replica, progress_at):
+                progress_at = time.monotonic()
                 if not line.startswith(_DATA):
                     continue
+                if frame_at is not None:
+                    replica.pace.observe(progress_at - frame_at)
+                frame_at = progress_at
                 payload = line[len(_DATA):].rstrip(b"\r\n")
                 if payload == b"[DONE]":
-                    done = True
+                    end = End.DONE
                     break
                 frame = self._relay(attempt, payload)
                 if frame:
                     self._queue.put_nowait(frame)
-        except TimeoutError:
-            why = f"a stream from it sent nothing for {self.sender.stall_timeout_s:g} s"
+        except Stalled as stalled:
+            end, why = End.HUNG, str(stalled)
         except UNREACHABLE:
             pass
         finally:
-            if done:
+            if end is End.DONE:
                 response.release()
             else:
                 response.close()
             self.sender.end(replica)
-        if not done:
+        if end is End.DIED:
+            self.sender.died(replica, why)
+        elif end is End.HUNG:
             self.sender.router.replicas.mark(replica.url, False, why)
-        self._queue.put_nowait((attempt, not done))
+        self._queue.put_nowait((attempt, end))
 
     def _relay(self, attempt: _Attempt, payload: bytes) -> bytes | None:
         """The frame the client gets for one upstream chunk (None: nothing), and the choices'
@@ -183,6 +218,8 @@ class StreamRelay:
         for upstream in chunk.choices:
             choice = attempt.choices[upstream.index]
             choice.token_ids.extend(upstream.token_ids)
+            if upstream.token_ids:
+                choice.stalls = 0
             text = upstream.text if upstream.delta is None else upstream.delta.content
             choice.num_chars += len(text or "")
             if upstream.finish_reason is not None:
@@ -220,20 +257,23 @@ class StreamRelay:
 
     # ---- failover
 
-    def _fail_over(self, attempt: _Attempt) -> list[bytes]:
+    def _fail_over(self, attempt: _Attempt, end: End) -> list[bytes]:
         """Resubmits the broken stream's unfinished choices elsewhere; returns frames to send now
-        (the end of a choice that cannot go on)."""
+        (the end of a choice that cannot go on). Only a death counts against a choice's poison
+        guard; a replica taken for hung counts against MAX_STALLS, and only in a row."""
         frames = []
         for choice in attempt.choices.values():
             if choice.finished:
                 continue
-            choice.deaths += 1
-            if choice.deaths >= MAX_REPLICA_DEATHS:
+            if end is End.DIED:
+                choice.deaths += 1
+            else:
+                choice.stalls += 1
+            given_up = _given_up(choice)
+            if given_up is not None:
                 choice.finished = True
-                self.on_poisoned()
-                frames.append(self._error_frame(OpenAIError(
-                    503, f"choice {choice.index} was in flight on {choice.deaths} replicas that died in a row; it is "
-                         "not resubmitted again: it may be what kills them", code="stage_failed")))
+                self.on_failed(given_up[0])
+                frames.append(self._error_frame(OpenAIError(503, given_up[1], code="stage_failed")))
             elif self.max_tokens is not None and len(choice.token_ids) >= self.max_tokens:
                 choice.finished = True  # its last tokens came, its end did not
                 frames.append(self._finish_frame(choice, "length"))
@@ -254,7 +294,7 @@ class StreamRelay:
             self._queue.put_nowait(_DATA + opened.body + b"\n\n" if opened.body.startswith(b"{\"error\"") else
                                    self._error_frame(OpenAIError(503, f"resuming choice {choice.index} failed: "
                                                                       f"HTTP {opened.status}")))
-            self._queue.put_nowait((None, False))
+            self._queue.put_nowait((None, End.DONE))
             return
         attempt = _Attempt(opened, {0: choice}, resumed=True, base_chars={choice.index: choice.num_chars})
         await self._read(attempt)

@@ -1,21 +1,27 @@
 """The replicas behind the router: their health, as polled from each one's `/health`, and the
 requests the router has outstanding on each.
 
-A replica is in the ring while its last health check answered `200 {"status": "ok"}`. Anything
-else takes it out: no answer, a 503 (degraded, restarting, shutting down), or an answer that is
-not the daemon's JSON (a process on that port that is not a daemon is not trusted with requests).
-A replica whose stream broke under a request is taken out at once, before its next check.
+A replica is in the ring while its health checks answer `200 {"status": "ok"}`. Any other answer
+takes it out at once: a refused or broken connection (it is gone), a 503 (degraded, restarting,
+shutting down), or an answer that is not the daemon's JSON (a process on that port that is not a
+daemon is not trusted with requests). No answer within the timeout is not yet a verdict, as a
+busy machine answers late: it takes the replica out only when MISSED_CHECKS checks in a row go
+unanswered. A replica whose stream broke or hung under a request is taken out at once, before
+its next check.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
 
+from pipeline.router.pace import Pace
+
+MISSED_CHECKS = 2  # unanswered health checks in a row that take a replica out of the ring
 log = logging.getLogger("pipeline.router")
 
 
@@ -26,6 +32,8 @@ class Replica:
     reason: str = "not checked yet"
     outstanding: int = 0  # requests the router has on it now
     num_requests: int = 0  # requests the router sent it, failovers included
+    pace: Pace = field(default_factory=Pace)  # of its streams' frames, as the router read them
+    missed_checks: int = 0  # health checks in a row it did not answer in time
 
 
 class _HealthBody(msgspec.Struct):
@@ -83,14 +91,27 @@ class Replicas:
             log.warning("backend %s %s: %s", url, "joins the ring" if healthy else "leaves the ring", reason)
             self._on_change(url, healthy)
 
-    async def check(self, session: aiohttp.ClientSession, url: str) -> None:
+    async def ask(self, session: aiohttp.ClientSession, url: str, timeout_s: float) -> tuple[bool | None, str]:
+        """(healthy, why) from one `/health` request; healthy is None when no answer came in time."""
         try:
-            timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-            async with session.get(f"{url}/health", timeout=timeout) as response:
-                verdict = health_verdict(response.status, await response.content.read(64 * 1024))
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            verdict = (False, f"/health unreachable: {type(exc).__name__} {exc}".rstrip())
-        self.mark(url, *verdict)
+            async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+                return health_verdict(response.status, await response.content.read(64 * 1024))
+        except asyncio.TimeoutError:
+            return None, f"/health did not answer within {timeout_s:.1f} s"
+        except (aiohttp.ClientError, OSError) as exc:
+            return False, f"/health unreachable: {type(exc).__name__} {exc}".rstrip()
+
+    async def check(self, session: aiohttp.ClientSession, url: str) -> None:
+        healthy, why = await self.ask(session, url, self.timeout_s)
+        replica = self.by_url[url]
+        if healthy is None:
+            replica.missed_checks += 1
+            if replica.missed_checks < MISSED_CHECKS:
+                return
+            why = f"{why}, {replica.missed_checks} checks in a row"
+        else:
+            replica.missed_checks = 0
+        self.mark(url, bool(healthy), why)
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
         await asyncio.gather(*(self.check(session, url) for url in self.by_url))

@@ -2,15 +2,17 @@
 next, until one answers or none is left.
 
 A replica that cannot be reached, or that dies while a request is on it, leaves the ring at once
-(its health checks bring it back). So does one that hangs: a stream that opens, or sends
-nothing, for `stall_timeout_s` is taken for broken (relay.py fails it over). A 5xx answer (overloaded, restarting) sends the request to
-another replica; a 4xx is the request's own fault and is returned as it came.
+(its health checks bring it back). So does one taken for hung: a stream that opens, or goes on,
+silent past the replica's deadline while its /health does not answer ok (stall.py; relay.py fails
+it over). A 5xx answer (overloaded, restarting) sends the request to another replica; a 4xx is
+the request's own fault and is returned as it came.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-
-import asyncio
+from typing import TypeVar
 
 import aiohttp
 
@@ -18,9 +20,11 @@ from pipeline.router.metrics import RouterMetrics
 from pipeline.router.policy import Router
 from pipeline.router.prefix import RouteKey
 from pipeline.router.replicas import Replica
+from pipeline.router.stall import Stalled, StallWatch
 from pipeline.serve.openai.errors import OpenAIError, error_body
 
 UNREACHABLE = (aiohttp.ClientError, OSError, TimeoutError)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -48,14 +52,14 @@ class Sender:
     path: str
     headers: dict[str, str]
     key: RouteKey | None
-    stall_timeout_s: float | None = None  # a stream silent this long (opening or mid-way) is broken; None: never
+    watch: StallWatch | None = None  # judges a silent stream (opening or mid-way); None: waits for ever
     tried: set[str] = field(default_factory=set)
     num_attempts: int = 0
 
     async def open(self, body: bytes, *, stream: bool = False) -> Opened | Refused:
         """The first replica that answers 200 with its response (headers read, body not), else
         the last refusal (or a 503 when no replica is left to try). A `stream` whose replica
-        does not answer within the stall timeout is tried on the next."""
+        is taken for hung before it answers is tried on the next."""
         refused: Refused | None = None
         self.tried.clear()
         while True:
@@ -71,10 +75,13 @@ class Sender:
             self.metrics.sent.labels(replica.url).inc()
             replica.num_requests += 1
             self.begin(replica)
+            posted = self.session.post(replica.url + self.path, data=body, headers=self.headers)
             try:
-                response = await asyncio.wait_for(
-                    self.session.post(replica.url + self.path, data=body, headers=self.headers),
-                    self.stall_timeout_s if stream else None)
+                response = await (self.wait(posted, replica, time.monotonic()) if stream else posted)
+            except Stalled as stalled:
+                self.end(replica)
+                self.router.replicas.mark(replica.url, False, str(stalled))
+                continue
             except UNREACHABLE as exc:
                 self.end(replica)
                 self.router.replicas.mark(replica.url, False, f"unreachable: {type(exc).__name__} {exc}".rstrip())
@@ -91,6 +98,16 @@ class Sender:
                 self.end(replica)
             if response.status < 500:
                 return refused
+
+    async def wait(self, pending: Awaitable[T], replica: Replica, since: float) -> T:
+        """What `pending` (a step of a stream from `replica`) gives; Stalled when the replica is
+        taken for hung first. `since`: when the stream last made progress."""
+        return await (pending if self.watch is None else self.watch.wait(pending, replica, since))
+
+    def died(self, replica: Replica, why: str) -> None:
+        """`replica` died under a request: its connection ended or broke before the request's end."""
+        self.metrics.deaths.labels(replica.url).inc()
+        self.router.replicas.mark(replica.url, False, why)
 
     def begin(self, replica: Replica) -> None:
         replica.outstanding += 1

@@ -2,7 +2,8 @@
 direct request's (greedy and seeded, streamed or not, n, stop strings), errors pass through as a
 daemon gives them, prefix routing comes near perfect routing's hit rate, and a replica SIGKILLed
 or SIGSTOPped under live streams costs no stream a token (a killed one leaves no process and no
-/dev/shm name behind)."""
+/dev/shm name behind), and only it is counted dead or hung, on a quiet machine and on one whose
+CPU is oversubscribed (the `contention` tests)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,11 +12,13 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from contention import cpu_contention, runs
 from fleet import RouterProcess, restart_replica, start_replica, start_router, stop_replica, wait_healthy
 from live_daemon import REAL_BACKEND, daemon_model, process_tree, wait_nothing_left  # noqa: F401 - a fixture
 
@@ -187,22 +190,49 @@ def complete_all(url: str, requests: list[dict]) -> list[str]:
     return asyncio.run(run())
 
 
-def test_a_replica_stopped_under_streams_is_failed_over_after_the_stall_timeout(fleet, daemon_model: Path,
-                                                                               tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def references() -> dict[str, list[str]]:
+    """complete_all's texts by their requests, asked once per module (greedy or seeded: the same on
+    every replica), so that a test run many times does not ask again each time."""
+    return {}
+
+
+def reference_texts(references: dict[str, list[str]], url: str, requests: list[dict]) -> list[str]:
+    key = json.dumps(requests, sort_keys=True)
+    if key not in references:
+        references[key] = complete_all(url, requests)
+    return references[key]
+
+
+def verdicts(router_url: str, urls: list[str]) -> dict[str, tuple[float, float]]:
+    """Each backend's (deaths, stall verdicts) as the router's /metrics counts them."""
+    return {url: (scrape_metric(router_url, f'pipeline:router_backend_deaths_total{{backend="{url}"}}'),
+                  scrape_metric(router_url, f'pipeline:router_backend_stall_verdicts_total{{backend="{url}"}}'))
+            for url in urls}
+
+
+def stopped_replica_failover(fleet, references: dict, daemon_model: Path, tmp_path: Path,
+                             load: AbstractContextManager) -> None:
+    """SIGSTOP one replica under 9 streams: its streams go on elsewhere, every token once, and
+    only it is taken for hung."""
     replicas, main_router = fleet
     # Long enough that the victim's streams are still running when every stream has had text,
     # however unevenly a loaded machine starts them (with 32 tokens they could all have ended).
     requests = [{"model": "default", "prompt": f"Stalled stream {i} says", "max_tokens": 96, "ignore_eos": True,
                  **({"temperature": 0} if i % 2 == 0 else {"temperature": 1.0, "seed": 200 + i})} for i in range(9)]
-    reference = complete_all(replicas[1].url, requests)
-    router = start_router(daemon_model, [r.url for r in replicas], tmp_path / "stall.log", "--stall-timeout-s", "2")
+    reference = reference_texts(references, replicas[1].url, requests)
+    urls = [r.url for r in replicas]
+    router = start_router(daemon_model, urls, tmp_path / "stall.log", "--stall-timeout-s", "2")
     victim = replicas[2]
 
     try:
-        # SIGSTOP: alive, its connections open, silent.
-        results = asyncio.run(streams_with_a_signal(router.url, requests, victim.daemon.process.pid, signal.SIGSTOP))
+        with load:
+            # SIGSTOP: alive, its connections open, silent.
+            results = asyncio.run(streams_with_a_signal(router.url, requests, victim.daemon.process.pid,
+                                                        signal.SIGSTOP))
         failovers = scrape_metric(router.url, "pipeline:router_failovers_total")
-        victim_health = httpx.get(f"{router.url}/health").json()["backends"][victim.url]
+        counts = verdicts(router.url, urls)
+        health = httpx.get(f"{router.url}/health").json()["backends"]
     finally:
         os.kill(victim.daemon.process.pid, signal.SIGCONT)
         router.stop()
@@ -210,28 +240,72 @@ def test_a_replica_stopped_under_streams_is_failed_over_after_the_stall_timeout(
         assert errors == []
         assert (text, finish) == (want, "length")
     assert failovers > 0  # the prompts have no full block: least-load spread them, a third on the victim
-    assert victim_health["healthy"] is False
+    assert health[victim.url]["healthy"] is False
+    assert counts[victim.url][1] > 0 and counts[victim.url][0] == 0  # hung, not dead
+    assert all(counts[url] == (0, 0) for url in urls if url != victim.url), (counts, router.log_path.read_text())
+    assert all(health[url]["healthy"] for url in urls if url != victim.url), health
     wait_healthy(main_router, NUM_REPLICAS)  # the woken replica serves the module's router again
 
 
-def test_a_replica_killed_under_16_streams_costs_no_stream_a_token(fleet) -> None:
+def killed_replica_failover(fleet, references: dict, load: AbstractContextManager) -> None:
+    """SIGKILL one replica under 16 streams: its streams go on elsewhere, every token once, it
+    leaves nothing behind, and only it is counted dead."""
     replicas, router = fleet
     requests = [{"model": "default", "prompt": f"Stream number {i} says", "max_tokens": 32, "ignore_eos": True,
                  **({"temperature": 0} if i % 2 == 0 else {"temperature": 1.0, "seed": 100 + i})} for i in range(16)]
-    reference = complete_all(replicas[1].url, requests)
+    reference = reference_texts(references, replicas[1].url, requests)
+    urls = [r.url for r in replicas]
     failovers_before = scrape_metric(router.url, "pipeline:router_failovers_total")
+    counts_before = verdicts(router.url, urls)
     victim = replicas[0]
     tree = process_tree(victim.daemon.process.pid)
 
-    results = asyncio.run(streams_with_a_signal(router.url, requests, victim.daemon.process.pid, signal.SIGKILL))
-    victim.daemon.process.wait(timeout=10)
-    wait_nothing_left(victim.daemon, tree, time.monotonic())  # no start on its socket needed
-    for (text, finish, errors), want in zip(results, reference):
-        assert errors == []
-        assert (text, finish) == (want, "length")
-    assert scrape_metric(router.url, "pipeline:router_failovers_total") > failovers_before  # some were on the victim
-    health = httpx.get(f"{router.url}/health").json()
-    assert health["backends"][victim.url]["healthy"] is False
-    replicas[0] = restart_replica(victim)
+    try:
+        with load:
+            results = asyncio.run(streams_with_a_signal(router.url, requests, victim.daemon.process.pid,
+                                                        signal.SIGKILL))
+        victim.daemon.process.wait(timeout=10)
+        wait_nothing_left(victim.daemon, tree, time.monotonic())  # no start on its socket needed
+        for (text, finish, errors), want in zip(results, reference):
+            assert errors == []
+            assert (text, finish) == (want, "length")
+        assert scrape_metric(router.url, "pipeline:router_failovers_total") > failovers_before  # some were on it
+        counts = verdicts(router.url, urls)
+        assert counts[victim.url][0] > counts_before[victim.url][0]  # its deaths, as a fact
+        assert all(counts[url] == counts_before[url] for url in urls if url != victim.url), counts
+        health = httpx.get(f"{router.url}/health").json()
+        assert health["backends"][victim.url]["healthy"] is False
+        assert all(health["backends"][url]["healthy"] for url in urls if url != victim.url), health
+    finally:
+        if victim.daemon.process.poll() is not None:  # killed: the module's fleet gets it back either way
+            replicas[0] = restart_replica(victim)
     wait_healthy(router, NUM_REPLICAS)
     assert complete(router.url, requests[0]) == reference[0]
+
+
+def test_a_replica_stopped_under_streams_is_failed_over_after_the_stall_timeout(fleet, references, daemon_model: Path,
+                                                                               tmp_path: Path) -> None:
+    stopped_replica_failover(fleet, references, daemon_model, tmp_path, nullcontext())
+
+
+def test_a_replica_killed_under_16_streams_costs_no_stream_a_token(fleet, references) -> None:
+    killed_replica_failover(fleet, references, nullcontext())
+
+
+# ---- the same on a busy machine: slow replicas are not taken for dead (make test-contention)
+
+
+@pytest.mark.contention
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("run", runs())
+def test_failover_of_a_stopped_replica_under_cpu_contention_fails_no_healthy_request(
+        fleet, references, daemon_model: Path, tmp_path: Path, run: int) -> None:
+    stopped_replica_failover(fleet, references, daemon_model, tmp_path, cpu_contention())
+
+
+@pytest.mark.contention
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("run", runs())
+def test_failover_of_a_killed_replica_under_cpu_contention_fails_no_healthy_request(fleet, references,
+                                                                                   run: int) -> None:
+    killed_replica_failover(fleet, references, cpu_contention())

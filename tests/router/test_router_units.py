@@ -1,27 +1,21 @@
 """The router's parts in one process: the ring and its load bound, the policies, health verdicts,
-and stream failover against fake replicas (aiohttp servers that speak the daemon's SSE with
-token ids, and die mid-stream when told to)."""
+and stream failover against fake replicas (fake_replicas.py)."""
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Callable
 from pathlib import Path
 
-import aiohttp
-import httpx
 import numpy as np
 import pytest
-from aiohttp import web
+from fake_replicas import (FakeReplica, Stop, counted, replicas_and_router, serve_fleet, stream,  # noqa: F401 - a fixture
+                           tiny_model)
 
 from pipeline.models.tiny_model import make_tiny_model
-from pipeline.router.app import RouterApi
 from pipeline.router.metrics import RouterMetrics
-from pipeline.router.policy import Policy, Route, Router
+from pipeline.router.policy import Policy, Route
 from pipeline.router.prefix import PrefixKeyer, RouteKey
 from pipeline.router.replicas import Replicas, health_verdict
 from pipeline.router.ring import MIN_LOAD_BOUND, HashRing
-from pipeline.serve.http import HttpListener, bind
 from pipeline.serve.openai.params import derive_seed
 from stages.scheduler.block_manager import hash_block
 
@@ -79,16 +73,8 @@ def one_block(block: bytes) -> RouteKey:
     return RouteKey(block, (block,))
 
 
-def _replicas(urls: list[str]) -> tuple[Replicas, Router]:
-    holder: list[Router] = []
-    replicas = Replicas(urls, lambda url, healthy: holder[0].on_change(url, healthy), interval_s=0.1, timeout_s=1)
-    router = Router(replicas, Policy.PREFIX, 0.25)
-    holder.append(router)
-    return replicas, router
-
-
 def test_policies_choose_among_healthy_replicas_only() -> None:
-    replicas, router = _replicas(["http://a:1", "http://b:1", "http://c:1"])
+    replicas, router = replicas_and_router(["http://a:1", "http://b:1", "http://c:1"])
     assert router.choose(one_block(b"k")) is None  # none checked healthy yet
     for url in replicas.by_url:
         replicas.mark(url, True, "ok")
@@ -123,7 +109,7 @@ def test_policies_choose_among_healthy_replicas_only() -> None:
 
 
 def test_conversations_that_share_their_first_blocks_each_go_where_their_own_history_went() -> None:
-    replicas, router = _replicas(["http://a:1", "http://b:1", "http://c:1"])
+    replicas, router = replicas_and_router(["http://a:1", "http://b:1", "http://c:1"])
     for url in replicas.by_url:
         replicas.mark(url, True, "ok")
     system = [b"system-1", b"system-2"]  # a long shared system prompt: the same ring key for both
@@ -154,145 +140,51 @@ def test_a_health_answer_that_is_not_the_daemons_is_not_trusted(status: int, bod
 # ---- failover against fake replicas
 
 
-class FakeReplica:
-    """Streams tokens `len(resume_token_ids)` .. max_tokens - 1, one per chunk, each token t as
-    text "t<t> " with its id; dies after `die_after` chunks of a request when a script says so, or
-    (`stall`) goes silent then, its connection open, as a stopped process would."""
-
-    def __init__(self, deaths: list[int | None], bodies: list[dict], health_body: bytes = b'{"status": "ok"}',
-                 stall: bool = False) -> None:
-        self.deaths, self.bodies, self.health_body, self.stall = deaths, bodies, health_body, stall
-        self.stalled = asyncio.Event()
-        self.wake = asyncio.Event()  # ends a stall
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/health", self.health)
-        app.router.add_post("/v1/completions", self.completions)
-        return app
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.health_body, content_type="application/json")
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.bodies.append(body)
-        die_after = self.deaths.pop(0) if self.deaths else None
-        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await response.prepare(request)
-        n = body.get("n", 1)
-        start = len(body.get("resume_token_ids") or [])
-        sent = 0
-        for t in range(start, body["max_tokens"]):
-            for index in range(n):
-                if die_after is not None and sent == die_after:
-                    if self.stall:
-                        self.stalled.set()
-                        await self.wake.wait()
-                    request.transport.close()
-                    return response
-                last = t == body["max_tokens"] - 1
-                chunk = {"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": "default",
-                         "choices": [{"text": f"t{t} ", "index": index, "logprobs": None,
-                                      "finish_reason": "length" if last else None, "token_ids": [t]}]}
-                await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
-                sent += 1
-            await asyncio.sleep(0.001)
-        await response.write(b"data: [DONE]\n\n")
-        return response
-
-
-async def _serve_fleet(model: Path, fakes: list[FakeReplica], scenario: Callable,
-                       stall_timeout_s: float | None = None) -> None:
-    runners = []
-    urls = []
-    for fake in fakes:
-        runner = web.AppRunner(fake.app())
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
-    replicas, router = _replicas(urls)
-    async with aiohttp.ClientSession() as session:
-        await replicas.check_all(session)
-        api = RouterApi(session, router, PrefixKeyer(model, 16, 4), RouterMetrics(urls), stall_timeout_s)
-        listener = HttpListener(api.app(), bind("127.0.0.1", 0))
-        await listener.start()
-        try:
-            await scenario(listener.url, replicas, urls)
-        finally:
-            await listener.stop()
-            for runner in runners:
-                await runner.cleanup()
-
-
-async def _stream(url: str, request: dict) -> tuple[dict[int, str], list[str], list[int]]:
-    texts: dict[int, str] = {}
-    errors: list[str] = []
-    ids: list[int] = []
-    async with httpx.AsyncClient(timeout=20) as client:
-        async with client.stream("POST", f"{url}/v1/completions", json={**request, "stream": True}) as response:
-            assert response.status_code == 200
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    errors.append(chunk["error"]["message"])
-                    continue
-                assert chunk["id"] == "cmpl-fake"
-                for choice in chunk["choices"]:
-                    texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
-                    ids.extend(choice.get("token_ids", []))
-    return texts, errors, ids
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("router-units"), "llama", seed=3)
-
-
 def test_a_stream_whose_replica_dies_goes_on_elsewhere_with_every_token_once(tiny_model: Path) -> None:
     bodies: list[dict] = []
     deaths = [5]  # the first request dies after 5 chunks (choice 0 has 3 tokens, choice 1 has 2); the rest live
     fakes = [FakeReplica(deaths, bodies), FakeReplica(deaths, bodies)]
 
-    async def scenario(url: str, replicas: Replicas, urls: list[str]) -> None:
-        texts, errors, ids = await _stream(url, {"prompt": "hello", "max_tokens": 6, "n": 2, "seed": 11})
+    async def scenario(url: str, replicas: Replicas, urls: list[str], metrics: RouterMetrics) -> None:
+        texts, errors, ids = await stream(url, {"prompt": "hello", "max_tokens": 6, "n": 2, "seed": 11})
         want = "".join(f"t{t} " for t in range(6))
         assert errors == [] and texts == {0: want, 1: want} and ids == []  # token ids only when asked
         first_url = next(u for u in urls if not replicas.by_url[u].healthy)  # left the ring when it broke
-        assert first_url
+        assert counted(metrics, "pipeline:router_backend_deaths", first_url) == 1
+        assert counted(metrics, "pipeline:router_backend_stall_verdicts", first_url) == 0
         resumed = sorted(bodies[1:], key=lambda b: len(b["resume_token_ids"]))
         assert [b["resume_token_ids"] for b in resumed] == [[0, 1], [0, 1, 2]]
         assert all(b["n"] == 1 and b["return_token_ids"] is True for b in resumed)
         assert sorted(b["seed"] for b in resumed) == sorted([11, derive_seed(11, 1)])
 
-    asyncio.run(_serve_fleet(tiny_model, fakes, scenario))
+    asyncio.run(serve_fleet(tiny_model, fakes, scenario))
 
 
 def test_a_stream_whose_replica_stalls_goes_on_elsewhere_after_the_stall_timeout(tiny_model: Path) -> None:
     bodies: list[dict] = []
-    deaths = [3]  # the first request goes silent after 3 chunks, its connection open; the rest live
-    fakes = [FakeReplica(deaths, bodies, stall=True), FakeReplica(deaths, bodies, stall=True)]
+    script = [Stop(3)]  # the first request's replica stops after 3 chunks, its connection open; the rest live
+    fakes = [FakeReplica(script, bodies), FakeReplica(script, bodies)]
     stall_timeout_s = 0.3
 
-    async def scenario(url: str, replicas: Replicas, urls: list[str]) -> None:
+    async def scenario(url: str, replicas: Replicas, urls: list[str], metrics: RouterMetrics) -> None:
         try:
-            texts, errors, _ = await _stream(url, {"prompt": "hello", "max_tokens": 6, "seed": 5})
+            texts, errors, _ = await stream(url, {"prompt": "hello", "max_tokens": 6, "seed": 5})
         finally:
             for fake in fakes:
                 fake.wake.set()
         # The stream ended while the stalled replica was still silent: the router did not wait for it.
         assert errors == [] and texts == {0: "".join(f"t{t} " for t in range(6))}
-        stalled = next(fake for fake in fakes if fake.stalled.is_set())
+        stalled = next(fake for fake in fakes if fake.stopped.is_set())
         stalled_url = urls[fakes.index(stalled)]
         assert not replicas.by_url[stalled_url].healthy
-        assert replicas.by_url[stalled_url].reason == f"a stream from it sent nothing for {stall_timeout_s:g} s"
+        reason = replicas.by_url[stalled_url].reason
+        assert reason.startswith("a stream from it sent nothing for ") and "/health did not answer" in reason, reason
+        # A stall verdict, counted apart from deaths.
+        assert counted(metrics, "pipeline:router_backend_stall_verdicts", stalled_url) == 1
+        assert counted(metrics, "pipeline:router_backend_deaths", stalled_url) == 0
         assert [b.get("resume_token_ids") for b in bodies] == [None, [0, 1, 2]] and bodies[1]["seed"] == 5
 
-    asyncio.run(_serve_fleet(tiny_model, fakes, scenario, stall_timeout_s))
+    asyncio.run(serve_fleet(tiny_model, fakes, scenario, stall_timeout_s))
 
 
 def test_a_choice_in_flight_on_two_replicas_that_die_fails_clearly(tiny_model: Path) -> None:
@@ -300,13 +192,13 @@ def test_a_choice_in_flight_on_two_replicas_that_die_fails_clearly(tiny_model: P
     deaths = [2, 1]  # the first request dies after 2 chunks, its resubmission after 1
     fakes = [FakeReplica(deaths, bodies), FakeReplica(deaths, bodies), FakeReplica(deaths, bodies)]
 
-    async def scenario(url: str, replicas: Replicas, urls: list[str]) -> None:
-        texts, errors, _ = await _stream(url, {"prompt": "hello", "max_tokens": 6})
+    async def scenario(url: str, replicas: Replicas, urls: list[str], metrics: RouterMetrics) -> None:
+        texts, errors, _ = await stream(url, {"prompt": "hello", "max_tokens": 6})
         assert texts == {0: "t0 t1 t2 "}  # two tokens, then one more from the second replica
         assert len(errors) == 1 and "in flight on 2 replicas that died in a row" in errors[0]
         assert len(bodies) == 2  # not sent to the third
 
-    asyncio.run(_serve_fleet(tiny_model, fakes, scenario))
+    asyncio.run(serve_fleet(tiny_model, fakes, scenario))
 
 
 def test_a_replica_answering_garbage_health_gets_no_request(tiny_model: Path) -> None:
@@ -314,12 +206,12 @@ def test_a_replica_answering_garbage_health_gets_no_request(tiny_model: Path) ->
     bodies_bad: list[dict] = []
     fakes = [FakeReplica([], bodies_good), FakeReplica([], bodies_bad, health_body=b"I am not a daemon")]
 
-    async def scenario(url: str, replicas: Replicas, urls: list[str]) -> None:
+    async def scenario(url: str, replicas: Replicas, urls: list[str], metrics: RouterMetrics) -> None:
         assert [r.healthy for r in replicas.by_url.values()] == [True, False]
         assert "not the daemon's health JSON" in replicas.by_url[urls[1]].reason
         for _ in range(4):
-            texts, errors, _ = await _stream(url, {"prompt": "hello", "max_tokens": 2})
+            texts, errors, _ = await stream(url, {"prompt": "hello", "max_tokens": 2})
             assert texts == {0: "t0 t1 "} and errors == []
         assert len(bodies_good) == 4 and bodies_bad == []
 
-    asyncio.run(_serve_fleet(tiny_model, fakes, scenario))
+    asyncio.run(serve_fleet(tiny_model, fakes, scenario))
