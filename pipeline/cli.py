@@ -134,6 +134,8 @@ def _status(args: argparse.Namespace) -> int:
         print(f"  {name}: {state}")
     print(f"recovery: {stats.num_resumed_requests} requests resumed after stage restarts, "
           f"{stats.num_guard_failed_requests} failed by the poison guard")
+    print(f"faults: {stats.num_stage_deaths} stage deaths, {stats.num_stall_verdicts} stall verdicts "
+          f"(a live stage taken for hung; nothing restarts for one)")
     print(f"requests: {stats.num_running_requests} running, {stats.num_waiting_requests} waiting, "
           f"{stats.num_finished_requests} finished, {stats.num_overloaded_requests} refused as overloaded "
           f"(limit {stats.max_in_flight_requests} in flight)")

@@ -70,8 +70,9 @@ def add_daemon_options(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM or `pipeline stop`, how long requests in flight may take to finish "
                              "before they are aborted (default %(default)s)")
     parser.add_argument("--stall-seconds", type=seconds, default=defaults.stall_s,
-                        help="`status` reports degraded when a stage's loop has not gone round for this long (at least 1) "
-                             "(default %(default)s)")
+                        help="`status` reports degraded when a live stage's loop has not gone round for this long, or "
+                             "for twice the slowest gap between beats the stages showed in the last minute if that "
+                             "is longer: the floor of the stall limit (at least 1) (default %(default)s)")
     parser.add_argument("--max-waiting", type=non_negative_int, default=defaults.max_waiting,
                         help="requests admitted beyond --max-num-seqs; more in flight get `overloaded` "
                              "(default %(default)s)")

@@ -266,6 +266,8 @@ class StatsReply(_SpeculativeFields, tag="stats_reply"):
     special_token_ids: list[int] = msgspec.field(default_factory=list)  # ids a prompt of text never holds
     num_resumed_requests: int = 0  # resubmitted to restarted stages after a crash (each time counts)
     num_guard_failed_requests: int = 0  # ended by the poison guard: in flight through two crashes of a stage
+    num_stage_deaths: int = 0  # stage failures: a stage process exited (each parked the requests in flight)
+    num_stall_verdicts: int = 0  # a live stage taken for hung (pipeline/serve/stalls.py): not a death, nothing restarts
 
     @property
     def speculative(self) -> SpeculativeCounts:

@@ -38,7 +38,7 @@ log = logging.getLogger("pipeline.engine.supervision")
 # its stages are then spawned, not forked.
 SESSION_ENV = "PIPELINE_NSYS_SESSION"
 READY_POLL_S = 0.01
-KILL_GRACE_S = 1.0
+KILL_GRACE_S = 1.0  # how long stop() lets a stage take to end after SIGTERM, then after SIGKILL
 REAP_WAIT_S = 1.0  # how long a stage seen dead may take to become reapable (its threads exiting)
 # multiprocessing's exit code for a child whose forkserver died: the server reports each child's
 # exit, and with it gone the report is lost, though the child (a stage) may well run on.
@@ -118,17 +118,20 @@ class StageProcesses:
         return True
 
     def _kill(self, indexes: list[int]) -> None:
-        """SIGKILLs the stages at `indexes` and waits until they are gone."""
-        deadline = time.monotonic() + KILL_GRACE_S
+        """SIGKILLs the stages at `indexes` and waits until they are gone, by their pids: a killed
+        process always ends, though on a busy machine its many threads may take seconds to, so
+        the wait is bounded by the stages' start timeout, not by a guess of how fast that is."""
+        timeout_s = self.config.start_timeout_s
+        deadline = time.monotonic() + timeout_s
         for index in indexes:
             _signal(self.procs[index][1], signal.SIGKILL)
         for index in indexes:
             process = self.procs[index][1]
-            process.join(max(0.0, deadline - time.monotonic()))
             while pid_alive(process.pid or 0) and time.monotonic() < deadline:
-                time.sleep(READY_POLL_S)
+                process.join(READY_POLL_S)  # by the pid: a stopped forkserver never reports its exit
+            process.join(0)  # reaps a child of our own
             if pid_alive(process.pid or 0):
-                raise StageFailed(f"stage {self.procs[index][0]!r} outlived SIGKILL for {KILL_GRACE_S:g} s",
+                raise StageFailed(f"stage {self.procs[index][0]!r} outlived SIGKILL for {timeout_s:g} s",
                                   stage=self.procs[index][0])
 
     def _wait_taken_up(self, indexes: list[int], generation: int) -> None:

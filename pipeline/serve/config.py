@@ -26,7 +26,7 @@ class DaemonConfig:
     """How the daemon serves, as opposed to how the engine runs (EngineConfig)."""
 
     grace_s: float = DEFAULT_GRACE_S  # on SIGTERM, how long requests in flight may take to finish
-    stall_s: float = DEFAULT_STALL_S  # a stage whose loop has not gone round for this long is stuck
+    stall_s: float = DEFAULT_STALL_S  # the stall limit's floor; the stages' pace may raise it (stalls.py)
     max_waiting: int = DEFAULT_MAX_WAITING  # requests admitted beyond max_num_seqs
     max_restarts: int = 5  # stage restarts allowed within restart_window_s
     restart_window_s: float = 600.0

@@ -220,7 +220,8 @@ def run_daemon(config: EngineConfig, socket_path: Path | str, backend_factory: B
             raise
         loop = uvloop.new_event_loop()
         server = DaemonServer(backend, config.max_num_seqs, settings, model)
-        supervisor = StageSupervisor(backend, backend_factory, config, settings.restart_policy(), server, loop)
+        supervisor = StageSupervisor(backend, backend_factory, config, settings.restart_policy(), server, loop,
+                                     server.stalls)
         try:
             loop.run_until_complete(_serve(server, supervisor, socket_path, ready, http_socket))
         finally:

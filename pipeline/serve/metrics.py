@@ -50,6 +50,10 @@ STATS_TOTALS = (
      "num_resumed_requests"),
     ("pipeline:requests_failed_by_guard", "Requests ended because they were in flight during two crashes of one "
      "stage.", "num_guard_failed_requests"),
+    ("pipeline:stage_deaths", "Stage failures: a stage process exited, known by its exit status or pid.",
+     "num_stage_deaths"),
+    ("pipeline:stage_stall_verdicts", "Times a live stage was taken for hung: its loop had not gone round within "
+     "the limit its pace allows. Not deaths: nothing restarts for one.", "num_stall_verdicts"),
     ("pipeline:spec_decode_num_draft_tokens", "Speculative draft tokens verified.", "num_draft_tokens"),
     ("pipeline:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.", "num_accepted_tokens"),
     ("pipeline:spec_decode_num_verifications", "Steps of a request that verified speculative drafts.",

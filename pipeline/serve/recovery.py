@@ -7,10 +7,14 @@ with the same params. The stages admit it as they re-admit a preempted request, 
 min_tokens, penalties, seeded sampling (a function of seed and output position) and stop strings
 carry on exactly: the client's stream pauses, and goes on as if nothing had happened.
 
-A request in flight during two crashes in a row of the same stage may be what crashes it: the
-guard fails it, and the others resume. A tokenizer worker holds a request only until it passes it
-on, so a tokenizer crash suspects only requests the stages have not answered since they were
-(last) submitted; every other stage holds every request in flight.
+A request in flight during two crashes in a row of the same stage, with no output delivered
+between them, may be what crashes it: the guard fails it, and the others resume. One that the
+fresh stages served (a token delivered after its resubmission) went past whatever it met at the
+first crash, so the second is not counted against it. Only deaths count: the supervisor parks
+requests when a stage process has exited, never when one is merely slow (a stall verdict,
+stalls.py, is no crash). A tokenizer worker holds a request only until it passes it on, so a
+tokenizer crash suspects only requests the stages have not answered since they were (last)
+submitted; every other stage holds every request in flight.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ class ResumeState:
     submitted: bool = False  # to the backend now serving (a parked request waits for fresh stages)
     answered: bool = False  # the backend now serving has sent an event for it: it is past the tokenizer
     last_suspected_crash: int = 0  # the crash (counted from 1) it was last in flight for; 0: none
+    tokens_at_suspected_crash: int = 0  # the outputs it had delivered at that crash
 
 
 class Resumable(Protocol):
@@ -64,8 +69,8 @@ class Recovery:
 
     def park(self, stage: str | None, in_flight: Iterable[R]) -> list[R]:
         """Counts a crash of `stage` (None: unknown) with `in_flight` requests; returns those the
-        guard fails: in flight during the previous crash too, which was of the same stage. The
-        others wait for `resume`."""
+        guard fails: in flight during the previous crash too, which was of the same stage, with no
+        output delivered since. The others wait for `resume`."""
         stage = stage or UNKNOWN_STAGE
         self.num_crashes += 1
         repeated = stage == self._last_crash_stage
@@ -75,9 +80,11 @@ class Recovery:
         for request in in_flight:
             state = request.resume
             if state.submitted and not (state.answered and stage.startswith(INTAKE_STAGE)):
-                if repeated and state.last_suspected_crash == self.num_crashes - 1:
+                delivered = len(request.token_ids)
+                if (repeated and state.last_suspected_crash == self.num_crashes - 1
+                        and delivered == state.tokens_at_suspected_crash):
                     failed.append(request)
-                state.last_suspected_crash = self.num_crashes
+                state.last_suspected_crash, state.tokens_at_suspected_crash = self.num_crashes, delivered
             state.submitted = state.answered = False
         self.num_failed_by_guard += len(failed)
         return failed
@@ -85,7 +92,8 @@ class Recovery:
     @staticmethod
     def guard_message(reason: str, stage: str | None) -> str:
         return (f"{reason}; the request was in flight during this crash and the one before it, both of stage "
-                f"{stage or UNKNOWN_STAGE!r}, so it is not resumed: it may be what crashes it")
+                f"{stage or UNKNOWN_STAGE!r}, with no output delivered between them, so it is not resumed: it may "
+                f"be what crashes it")
 
     def resume(self, backend: Backend, parked: dict[int, R]) -> list[tuple[R, str]]:
         """Resubmits every parked request (by req_id, in the order they came) to fresh stages; a

@@ -28,6 +28,7 @@ from pipeline.serve.metrics import Metrics
 from pipeline.serve.model import ServedModel
 from pipeline.serve.recovery import Recovery, ResumeState
 from pipeline.serve.requests import Connection, FlushLater, Request
+from pipeline.serve.stalls import StallJudge
 from pipeline.serve.status import health_reply, stats_reply
 from pipeline.serve.token_routing import route_token_texts
 from shm.ring import RecordTooLarge
@@ -64,6 +65,7 @@ class DaemonServer:
         self.model = model
         self.metrics = Metrics(model.name if model is not None else "default")
         self.recovery = Recovery()
+        self.stalls = StallJudge(config.stall_s)  # the supervisor's thread and health() feed it
         self.max_unread_bytes = config.max_unread_bytes
         self.max_num_seqs = max_num_seqs
         self.max_in_flight_requests = max_num_seqs + config.max_waiting

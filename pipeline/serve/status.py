@@ -14,6 +14,7 @@ from pipeline.protocol import HealthReply, StatsReply
 from pipeline.serve.config import DaemonConfig, version
 from pipeline.serve.model import ServedModel
 from pipeline.serve.recovery import Recovery
+from pipeline.serve.stalls import StallJudge
 
 
 class ServerState(Protocol):
@@ -23,6 +24,7 @@ class ServerState(Protocol):
     backend: Backend | None
     model: ServedModel | None
     recovery: Recovery
+    stalls: StallJudge
     state: Enum  # its value: "serving", "restarting" or "down"
     started_at: float
     shutting_down: bool
@@ -38,7 +40,8 @@ class ServerState(Protocol):
 
 
 def health_reply(server: ServerState) -> HealthReply:
-    """"ok" only while every stage lives and none has stalled, with no restart under way."""
+    """"ok" only while every stage lives and none is taken for hung (stalls.py: past the limit its
+    pace allows), with no restart under way."""
     config = server.config
     reply = HealthReply("ok", version(), time.monotonic() - server.started_at, num_restarts=server.num_restarts,
                         last_failure=server.last_failure, shutdown_grace_s=config.grace_s, http_url=server.http_url,
@@ -57,15 +60,15 @@ def health_reply(server: ServerState) -> HealthReply:
         except Exception as exc:  # noqa: BLE001 - a broken backend is what health must report
             stages = []
             problems.append(f"the stages' health is unreadable: {exc}")
+        hung = server.stalls.observe(stages)
         for stage in stages:
             reply.stages[stage.name] = (f"{'alive' if stage.alive else 'dead'} pid {stage.pid} "
                                         f"heartbeat {stage.heartbeat_age_s:.2f}s")
             reply.stage_pids[stage.name] = stage.pid
             if not stage.alive:
                 problems.append(f"stage {stage.name!r} is dead")
-            elif stage.heartbeat_age_s > config.stall_s:
-                problems.append(f"stage {stage.name!r} has not gone round its loop for "
-                                f"{stage.heartbeat_age_s:.1f} s (stall limit {config.stall_s:g} s)")
+            elif stage.name in hung:
+                problems.append(hung[stage.name])
     if problems:
         reply.status = "degraded"
         reply.reason = "; ".join(problems)
@@ -85,6 +88,8 @@ def stats_reply(server: ServerState) -> StatsReply:
         max_in_flight_requests=server.max_in_flight_requests,
         num_resumed_requests=server.recovery.num_resumed,
         num_guard_failed_requests=server.recovery.num_failed_by_guard,
+        num_stage_deaths=server.recovery.num_crashes,
+        num_stall_verdicts=server.stalls.num_verdicts,
     )
     model = server.model
     if model is not None:

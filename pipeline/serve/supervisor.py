@@ -28,6 +28,7 @@ from typing import Protocol
 
 from pipeline.errors import StageFailed
 from pipeline.engine.backend import LIVENESS_CHECK_S, Backend, BackendFactory
+from pipeline.serve.stalls import StallJudge
 from shm.naming import new_instance_id
 from stages.contracts.config import EngineConfig
 from stages.contracts.outputs import OutputEvent, TokenTexts
@@ -150,8 +151,9 @@ class StageSupervisor:
     """Owns the daemon's backends from the first one on: pumps, restarts, and finally closes them."""
 
     def __init__(self, backend: Backend, factory: BackendFactory, config: EngineConfig, policy: RestartPolicy,
-                 server: BackendEvents, loop: asyncio.AbstractEventLoop) -> None:
+                 server: BackendEvents, loop: asyncio.AbstractEventLoop, stalls: StallJudge | None = None) -> None:
         self._backend: Backend | None = backend
+        self._stalls = stalls  # shown the stages' heartbeats on every look at them
         self._factory = factory
         self._config = config
         self._budget = RestartBudget(policy)
@@ -218,7 +220,9 @@ class StageSupervisor:
     def _watch(self, backend: Backend) -> StageFailed | None:
         """The loop reads `backend`'s events while this thread looks at its stages every
         LIVENESS_CHECK_S, until a stage fails or the loop's reading does (returns the failure),
-        or the daemon stops (None). The loop has stopped reading when this returns."""
+        or the daemon stops (None). The loop has stopped reading when this returns. A stage
+        fails when its process has exited (by its exit status or its pid, never by time); one
+        that lives but does not go round gets a stall verdict from the judge, and runs on."""
         reader = LoopReader(backend, self._server, self._loop)
         self._call_on_loop(reader.start)
         try:
@@ -227,6 +231,8 @@ class StageSupervisor:
                     backend.check_stages()  # type: ignore[attr-defined]
                 except StageFailed as exc:
                     return exc
+                if self._stalls is not None:
+                    self._stalls.observe(backend.health())
                 if reader.failed.wait(LIVENESS_CHECK_S):
                     return reader.failure
             return None

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from device_choice import engine_device
-from live_daemon import REAL_BACKEND, LiveDaemon, short_dir, start_daemon
+from live_daemon import REAL_BACKEND, LiveDaemon, parent_pids, short_dir, start_daemon
 
 from pipeline import LLM, RequestOutput, SamplingParams
 from pipeline.bench.workload import mixed_params
@@ -58,19 +58,24 @@ class DaemonSlot:
     model: Path
 
 
-@pytest.fixture(scope="module")
-def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
+def fault_daemon(tmp_path_factory: pytest.TempPathFactory, extra: tuple[str, ...] = ()) -> Iterator[DaemonSlot]:
+    """The fault daemon (DAEMON_OPTIONS, then `extra`) for a module's tests; stopped and removed after."""
     if not REAL_BACKEND:
         pytest.skip("faults are injected into real stage processes")
     model = make_tiny_model(tmp_path_factory.mktemp("long-context-llama"), "llama", seed=3,
                             max_position_embeddings=MAX_MODEL_LEN)
     directory = short_dir()
-    slot = DaemonSlot(start_daemon(model, directory, DAEMON_OPTIONS, BACKEND), directory, model)
+    slot = DaemonSlot(start_daemon(model, directory, DAEMON_OPTIONS + list(extra), BACKEND), directory, model)
     try:
         yield slot
     finally:
         slot.daemon.stop()
         shutil.rmtree(directory.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
+    yield from fault_daemon(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -122,11 +127,12 @@ def load(slot: DaemonSlot) -> Load:
     return Load(prompts, params, llm.generate(prompts, params))
 
 
-async def kill_under_load(socket_path: Path, load: Load, stage: str,
-                           then_kill: str | None = None) -> tuple[list[Completion | BaseException], float]:
+async def kill_under_load(socket_path: Path, load: Load, stage: str, then_kill: str | None = None,
+                          timeout_s: float = 60) -> tuple[list[Completion | BaseException], float]:
     """SIGKILLs `stage` once every stream of `load` is running and (with `then_kill`) that stage as
     soon as the fresh stages run. Each stream's completion (or error), and the time from the kill
-    to the first token from the fresh stages."""
+    to the first token from the fresh stages. `timeout_s` bounds the start and the rest of the
+    streams (a busy machine needs more)."""
     client = AsyncClient(socket_path)
     streams = [client.stream(prompt, params) for prompt, params in zip(load.prompts, load.params)]
     arrivals: list[float] = []
@@ -136,7 +142,7 @@ async def kill_under_load(socket_path: Path, load: Load, stage: str,
             arrivals.append(time.monotonic())
 
     try:
-        running = await asyncio.wait_for(asyncio.gather(*(started_stream(stream) for stream in streams)), 30)
+        running = await asyncio.wait_for(asyncio.gather(*(started_stream(stream) for stream in streams)), timeout_s)
         before = await client.health()
         killed_at = time.monotonic()
         os.kill(before.stage_pids[stage], signal.SIGKILL)
@@ -153,11 +159,29 @@ async def kill_under_load(socket_path: Path, load: Load, stage: str,
             while (health := await client.health()).status != "ok":
                 await asyncio.sleep(0.01)
             os.kill(health.stage_pids[then_kill], signal.SIGKILL)
-        ended = await asyncio.wait_for(finishing, 60)
+        ended = await asyncio.wait_for(finishing, timeout_s)
     finally:
         await client.close()
     results = [stream.completion if error is None else error for stream, error in zip(streams, ended)]
     return results, min(t for t in arrivals if t > restarting_at) - killed_at
+
+
+def forkserver_pid(daemon_pid: int, timeout_s: float = 60.0, other_than: int = 0) -> int:
+    """The pid of the daemon's forkserver (the process its stages fork from), once there is one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for pid, ppid in parent_pids().items():
+            if ppid != daemon_pid or pid == other_than:
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                    command = cmdline.read()
+            except OSError:
+                continue
+            if b"multiprocessing.forkserver" in command:
+                return pid
+        assert time.monotonic() < deadline, f"the daemon {daemon_pid} has no forkserver after {timeout_s} s"
+        time.sleep(0.05)
 
 
 def assert_as_offline(results: list[Completion | BaseException], load: Load, stage: str) -> None:

@@ -11,36 +11,17 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import pytest
-from fault_daemon import (PROMPT, SHORT, DaemonSlot, Load, assert_as_offline, finish_stream, kill_under_load, live,
-                          started_stream)
+from fault_daemon import (PROMPT, SHORT, DaemonSlot, Load, assert_as_offline, finish_stream, forkserver_pid,
+                          kill_under_load, live, started_stream)
 from fault_daemon import load, slot  # noqa: F401 - the fault daemon's fixtures
-from live_daemon import parent_pids, wait_for_health, wait_idle
+from live_daemon import wait_for_health, wait_idle
 from poisoned_tokenizer import POISON_PROMPT
 
 from pipeline.client import AsyncClient, Client, Completion
 from pipeline.errors import StageFailed
 from shm.naming import pid_alive
-
-
-def _forkserver_pid(daemon_pid: int, timeout_s: float = 60.0, other_than: int = 0) -> int:
-    """The pid of the daemon's forkserver (the process its stages fork from), once there is one."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for pid, ppid in parent_pids().items():
-            if ppid != daemon_pid or pid == other_than:
-                continue
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                    command = cmdline.read()
-            except OSError:
-                continue
-            if b"multiprocessing.forkserver" in command:
-                return pid
-        assert time.monotonic() < deadline, f"the daemon {daemon_pid} has no forkserver after {timeout_s} s"
-        time.sleep(0.05)
 
 
 @live
@@ -49,7 +30,7 @@ def test_a_killed_forkserver_costs_nothing_and_a_stage_killed_later_restarts_fro
         slot: DaemonSlot, load: Load) -> None:
     socket_path, daemon_pid = slot.daemon.socket_path, slot.daemon.process.pid
     before = wait_for_health(socket_path, lambda h: h.status == "ok", 30)
-    forkserver = _forkserver_pid(daemon_pid)
+    forkserver = forkserver_pid(daemon_pid)
 
     async def kill_forkserver_under_load() -> list[Completion | BaseException]:
         client = AsyncClient(socket_path)
@@ -66,7 +47,7 @@ def test_a_killed_forkserver_costs_nothing_and_a_stage_killed_later_restarts_fro
     health = wait_for_health(socket_path, lambda h: h.status == "ok", 5)
     assert (health.instance, health.num_restarts, health.stage_pids) == (before.instance, before.num_restarts,
                                                                          before.stage_pids)  # nothing restarted
-    _forkserver_pid(daemon_pid, other_than=forkserver)  # a fresh one, ready for the next restart
+    forkserver_pid(daemon_pid, other_than=forkserver)  # a fresh one, ready for the next restart
     results, resumed_after_s = asyncio.run(kill_under_load(socket_path, load, "runner"))
     assert_as_offline(results, load, "runner, after the forkserver")
     print(f"runner killed after the forkserver: first resumed token {resumed_after_s * 1000:.0f} ms after the kill")
@@ -117,7 +98,7 @@ def test_the_poison_guard_fails_the_request_that_crashes_a_stage_twice_and_resum
 def test_requests_that_come_during_a_restart_wait_for_it_and_complete_exactly(slot: DaemonSlot, load: Load) -> None:
     socket_path = slot.daemon.socket_path
     before = wait_for_health(socket_path, lambda h: h.status == "ok", 30)
-    forkserver = _forkserver_pid(slot.daemon.process.pid)
+    forkserver = forkserver_pid(slot.daemon.process.pid)
 
     async def scenario() -> list[Completion | BaseException]:
         client = AsyncClient(socket_path)

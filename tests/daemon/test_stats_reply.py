@@ -23,7 +23,8 @@ def server_with(backend: object) -> SimpleNamespace:
     """The parts of the daemon server that `stats_reply` reads."""
     return SimpleNamespace(num_finished=3, num_prompt_tokens=40, num_generated_tokens=50, started_at=time.monotonic(),
                            num_restarts=0, num_overloaded=0, max_in_flight_requests=8,
-                           recovery=SimpleNamespace(num_resumed=0, num_failed_by_guard=0), model=None, backend=backend)
+                           recovery=SimpleNamespace(num_resumed=0, num_failed_by_guard=0, num_crashes=0),
+                           stalls=SimpleNamespace(num_verdicts=0), model=None, backend=backend)
 
 
 def over_the_wire(reply: StatsReply) -> StatsReply:

@@ -163,6 +163,23 @@ def test_poison_guard_fails_a_request_in_flight_through_two_crashes_in_a_row_of_
 
 
 @pytest.mark.timeout(30)
+def test_poison_guard_spares_a_request_the_fresh_stages_served_between_two_crashes() -> None:
+    async def scenario(server: DaemonServer, factory: FakeFactory, supervisor: StageSupervisor) -> None:
+        served, stuck = _generate(server), _generate(server)  # both in flight through both crashes
+        factory.made[0].fail("stage 'runner' was killed by signal 9", "runner")
+        await _until(lambda: server.num_restarts == 1 and server.state is BackendState.SERVING)
+        server.on_events([OutputEvent(0, "x", np.array([5], np.int32), prompt_token_ids=np.array([1], np.int32))])
+        factory.made[1].fail("stage 'runner' was killed by signal 9", "runner")
+        await _until(lambda: server.num_restarts == 2 and server.state is BackendState.SERVING)
+        assert factory.made[2].submitted == [0]  # a token delivered after the first crash: not suspected
+        failed = stuck.sent[-1]
+        assert isinstance(failed, Error) and "with no output delivered between them" in failed.message
+        assert server.stats().num_guard_failed_requests == 1 and not isinstance(served.sent[-1], Error)
+
+    _run_supervised(scenario, max_restarts=5)
+
+
+@pytest.mark.timeout(30)
 def test_supervisor_stops_restarting_stages_that_die_again_and_again() -> None:
     async def scenario(server: DaemonServer, factory: FakeFactory, supervisor: StageSupervisor) -> None:
         for restarts in (1, 2):

@@ -106,6 +106,14 @@ def test_resumed_and_guard_failed_requests_count_their_rise():
     assert value(metrics, "pipeline:requests_failed_by_guard_total") == 1
 
 
+def test_stage_deaths_and_stall_verdicts_count_apart():
+    metrics = Metrics("tiny")
+    for deaths, verdicts in ((1, 0), (1, 2), (3, 2)):
+        metrics.set_stats(StatsReply(num_stage_deaths=deaths, num_stall_verdicts=verdicts))
+    assert value(metrics, "pipeline:stage_deaths_total") == 3
+    assert value(metrics, "pipeline:stage_stall_verdicts_total") == 2
+
+
 def test_two_instances_share_nothing():
     first, second = Metrics("tiny"), Metrics("tiny")
     first.tokens_generated(first.request_arrived(now=0.0), 5, now=1.0)
