@@ -193,8 +193,11 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-interval", type=seconds, default=defaults.health_interval_s,
                         help="seconds between health checks of each backend (default %(default)s)")
     parser.add_argument("--stall-timeout-s", type=seconds, default=defaults.stall_timeout_s,
-                        help="a backend whose stream sends nothing for this many seconds is taken for broken: it "
-                             "leaves the ring and the stream goes on on another (default %(default)s)")
+                        help="the least time a backend under a silent stream has to show a sign of life: its "
+                             "deadline is the larger of this and 10 of its learned gaps between frames; its /health "
+                             "is asked halfway, an ok answer means slow and the wait goes on, no sign of life for a "
+                             "whole deadline takes it for hung and the stream goes on on another "
+                             "(default %(default)s)")
     parser.set_defaults(handler=_router)
 
 
