@@ -17,6 +17,7 @@ from __future__ import annotations
 import struct
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 from shm.fence import PUBLISH_NEEDS_FENCE, full_fence, heavy_fence
 from shm.segment import (
@@ -65,11 +66,13 @@ def _now() -> float:
     return time.monotonic()
 
 
-class RingWriter:
-    """The one writer of a ring. `write` copies parts in; `reserve`/`commit` fill in place."""
+End = TypeVar("End", bound="RingEnd")
 
-    def __init__(self, segment: RingSegment, *, spin_s: float = SPIN_S, replaceable: bool = False) -> None:
-        segment.claim(WRITER_PID, "writer", replaceable=replaceable)
+
+class RingEnd:
+    """What either end of a ring holds of its segment, and how it is closed by `with`."""
+
+    def __init__(self, segment: RingSegment, spin_s: float) -> None:
         self._seg = segment
         self._mm = segment.mm
         self._slots = segment.slots
@@ -77,6 +80,27 @@ class RingWriter:
         self._cap = segment.capacity_bytes
         self._base = segment.data_offset
         self._spin_s = spin_s
+
+    @property
+    def name(self) -> str:
+        return self._seg.name
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: End) -> End:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RingWriter(RingEnd):
+    """The one writer of a ring. `write` copies parts in; `reserve`/`commit` fill in place."""
+
+    def __init__(self, segment: RingSegment, *, spin_s: float = SPIN_S, replaceable: bool = False) -> None:
+        segment.claim(WRITER_PID, "writer", replaceable=replaceable)
+        super().__init__(segment, spin_s)
         self._pack = RECORD_HEADER.pack_into
         self._w = self._slots[WRITE_CURSOR]
         self._end = self._w  # cursor after the claimed record, published by _publish
@@ -99,10 +123,6 @@ class RingWriter:
         except BaseException:
             segment.close()
             raise
-
-    @property
-    def name(self) -> str:
-        return self._seg.name
 
     @property
     def capacity_bytes(self) -> int:
@@ -292,8 +312,3 @@ class RingWriter:
         self._wake_readers()
         self._seg.close()
 
-    def __enter__(self) -> RingWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from time import monotonic as now
 
-from shm import ring
+import shm.ring as ring
 from shm.fence import PUBLISH_NEEDS_FENCE, full_fence, heavy_fence
-from shm.ring import RECORD_HEADER, SPIN_S, WRAP_LENGTH, Record, RingClosed
+from shm.ring import RECORD_HEADER, SPIN_S, WRAP_LENGTH, Record, RingClosed, RingEnd
 from shm.segment import (
     READ_CURSOR, READER_CLOSED, READER_PID, READER_SLEEPING, WRITE_CURSOR, WRITER_CLOSED, WRITER_PID,
     WRITER_SLEEPING, PeerDied, RingSegment, reader_slot,
 )
 
-class RingReader:
+class RingReader(RingEnd):
     """Reader `index` of a ring. read()/try_read() hand out one Record at a time; the next call,
     or release(), frees its space for the writer."""
 
@@ -24,14 +24,8 @@ class RingReader:
             raise ValueError(f"reader index must be in [0, {segment.num_readers}) for ring {segment.name!r}, "
                              f"got {index!r}")
         segment.claim(reader_slot(index, READER_PID), f"reader {index}", replaceable=replaceable)
-        self._seg = segment
+        super().__init__(segment, spin_s)
         self._index = index
-        self._mm = segment.mm
-        self._slots = segment.slots
-        self._data = segment.data
-        self._cap = segment.capacity_bytes
-        self._base = segment.data_offset
-        self._spin_s = spin_s
         self._unpack = RECORD_HEADER.unpack_from
         self._cursor_slot = reader_slot(index, READ_CURSOR)
         self._sleeping_slot = reader_slot(index, READER_SLEEPING)
@@ -51,10 +45,6 @@ class RingReader:
         except BaseException:
             segment.close()
             raise
-
-    @property
-    def name(self) -> str:
-        return self._seg.name
 
     def try_read(self) -> Record | None:
         """The next record, or None if none is published yet. Releases the previous record.
@@ -196,8 +186,3 @@ class RingReader:
             self._seg.space_bell.ring()
         self._seg.close()
 
-    def __enter__(self) -> RingReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
