@@ -19,6 +19,7 @@
 
 #include "bf16.h"
 #include "exp.h"
+#include "kernels.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif

@@ -15,6 +15,7 @@
 
 #include "bf16.h"
 #include "exp.h"
+#include "kernels.h"
 
 /* out = rms_norm(x (+ residual)); with residual_in, residual_out = x + residual_in (rounded)
  * and the norm is of it. weight * normalised: the normalised value rounded first (Llama), or

@@ -5,55 +5,27 @@ from __future__ import annotations
 
 import torch
 
-from stages.gpu_runner.cpu_ops import library
+from stages.gpu_runner.cpu_ops import library, operators
 
 
 def block_bytes(qtype: int) -> int:
     """Bytes of one block of `qtype`; 0 where quant.c does not decode it or the kernels are not built."""
-    lib = library()
-    return 0 if lib is None else lib.quant_block_bytes(int(qtype))
-
-
-def _checked(blocks: torch.Tensor, qtype: int, cols: int, caller: str):
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"{caller}: the CPU kernels are not built (see cpu_ops.library)")
-    size = lib.quant_block_bytes(int(qtype))
-    values = 256 if int(qtype) >= 10 else 32
-    if size == 0 or blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous() \
-            or blocks.device.type != "cpu" or cols % values or blocks.shape[1] != cols // values * size:
-        raise ValueError(f"{caller}: blocks of type {qtype} for {cols} columns must be contiguous CPU uint8 "
-                         f"[rows, {cols // values * size if size else '?'}], not {blocks.dtype} {tuple(blocks.shape)}")
-    return lib
+    ops = library()
+    return 0 if ops is None else ops.quant_block_bytes(int(qtype))
 
 
 def dequantize_rows(blocks: torch.Tensor, qtype: int, cols: int, ids: torch.Tensor | None = None,
                     start: int = 0, count: int | None = None) -> torch.Tensor:
     """float32 [n, cols]: rows `ids` (int64, each checked in range) of the weight, or rows
     start .. start + count."""
-    lib = _checked(blocks, qtype, cols, "dequantize_rows")
-    rows = blocks.shape[0]
     if ids is not None:
-        ids = ids.reshape(-1).to(torch.int64).contiguous()
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
-            raise IndexError(f"dequantize_rows: row ids must be in [0, {rows}), got {ids.min()}..{ids.max()}")
-        count = ids.numel()
-    elif count is None or start < 0 or start + count > rows:
-        raise IndexError(f"dequantize_rows: rows {start} + {count} out of [0, {rows})")
-    out = torch.empty(count, cols, dtype=torch.float32)
-    lib.quant_dequantize_rows(blocks.data_ptr(), int(qtype), blocks.shape[1], cols,
-                              None if ids is None else ids.data_ptr(), start, count, out.data_ptr())
-    return out
+        ids = ids.to(torch.int64)
+    elif count is None:
+        raise IndexError(f"dequantize_rows: rows from {start}: a count is needed without ids")
+    return operators().quant_dequantize_rows(blocks, int(qtype), cols, ids, start, 0 if count is None else count)
 
 
 def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     """x [n, cols] times the weight [rows, cols] transposed: float32 [n, rows], each weight row
     decoded once for all n rows."""
-    lib = _checked(blocks, qtype, cols, "quant matmul")
-    if x.dim() != 2 or x.shape[1] != cols or x.device.type != "cpu":
-        raise ValueError(f"quant matmul: activations must be CPU [n, {cols}], not {tuple(x.shape)} on {x.device}")
-    x = x.to(torch.float32).contiguous()
-    out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
-    lib.quant_matmul(blocks.data_ptr(), int(qtype), blocks.shape[1], blocks.shape[0], cols, x.data_ptr(),
-                     x.shape[0], out.data_ptr())
-    return out
+    return operators().quant_matmul(x.to(torch.float32), blocks, int(qtype), cols)

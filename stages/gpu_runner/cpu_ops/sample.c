@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "exp.h"
+#include "kernels.h"
 
 #define BLOCK 64  /* tokens whose weights the second pass sums at once before it scans them */
 

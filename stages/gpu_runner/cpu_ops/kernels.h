@@ -1,0 +1,40 @@
+/* The C kernels' entry points, as ops.cpp calls them (each defined in the .c file named beside it).
+ * Layouts and meanings are described where each is defined; ops.cpp checks every argument first. */
+#ifndef PIPELINE_CPU_KERNELS_H
+#define PIPELINE_CPU_KERNELS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* attention.c */
+void paged_attention(const void *query, const void *keys, const void *values, const int64_t *slots,
+                     const uint8_t *mask, void *out, int64_t rows, int64_t queries, int64_t num_keys,
+                     int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int bf16);
+
+/* sample.c */
+void sample_logits(const float *logits, const float *inverse_temperature, const double *points, int64_t *tokens,
+                   int64_t rows, int64_t vocab);
+
+/* elementwise.c */
+void rms_norm(const void *x, int64_t x_stride, const void *residual_in, void *residual_out, const void *weight,
+              void *out, int64_t rows, int64_t hidden, float eps, int unit_offset, int bf16);
+void silu_and_mul(const void *gate, const void *up, int64_t stride, void *out, int64_t rows, int64_t width,
+                  int bf16);
+void rotary(const void *x, int64_t x_stride, const void *cos_table, const void *sin_table, void *out,
+            int64_t tokens, int64_t heads, int64_t head_dim, int bf16);
+
+/* quant.c */
+int quant_block_bytes(int qtype);
+void quant_dequantize_rows(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t cols, const int64_t *ids,
+                           int64_t first, int64_t n, float *out);
+void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t rows, int64_t cols, const float *x,
+                  int64_t n, float *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
