@@ -100,6 +100,8 @@ def stats_reply(server: ServerState) -> StatsReply:
         reply.special_token_ids = list(model.special_token_ids)
     if server.backend is None:
         return reply
+    limits = getattr(server.backend, "limits", None)
+    reply.cpu_kernels = "" if limits is None else limits.cpu_kernels
     try:
         stats = server.backend.stats()
     except Exception:  # noqa: BLE001 - the daemon's own counters still answer

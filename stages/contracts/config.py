@@ -207,3 +207,6 @@ class ModelLimits:
     window: int = 0
     local_window: int = 0
     num_window_blocks: int = 0
+    # The runner's CPU kernels (stages/gpu_runner/cpu_ops): "built (torch ops, avx512)", or "plain
+    # torch (no compiler)" and why; "" where the model is not on the CPU.
+    cpu_kernels: str = ""

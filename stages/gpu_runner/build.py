@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from stages.contracts.config import EngineConfig, ModelLimits
+from stages.gpu_runner import cpu_ops
 from stages.gpu_runner.attention.kv_offload import OffloadConnectorWorker
 from stages.gpu_runner.parallel.group import TensorParallel
 from stages.gpu_runner.runner import ModelRunner
@@ -36,7 +37,14 @@ def model_limits(runner: ModelRunner | SimulatedDeviceRunner, config: EngineConf
         max_model_len=serving_max_model_len(runner.max_model_len, runner.num_kv_blocks, config.block_size,
                                             config.max_model_len),
         vocab_size=runner.vocab_size, eos_token_ids=runner.eos_token_ids,
-        num_host_blocks=0 if worker is None else worker.num_host_blocks, **window_limits(runner))
+        num_host_blocks=0 if worker is None else worker.num_host_blocks, **window_limits(runner),
+        cpu_kernels=cpu_kernels(runner))
+
+
+def cpu_kernels(runner: object) -> str:
+    """What the runner's CPU kernels are (cpu_ops.describe()), "" for a model not on the CPU."""
+    device = getattr(runner, "device", None)
+    return cpu_ops.describe() if device is not None and device.type == "cpu" else ""
 
 
 def window_limits(runner: object) -> dict[str, int]:

@@ -28,6 +28,7 @@ from pipeline.protocol import (
     WireSamplingParams,
 )
 from pipeline.models.tiny_model import corpus
+from stages.gpu_runner import cpu_ops
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -263,6 +264,10 @@ def test_a_repeated_prompt_raises_the_prefix_cache_hit_rate(live_daemon: LiveDae
     status = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--socket", str(live_daemon.socket_path)],
                             capture_output=True, text=True, timeout=30)
     assert f"prefix cache hits {after_second:.1%} of admitted tokens" in status.stdout, status.stdout
+    if engine_device() == "cpu":  # the runner's own line, as this machine builds the kernels
+        assert f"CPU kernels: {cpu_ops.describe()}\n" in status.stdout, status.stdout
+    else:
+        assert "CPU kernels" not in status.stdout, status.stdout
 
 
 def test_the_token_rate_shows_a_stream_and_falls_to_zero_once_idle(live_daemon: LiveDaemon) -> None:

@@ -1,5 +1,6 @@
 """The status board's scheduler counters: what the scheduler publishes is what the daemon reads,
-every count of every nested counters struct included, and no area of the board overwrites another."""
+every count of every nested counters struct included, and no area of the board overwrites another;
+the runner's model limits with the line on its CPU kernels."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,9 @@ from stages.contracts.counters import (
     num_counts,
     to_ints,
 )
+from stages.contracts.config import ModelLimits
 from stages.status import (
+    CPU_KERNELS_BYTES,
     MAX_STAGES,
     PROFILE_MESSAGE_BYTES,
     ProfileAnswer,
@@ -74,3 +77,16 @@ def test_speculative_counts_and_the_last_profile_message_keep_their_own_bytes(bo
     answer = board.profile.answer_of(last)
     assert (answer.generation, answer.outcome) == (3, ProfileOutcome.WRITTEN)
     assert message.startswith(answer.message) and len(answer.message) == (PROFILE_MESSAGE_BYTES - 8) // 2
+
+
+def test_the_runners_limits_and_cpu_kernels_line_read_back(board: StatusBoard) -> None:
+    assert board.limits.read() is None
+    limits = ModelLimits(7, 512, 1000, [2, 3], num_host_blocks=4, window=16, local_window=8, num_window_blocks=5,
+                         cpu_kernels="built (torch ops, avx512+vnni)")
+    board.counters.publish(numbered(1))
+    board.limits.publish(limits)
+    assert board.limits.read() == limits and board.counters.read() == numbered(1)
+    long = ModelLimits(7, 512, 1000, cpu_kernels="plain torch (the build failed: " + "x" * CPU_KERNELS_BYTES + ")")
+    board.limits.publish(long)
+    read = board.limits.read().cpu_kernels
+    assert long.cpu_kernels.startswith(read) and len(read) == CPU_KERNELS_BYTES - 8

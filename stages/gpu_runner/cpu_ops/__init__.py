@@ -45,6 +45,7 @@ def library() -> object | None:
             return None
         try:
             _loaded = build.load()
+            log.info("CPU kernels: built (torch ops, %s), loaded from %s", build.isa_label(), _loaded)
         except build.KernelCacheError as exc:
             _failure = str(exc)
             log.warning("CPU kernels not loaded: %s", exc)

@@ -34,8 +34,8 @@ import torch
 from stages.progress import Progress
 
 HERE = Path(__file__).parent
-C_SOURCES = tuple(HERE / name for name in ("attention.c", "sample.c", "elementwise.c", "quant.c"))
-HEADERS = tuple(HERE / name for name in ("bf16.h", "exp.h", "kernels.h"))
+C_SOURCES = tuple(sorted(HERE.glob("*.c")))  # every C file beside this one: a new kernel's file is built too
+HEADERS = tuple(sorted(HERE.glob("*.h")))
 CXX_SOURCE = HERE / "ops.cpp"
 # No contraction of a * b + c into one rounding: elementwise.c rounds where torch's operators do.
 C_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=c11"]

@@ -4,7 +4,9 @@
 // calls the C function on the tensors' memory. The kernels' OpenMP loops run on torch's own
 // OpenMP runtime (build.py links the one torch has loaded), so at::set_num_threads governs them.
 //
-// Adding an operator: a function `<name>_op` below and one line in PIPELINE_OPS (its schema).
+// Adding an operator: the C function declared in kernels.h (its .c file beside this one is built
+// with the others), a function `<name>_op` below that checks its arguments and calls it, and one
+// line in PIPELINE_OPS (its schema); the Python wrapper calls torch.ops.pipeline.<name>.
 // Headers: torch/library.h and the two ATen operators used, not torch/extension.h, so that the
 // one C++ file compiles in seconds.
 #include <ATen/core/Tensor.h>
