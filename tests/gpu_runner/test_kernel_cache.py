@@ -131,16 +131,19 @@ def test_concurrent_loads_build_once_under_the_lock(tmp_path: Path, monkeypatch:
 
 
 @needs_compilers
-def test_a_failed_build_is_not_loaded_later(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(build.CACHE_VARIABLE, str(tmp_path / "cache"))
-    monkeypatch.setattr(build, "C_FLAGS", [*build.C_FLAGS, "-fno-such-flag"])
+def test_a_failed_build_is_not_loaded_later_and_says_why(tmp_path: Path, fresh: pytest.MonkeyPatch) -> None:
+    fresh.setenv(build.CACHE_VARIABLE, str(tmp_path / "cache"))
+    fresh.setattr(build, "C_FLAGS", [*build.C_FLAGS, "-fno-such-flag"])
     loads: list[str] = []
-    monkeypatch.setattr(build.torch.ops, "load_library", loads.append)
+    fresh.setattr(build.torch.ops, "load_library", loads.append)
     for _ in range(2):  # each try compiles again: nothing was marked built
         with pytest.raises(subprocess.CalledProcessError) as failure:
             build.load()
         assert "no-such-flag" in failure.value.stderr
     assert loads == [] and not list((tmp_path / "cache").glob("*/built"))
+    assert cpu_ops.library() is None
+    reason = cpu_ops.describe()
+    assert reason.startswith("plain torch (the build failed: ") and "error" in reason and "no-such-flag" in reason
 
 
 @needs_compilers

@@ -51,11 +51,17 @@ def library() -> object | None:
             log.warning("CPU kernels not loaded: %s", exc)
             return None
         except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-            detail = getattr(exc, "stderr", "") or exc
-            _failure = f"the build failed: {str(detail).strip().splitlines()[-1] if str(detail).strip() else exc!r}"
+            detail = str(getattr(exc, "stderr", "") or exc)
+            _failure = f"the build failed: {_first_error(detail) or repr(exc)}"
             log.warning("CPU kernels not built (%s): the CPU kernels stay in plain torch", detail)
             return None
     return torch.ops.pipeline
+
+
+def _first_error(output: str) -> str:
+    """The compiler's first line that reports an error, else the output's last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "")
 
 
 def library_path() -> Path | None:
