@@ -165,11 +165,25 @@ class _Lock:
         os.close(self.fd)
 
 
+def _ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from the PATH: where none is there, the ninja package's own binary
+    (a dependency, in the environment's bin directory, which the PATH lacks when its python is run
+    directly) is put first."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja  # noqa: PLC0415
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 def _compile(directory: Path, cc: str, openmp: str | None) -> None:
     """The build itself, in `directory`: the C objects, then ops.cpp and the link by cpp_extension
     (which loads the library into this process)."""
     from torch.utils import cpp_extension  # noqa: PLC0415 - only a build needs it
 
+    _ninja_on_path()
     objects = [directory / f"{source.stem}.o" for source in C_SOURCES]
     for source, obj in zip(C_SOURCES, objects):
         subprocess.run([cc, *C_FLAGS, "-c", str(source), "-o", str(obj)], capture_output=True, text=True,
