@@ -24,6 +24,10 @@ SHAPES = {
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {"vocab_size": 1001}),
     "qwen3": ("qwen3", {}),
+    # Mixtures of experts: every expert's intermediate size split, Qwen2-MoE's shared expert too.
+    "mixtral": ("mixtral", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
 }
 
 
