@@ -3,6 +3,8 @@ renormalisation, the weights' dtype), experts grouped by expert equal to transfo
 the bit in float32, and inactive experts never touched."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import MixtralConfig, Qwen2MoeConfig
@@ -100,3 +102,13 @@ def test_inactive_experts_are_never_computed() -> None:
         w2[expert] = float("nan")
     got = fused_experts(x, w13, w2, weights, ids)
     assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
+def test_the_benchmark_compares_three_equal_forwards_and_prints_one_json_row_per_batch(capsys) -> None:
+    from tools.bench import bench_moe
+
+    assert bench_moe.main(["--batches", "1", "5", "--layers", "1", "--experts", "4", "--top-k", "2", "--hidden", "16",
+                           "--moe-intermediate", "8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [row["batch"] for row in result["rows"]] == [1, 5]
+    assert all(row["fused_tokens_s"] > 0 and row["floor_tokens_s"] > 0 for row in result["rows"])
