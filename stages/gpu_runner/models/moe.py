@@ -22,7 +22,8 @@ from stages.gpu_runner.models.base import CausalLM
 from stages.gpu_runner.models.config import ModelConfig
 from stages.gpu_runner.models.llama import LlamaDecoderLayer
 
-_EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
+# One expert's projection (safetensors), or every expert's stacked (GGUF).
+_EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.)?(\w+)\.weight")
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):
@@ -36,7 +37,8 @@ class MoEDecoderLayer(LlamaDecoderLayer):
         self.mlp = SparseMoeBlock(shard, tp) if sparse else GatedMLP(shard, tp)
 
     def expected_tensors(self, config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
-        ffn = "block_sparse_moe." if config.architecture == "MixtralForCausalLM" else "mlp."
+        mixtral_names = config.architecture == "MixtralForCausalLM" and config.gguf_file is None
+        ffn = "block_sparse_moe." if mixtral_names else "mlp."
         block = SparseMoeBlock if isinstance(self.mlp, SparseMoeBlock) else GatedMLP
         return {prefix + "input_layernorm.weight": (config.hidden_size,),
                 prefix + "post_attention_layernorm.weight": (config.hidden_size,),
@@ -58,4 +60,4 @@ class MoEForCausalLM(CausalLM):
             super().load_hf_tensor(name, tensor)
             return
         layer, index, projection = expert.groups()
-        self.layers[int(layer)].mlp.experts.load_expert(int(index), projection, tensor)
+        self.layers[int(layer)].mlp.experts.load_expert(None if index is None else int(index), projection, tensor)

@@ -25,6 +25,7 @@ VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 # A mixture's experts (Mixtral's w1/w3/w2, Qwen's gate/up/down_proj) and Qwen2-MoE's shared expert.
 _MOE_COLUMN = re.compile(r"(mlp|block_sparse_moe)\.(experts\.\d+\.(w1|w3|gate_proj|up_proj)"
                          r"|shared_expert\.(gate|up)_proj)\.weight")
+_MOE_STACKED = re.compile(r"mlp\.experts\.(gate_proj|up_proj|down_proj)\.weight")  # GGUF: [experts, rows, cols]
 _MOE_ROW = re.compile(r"(mlp|block_sparse_moe)\.(experts\.\d+\.(w2|down_proj)|shared_expert\.down_proj)\.weight")
 
 
@@ -83,6 +84,10 @@ def shard_tensor(name: str, read: Callable[[object], torch.Tensor], shape: tuple
         if part.shape[0] < per_rank:  # the last rank's padded tail: never looked up, cut from the gathered logits
             part = torch.cat([part, part.new_zeros(per_rank - part.shape[0], *part.shape[1:])])
         return part
+    if stacked := _MOE_STACKED.fullmatch(suffix):
+        dim = 2 if stacked.group(1) == "down_proj" else 1
+        per_rank = shape[dim] // size
+        return read((slice(None),) * dim + (slice(rank * per_rank, (rank + 1) * per_rank),))
     if suffix in ROW_PARALLEL or _MOE_ROW.fullmatch(suffix):
         per_rank = shape[1] // size
         return read((slice(None), slice(rank * per_rank, (rank + 1) * per_rank)))

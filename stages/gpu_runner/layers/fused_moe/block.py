@@ -45,11 +45,17 @@ class SparseMoeBlock(nn.Module):
     @staticmethod
     def expected_tensors(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
         """Checkpoint name -> full shape: the router, each expert's three projections (stored one
-        tensor per expert), and Qwen2-MoE's shared expert and its gate."""
+        tensor per expert; a GGUF file stacks each projection's experts in one tensor), and
+        Qwen2-MoE's shared expert and its gate."""
         c, inter = config, config.moe_intermediate_size
         gate, up, down = _MIXTRAL_NAMES if c.architecture == "MixtralForCausalLM" else _QWEN_NAMES
         shapes = {prefix + "gate.weight": (c.num_experts, c.hidden_size)}
-        for e in range(c.num_experts):
+        if c.gguf_file is not None:
+            gate, up, down = _QWEN_NAMES
+            shapes |= {prefix + f"experts.{gate}.weight": (c.num_experts, inter, c.hidden_size),
+                       prefix + f"experts.{up}.weight": (c.num_experts, inter, c.hidden_size),
+                       prefix + f"experts.{down}.weight": (c.num_experts, c.hidden_size, inter)}
+        for e in range(c.num_experts if c.gguf_file is None else 0):
             shapes |= {prefix + f"experts.{e}.{gate}.weight": (inter, c.hidden_size),
                        prefix + f"experts.{e}.{up}.weight": (inter, c.hidden_size),
                        prefix + f"experts.{e}.{down}.weight": (c.hidden_size, inter)}

@@ -75,13 +75,15 @@ class FusedExperts(nn.Module):
         return fused_experts(x, self.w13, self.w2, weights, ids)
 
     @torch.no_grad()
-    def load_expert(self, expert: int, projection: str, tensor: torch.Tensor) -> None:
-        """Copy one expert's checkpoint projection (an EXPERT_PARTS name; this rank's shard of it)."""
+    def load_expert(self, expert: int | None, projection: str, tensor: torch.Tensor) -> None:
+        """Copy one expert's checkpoint projection (an EXPERT_PARTS name; this rank's shard of it),
+        or with `expert` None every expert's, stacked [experts, ...]."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"expert weights load as dense tensors, got {type(tensor).__name__}")
         part, inter = EXPERT_PARTS[projection], self.intermediate_size
+        experts = slice(None) if expert is None else expert
         if part == "down":
-            self.w2[expert].copy_(tensor)
+            self.w2[experts].copy_(tensor)
         else:
             start = 0 if part == "gate" else inter
-            self.w13[expert, start:start + inter].copy_(tensor)
+            self.w13[experts, ..., start:start + inter, :].copy_(tensor)
