@@ -77,6 +77,7 @@ class ModelConfig:
     norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, under a sigmoid gate (0: none)
     sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP of intermediate_size
+    expert_parallel: bool = False  # tensor-parallel ranks hold whole experts (see parallel/sharding.py)
 
     @property
     def family(self) -> str:

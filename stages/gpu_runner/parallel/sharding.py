@@ -6,7 +6,8 @@ each, the embedding and the LM head are vocab-parallel (each rank holds a contig
 token ids). KV heads are split like the query heads; with fewer KV heads than ranks each KV head
 is held by the ranks whose query heads read it. A mixture of experts splits every expert's (and a
 shared expert's) intermediate size the same way: gate/up column-parallel, down row-parallel; its
-router is replicated.
+router is replicated. With expert parallelism a rank holds whole experts instead, the
+num_experts / N of `local_experts`, and adds only their outputs before the same all-reduce.
 """
 from __future__ import annotations
 
@@ -58,11 +59,23 @@ def shard_config(config: ModelConfig, size: int) -> ModelConfig:
     and hidden size are whole: the vocab-parallel layers keep their own sizes)."""
     if size == 1:
         return config
+    experts_split = 1 if config.expert_parallel else size
     return dataclasses.replace(config, num_heads=config.num_heads // size,
                                num_kv_heads=max(1, config.num_kv_heads // size),
                                intermediate_size=config.intermediate_size // size,
-                               moe_intermediate_size=config.moe_intermediate_size // size,
+                               moe_intermediate_size=config.moe_intermediate_size // experts_split,
                                shared_expert_intermediate_size=config.shared_expert_intermediate_size // size)
+
+
+def local_experts(config: ModelConfig, rank: int, size: int) -> range:
+    """The experts this rank holds and runs: all of them (each split) unless expert-parallel."""
+    if not config.expert_parallel or size == 1:
+        return range(config.num_experts)
+    per_rank = config.num_experts // size
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+_EXPERT_INDEX = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 
 
 def vocab_shard_size(vocab_size: int, size: int) -> int:
@@ -84,6 +97,12 @@ def shard_tensor(name: str, read: Callable[[object], torch.Tensor], shape: tuple
         if part.shape[0] < per_rank:  # the last rank's padded tail: never looked up, cut from the gathered logits
             part = torch.cat([part, part.new_zeros(per_rank - part.shape[0], *part.shape[1:])])
         return part
+    if config.expert_parallel and (_MOE_STACKED.fullmatch(suffix) or _EXPERT_INDEX.match(suffix)):
+        held = local_experts(config, rank, size)
+        if _MOE_STACKED.fullmatch(suffix):
+            return read(slice(held.start, held.stop))
+        # Another rank's expert is not read at all.
+        return read(slice(None)) if int(_EXPERT_INDEX.match(suffix).group(1)) in held else torch.empty(0)
     if stacked := _MOE_STACKED.fullmatch(suffix):
         dim = 2 if stacked.group(1) == "down_proj" else 1
         per_rank = shape[dim] // size

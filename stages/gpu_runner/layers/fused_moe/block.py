@@ -4,7 +4,9 @@ adds a shared expert scaled by a sigmoid gate.
 moe(x) = Σ_{e in top_k(softmax(router(x)))} w_e · expert_e(x)  [+ sigmoid(gate(x)) · shared(x)]
 
 Under tensor parallelism the router is replicated, the experts and the shared expert hold this
-rank's slice of their intermediate sizes, and one all-reduce sums the ranks' partial outputs.
+rank's slice of their intermediate sizes, and one all-reduce sums the ranks' partial outputs;
+under expert parallelism the rank holds whole experts instead, and the same all-reduce combines
+the outputs of the experts the ranks hold (every rank sees every token, so no dispatch is needed).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from stages.gpu_runner.layers.fused_moe.routing import TopK, select_experts
 from stages.gpu_runner.layers.mlp import GatedMLP
 from stages.gpu_runner.models.config import ModelConfig
 from stages.gpu_runner.parallel.group import TensorParallel
+from stages.gpu_runner.parallel.sharding import local_experts
 
 # The checkpoint's names of an expert's gate, up and down projections, per family.
 _MIXTRAL_NAMES = ("w1", "w3", "w2")
@@ -27,7 +30,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = nn.Linear(shard.hidden_size, shard.num_experts, bias=False)
         self.top = TopK.of(shard)
-        self.experts = FusedExperts(shard.num_experts, shard.hidden_size, shard.moe_intermediate_size)
+        held = local_experts(shard, 0, 1) if tp is None else local_experts(shard, tp.rank, tp.size)
+        self.experts = FusedExperts(held, shard.hidden_size, shard.moe_intermediate_size, shard.num_experts)
         self.shared_expert = self.shared_expert_gate = None
         if shard.shared_expert_intermediate_size:
             # No all-reduce of its own: the block's one all-reduce sums its partial output too.

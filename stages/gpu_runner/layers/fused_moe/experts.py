@@ -7,7 +7,9 @@ tokens by one index_add in that order (ascending expert per token), the order in
 reference adds them, so float32 sums agree to the bit.
 
 Under tensor parallelism a rank holds every expert's slice of the intermediate size (gate/up
-rows, down columns) and its output is a partial sum that the block all-reduces.
+rows, down columns) and its output is a partial sum that the block all-reduces. Under expert
+parallelism it holds whole experts, a range of them: a choice of an expert held elsewhere has the
+id num_experts (one past this rank's), sorts last and is left out.
 """
 from __future__ import annotations
 
@@ -35,13 +37,15 @@ class ExpertGroups:
 
 
 def group_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertGroups:
-    """ids [tokens, k] -> the slots grouped by expert (one host read of the per-expert counts)."""
+    """ids [tokens, k] -> the slots grouped by expert (one host read of the per-expert counts);
+    slots of id num_experts (experts held elsewhere) are dropped."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
     active = torch.nonzero(counts).flatten()
-    bounds = torch.cumsum(counts[active], 0)
-    return ExpertGroups(order, order // ids.shape[1], active.tolist(), [0] + bounds.tolist())
+    bounds = [0] + torch.cumsum(counts[active], 0).tolist()
+    order = order[:bounds[-1]]
+    return ExpertGroups(order, order // ids.shape[1], active.tolist(), bounds)
 
 
 def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -63,15 +67,22 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 
 
 class FusedExperts(nn.Module):
-    """num_experts SwiGLU experts: w13 [E, 2I, H] (each expert's gate rows, then its up rows), w2 [E, H, I]."""
+    """SwiGLU experts `held` (all of them, or an expert-parallel rank's range): w13 [E, 2I, H] (each
+    expert's gate rows, then its up rows), w2 [E, H, I]."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, held: range, hidden_size: int, intermediate_size: int, num_experts: int) -> None:
         super().__init__()
+        self.held = held
+        self.some_held_elsewhere = len(held) != num_experts
         self.intermediate_size = intermediate_size
+        num_experts = len(held)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The weighted sum over the chosen experts this module holds (global expert `ids`)."""
+        if self.some_held_elsewhere:
+            ids = torch.where((ids >= self.held.start) & (ids < self.held.stop), ids - self.held.start, len(self.held))
         return fused_experts(x, self.w13, self.w2, weights, ids)
 
     @torch.no_grad()
@@ -80,8 +91,10 @@ class FusedExperts(nn.Module):
         or with `expert` None every expert's, stacked [experts, ...]."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"expert weights load as dense tensors, got {type(tensor).__name__}")
+        if expert is not None and expert not in self.held:
+            return  # held by another rank (expert parallelism): not read
         part, inter = EXPERT_PARTS[projection], self.intermediate_size
-        experts = slice(None) if expert is None else expert
+        experts = slice(None) if expert is None else expert - self.held.start
         if part == "down":
             self.w2[experts].copy_(tensor)
         else:
