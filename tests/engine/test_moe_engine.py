@@ -1,5 +1,6 @@
 """Mixtures of experts through the whole offline engine: greedy tokens equal transformers' with chunked
-prefill, a prefix-cache hit and preemption, under async and sync scheduling, for each family."""
+prefill, a prefix-cache hit and preemption, under async and sync scheduling, for each family; and with
+speculative decoding."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -76,3 +77,15 @@ def test_moe_engine_equals_transformers_with_chunks_prefix_hits_and_preemption(m
     stats = llm.scheduler.stats()
     assert stats.prefix.num_hit_tokens >= 64 and stats.num_preemptions > 0
     assert llm.scheduler.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_moe_with_speculative_decoding_equals_transformers(moe_model, expected, arch):
+    """The mixture drafts for itself (every draft accepted) and verifies several tokens per row a step."""
+    model = moe_model(arch)
+    llm = small_llm(model, max_num_seqs=3, max_model_len=160,
+                    speculative_config={"method": "draft_model", "model": str(model), "num_speculative_tokens": 3})
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts(), params)] == expected(arch)
+    spec = llm.scheduler.stats().speculative
+    assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
