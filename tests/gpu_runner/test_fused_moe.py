@@ -12,7 +12,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts, Mixtral
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 
 from stages.gpu_runner import cpu_ops
-from stages.gpu_runner.layers.fused_moe.experts import fused_experts, group_by_expert
+from stages.gpu_runner.layers.fused_moe.experts import FusedExperts, fused_experts, group_by_expert
 from stages.gpu_runner.layers.fused_moe.routing import TopK, select_experts
 
 E, H, I = 8, 16, 24
@@ -103,6 +103,24 @@ def test_inactive_experts_are_never_computed() -> None:
     got = fused_experts(x, w13, w2, weights, ids)
     assert torch.isfinite(got).all() and torch.equal(got, want)
 
+
+
+def test_expert_parallel_halves_add_up_to_all_experts_even_when_a_rank_holds_no_chosen_expert() -> None:
+    w13, w2 = random_experts(6)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(7))
+    ids = torch.tensor([[0, 1], [1, 0], [5, 6], [2, 7], [3, 0]])  # token 0 and 1: experts of the first half only
+    weights = torch.full((5, 2), 0.5)
+    halves = []
+    for held in (range(0, 4), range(4, 8)):
+        experts = FusedExperts(held, H, I, num_experts=E)
+        for e in held:
+            experts.load_expert(e, "gate_proj", w13[e, :I])
+            experts.load_expert(e, "up_proj", w13[e, I:])
+            experts.load_expert(e, "down_proj", w2[e])
+        halves.append(experts(x, weights, ids))
+    assert torch.equal(halves[1][:2], torch.zeros(2, H))
+    assert torch.allclose(halves[0] + halves[1], fused_experts(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-4)
+    assert torch.equal(FusedExperts(range(4, 8), H, I, E)(x[:2], weights[:2], ids[:2]), torch.zeros(2, H))
 
 def test_the_benchmark_compares_three_equal_forwards_and_prints_one_json_row_per_batch(capsys) -> None:
     from tools.bench import bench_moe

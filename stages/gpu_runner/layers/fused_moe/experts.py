@@ -59,6 +59,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                   ids: torch.Tensor) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> Σ_k weight · expert(x) [T, H]."""
     groups = group_by_expert(ids, w13.shape[0])
+    if not groups.experts:  # every choice is an expert held elsewhere (or there are no tokens)
+        return torch.zeros_like(x)
     sorted_x = x[groups.tokens]
     outs = [swiglu(sorted_x[start:end], w13[expert], w2[expert])
             for expert, start, end in zip(groups.experts, groups.bounds, groups.bounds[1:])]
@@ -75,9 +77,8 @@ class FusedExperts(nn.Module):
         self.held = held
         self.some_held_elsewhere = len(held) != num_experts
         self.intermediate_size = intermediate_size
-        num_experts = len(held)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(len(held), 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(len(held), hidden_size, intermediate_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The weighted sum over the chosen experts this module holds (global expert `ids`)."""
