@@ -157,6 +157,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                         help="split the model over this many runner ranks (one per GPU; gloo ranks on CPU), "
                              "spread evenly over --nnodes machines")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="a mixture of experts: place whole experts on the tensor-parallel ranks (each holds "
+                             "num_experts / N of them) instead of splitting every expert across them")
     parser.add_argument("--in-process", action="store_true",
                         help="run the engine in the daemon's own process (one thread, no stage processes): for "
                              "debugging and small deployments; host work then no longer overlaps across processes")
@@ -215,7 +218,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             async_scheduling=not args.no_async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
             kv_connector=args.kv_connector, attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager, cpu_placement=args.cpu_placement,
-            tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
             nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
             master_port=args.master_port, speculative_config=speculative)
     except ValueError as exc:

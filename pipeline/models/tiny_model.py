@@ -21,6 +21,19 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+}
+# The mixtures' experts: count, top-k, each expert's intermediate size (Mixtral's is its
+# intermediate_size), Qwen2-MoE's shared expert, and which layers keep a dense MLP; each family
+# routes its own way (Mixtral always renormalises the top-k weights, Qwen2-MoE here does not).
+MOE = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=False,
+                      shared_expert_intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[1]),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[]),
 }
 # Gemma 3's tiny sliding window: prompts of the tests cross it many times.
 GEMMA3_WINDOW = 16
@@ -125,7 +138,7 @@ def _config(arch: str, sizes: dict[str, int], dtype: str, rope_scaling_llama3: b
         "initializer_range": 0.02,
         "use_cache": True,
     }
-    if arch in ("llama", "qwen3"):
+    if arch in ("llama", "qwen3", "qwen3_moe"):
         config["attention_bias"] = False
     if arch == "llama":
         config["mlp_bias"] = False
@@ -147,7 +160,13 @@ def _config(arch: str, sizes: dict[str, int], dtype: str, rope_scaling_llama3: b
                    "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
                                    for i in range(sizes["num_layers"])],
                    "final_logit_softcapping": None, "attn_logit_softcapping": None}
-    if arch in ("qwen2", "qwen3"):
+    if arch in MOE:
+        config |= MOE[arch] | {"router_aux_loss_coef": 0.0, "output_router_logits": False}
+    if arch == "mixtral":
+        config |= {"sliding_window": None, "router_jitter_noise": 0.0}
+    if arch == "qwen2_moe":
+        config["qkv_bias"] = True
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         config["use_sliding_window"] = False
         config["sliding_window"] = None
         config["max_window_layers"] = sizes["num_layers"]
@@ -183,18 +202,45 @@ def _weights(arch: str, sizes: dict[str, int], seed: int, dtype: torch.dtype, ti
         tensors[p + "self_attn.k_proj.weight"] = normal(kv_size, hidden, std=0.1)
         tensors[p + "self_attn.v_proj.weight"] = normal(kv_size, hidden, std=0.1)
         tensors[p + "self_attn.o_proj.weight"] = normal(hidden, q_size, std=0.05)
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2_moe"):
             for name, size in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)):
                 tensors[p + f"self_attn.{name}.bias"] = normal(size, std=0.1)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "gemma3", "qwen3_moe"):
             tensors[p + "self_attn.q_norm.weight"] = normal(head_dim, std=0.1, mean=norm_mean)
             tensors[p + "self_attn.k_norm.weight"] = normal(head_dim, std=0.1, mean=norm_mean)
-        tensors[p + "mlp.gate_proj.weight"] = normal(inter, hidden, std=0.5)
-        tensors[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=0.5)
-        tensors[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=0.5)
+        if arch in MOE and i not in MOE[arch].get("mlp_only_layers", ()):
+            tensors |= _experts(arch, p, sizes, normal)
+        else:
+            tensors |= _mlp(p + "mlp.", ("gate_proj", "up_proj", "down_proj"), hidden, inter, normal)
     tensors["model.norm.weight"] = normal(hidden, std=0.1, mean=0.0 if arch == "gemma3" else 1.0)
     if not tied:
         tensors["lm_head.weight"] = normal(vocab, hidden, std=0.1)
+    return tensors
+
+
+def _mlp(prefix: str, names: tuple[str, str, str], hidden: int, inter: int, normal) -> dict[str, torch.Tensor]:
+    gate, up, down = names
+    return {prefix + f"{gate}.weight": normal(inter, hidden, std=0.5),
+            prefix + f"{up}.weight": normal(inter, hidden, std=0.5),
+            prefix + f"{down}.weight": normal(hidden, inter, std=0.5)}
+
+
+def _experts(arch: str, p: str, sizes: dict[str, int], normal) -> dict[str, torch.Tensor]:
+    """A sparse layer's router and experts, one tensor per expert projection as published checkpoints store them."""
+    moe, hidden = MOE[arch], sizes["hidden_size"]
+    mixtral = arch == "mixtral"
+    prefix = p + ("block_sparse_moe." if mixtral else "mlp.")
+    num_experts = moe["num_local_experts" if mixtral else "num_experts"]
+    inter = sizes["intermediate_size"] if mixtral else moe["moe_intermediate_size"]
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    # A wide router: each token's choice of experts is clear, never a near-tie that rounding could flip.
+    tensors = {prefix + "gate.weight": normal(num_experts, hidden, std=0.5)}
+    for e in range(num_experts):
+        tensors |= _mlp(prefix + f"experts.{e}.", names, hidden, inter, normal)
+    if "shared_expert_intermediate_size" in moe:
+        tensors |= _mlp(prefix + "shared_expert.", ("gate_proj", "up_proj", "down_proj"), hidden,
+                        moe["shared_expert_intermediate_size"], normal)
+        tensors[prefix + "shared_expert_gate.weight"] = normal(1, hidden, std=0.5)
     return tensors
 
 

@@ -75,6 +75,9 @@ class EngineConfig:
     # Tensor parallelism: runner ranks of one torch.distributed group (gloo on CPU, NCCL on CUDA),
     # spread over `nnodes` machines; this one is `node_rank` (0: the head, which runs the daemon).
     tensor_parallel_size: int = 1
+    # A mixture of experts' whole experts placed on the ranks (each rank num_experts / N of them)
+    # instead of every expert split across them; attention stays tensor-parallel.
+    enable_expert_parallel: bool = False
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"  # the rendezvous: rank 0's machine

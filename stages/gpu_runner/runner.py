@@ -92,7 +92,7 @@ class ModelRunner:
 
         self.model = load_model(config.model, device=self.device, dtype=self.dtype,
                                 max_positions=self.max_model_len, config=self.config, tp=tp,
-                                quantization=config.quantization)
+                                quantization=config.quantization, expert_parallel=config.enable_expert_parallel)
         shard = self.model.shard
         self.attention_backend = make_attention_backend(config.attention_backend, self.device, self.block_size)
         self.layer_kernels = make_layer_kernels(config.attention_backend, self.device)

@@ -24,6 +24,10 @@ SHAPES = {
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {"vocab_size": 1001}),
     "qwen3": ("qwen3", {}),
+    # Mixtures of experts: every expert's intermediate size split, Qwen2-MoE's shared expert too.
+    "mixtral": ("mixtral", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
 }
 
 
@@ -122,3 +126,24 @@ def test_two_ranks_speculating_equal_one_without(models: dict[str, Path], method
     assert stats.speculative.num_draft_tokens > 0
     if method == "draft_model":  # the target drafts for itself: everything is accepted
         assert stats.speculative.num_accepted_tokens == stats.speculative.num_draft_tokens
+
+
+@pytest.mark.parametrize("shape", ["mixtral", "qwen2_moe"])
+def test_expert_parallel_two_ranks_equal_one(models: dict[str, Path], shape: str) -> None:
+    expected = run(models[shape])
+    assert run(models[shape], tensor_parallel_size=2, enable_expert_parallel=True) == expected
+
+
+def test_expert_parallel_ranks_hold_whole_experts_each_its_own_half(models: dict[str, Path]) -> None:
+    model = models["qwen3_moe"]
+    whole = load_model(model, device=torch.device("cpu"), dtype=torch.float32, max_positions=64)
+    for rank in range(2):
+        shard = load_model(model, device=torch.device("cpu"), dtype=torch.float32, max_positions=64,
+                           tp=TensorParallel(rank, 2, None, None), expert_parallel=True)
+        for mine, all_of_them in zip(shard.layers, whole.layers):
+            assert mine.mlp.experts.held == range(rank * 4, rank * 4 + 4)
+            assert torch.equal(mine.mlp.experts.w13, all_of_them.mlp.experts.w13[rank * 4:rank * 4 + 4])
+            assert torch.equal(mine.mlp.experts.w2, all_of_them.mlp.experts.w2[rank * 4:rank * 4 + 4])
+    with pytest.raises(ValueError, match="expert parallelism over 3 ranks does not divide the model's 8 experts"):
+        load_model(model, device=torch.device("cpu"), dtype=torch.float32, max_positions=64,
+                   tp=TensorParallel(0, 3, None, None), expert_parallel=True)

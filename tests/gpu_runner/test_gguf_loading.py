@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -23,7 +24,10 @@ pytestmark = pytest.mark.timeout(60)
 _BLOCK_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                 "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-                "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+                "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                # A mixture's router and its experts, stacked one tensor per projection.
+                "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps",
+                "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps"}
 
 
 @pytest.fixture(autouse=True)
@@ -38,8 +42,10 @@ def _permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(model_dir: Path, path: Path, arch: str, qtype: gguf.GGMLQuantizationType | None = None,
+               tensors: dict | None = None, metadata: Callable[[gguf.GGUFWriter], None] | None = None,
                **metadata_changes: object) -> Path:
-    """The tiny checkpoint as a GGUF file, laid out as llama.cpp's converter lays it out."""
+    """The tiny checkpoint as a GGUF file, laid out as llama.cpp's converter lays it out; `tensors`
+    (HF names) replace the checkpoint's, `metadata` adds to the file's."""
     config = json.loads((model_dir / "config.json").read_text())
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
     writer = gguf.GGUFWriter(path, arch=metadata_changes.pop("arch_name", arch))
@@ -63,8 +69,11 @@ def write_gguf(model_dir: Path, path: Path, arch: str, qtype: gguf.GGMLQuantizat
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
     writer.add_chat_template("{{ messages[0]['content'] }}")
+    if metadata is not None:
+        metadata(writer)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    for name, tensor in load_file(model_dir / "model.safetensors").items():
+    tensors = load_file(model_dir / "model.safetensors") if tensors is None else tensors
+    for name, tensor in tensors.items():
         array = tensor.float().numpy()
         if name == "model.embed_tokens.weight":
             gguf_name = "token_embd.weight"

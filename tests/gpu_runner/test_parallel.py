@@ -89,3 +89,21 @@ def test_a_collectives_failure_names_the_rank_and_address_and_other_errors_pass_
             with naming_lost_peers(holder, "10.0.0.1", 29500):
                 raise unrelated
         assert caught.value is unrelated
+
+
+def test_each_experts_intermediate_size_is_cut_and_the_router_replicated(config) -> None:
+    full = torch.arange(96 * 48, dtype=torch.float32).reshape(96, 48)  # [intermediate, hidden]
+
+    def cut(name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        return shard_tensor(f"model.layers.1.{name}", tensor.__getitem__, tuple(tensor.shape), config, rank, 2)
+
+    for name in ("block_sparse_moe.experts.3.w1.weight", "block_sparse_moe.experts.3.w3.weight",
+                 "mlp.experts.7.gate_proj.weight", "mlp.experts.0.up_proj.weight", "mlp.shared_expert.up_proj.weight"):
+        assert torch.equal(torch.cat([cut(name, full, r) for r in range(2)]), full), name
+        assert cut(name, full, 1).shape == (48, 48)
+    for name in ("block_sparse_moe.experts.3.w2.weight", "mlp.experts.5.down_proj.weight",
+                 "mlp.shared_expert.down_proj.weight"):
+        assert torch.equal(torch.cat([cut(name, full.T, r) for r in range(2)], dim=1), full.T), name
+        assert cut(name, full.T, 0).shape == (48, 48)
+    for name in ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.shared_expert_gate.weight"):
+        assert torch.equal(cut(name, full, 1), full), name

@@ -17,9 +17,10 @@ _ACTIVATIONS = {
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, shard: ModelConfig, tp: TensorParallel | None) -> None:
+    def __init__(self, shard: ModelConfig, tp: TensorParallel | None, intermediate_size: int | None = None) -> None:
+        """`intermediate_size` (this rank's) overrides the config's (a mixture's shared expert)."""
         super().__init__()
-        inter = shard.intermediate_size
+        inter = shard.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = MergedColumnLinear(shard.hidden_size, [inter, inter], bias=shard.mlp_bias)
         self.down_proj = RowLinear(inter, shard.hidden_size, bias=shard.mlp_bias, tp=tp)
         self.act = _ACTIVATIONS[shard.hidden_act]
@@ -32,13 +33,15 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
     @staticmethod
-    def expected_tensors(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    def expected_tensors(config: ModelConfig, prefix: str, intermediate_size: int | None = None
+                         ) -> dict[str, tuple[int, ...]]:
         """Checkpoint name -> full shape, for the whole model's `config`."""
         c = config
-        shapes = {prefix + "gate_proj.weight": (c.intermediate_size, c.hidden_size),
-                  prefix + "up_proj.weight": (c.intermediate_size, c.hidden_size),
-                  prefix + "down_proj.weight": (c.hidden_size, c.intermediate_size)}
+        inter = c.intermediate_size if intermediate_size is None else intermediate_size
+        shapes = {prefix + "gate_proj.weight": (inter, c.hidden_size),
+                  prefix + "up_proj.weight": (inter, c.hidden_size),
+                  prefix + "down_proj.weight": (c.hidden_size, inter)}
         if c.mlp_bias:
-            shapes |= {prefix + "gate_proj.bias": (c.intermediate_size,), prefix + "up_proj.bias": (c.intermediate_size,),
+            shapes |= {prefix + "gate_proj.bias": (inter,), prefix + "up_proj.bias": (inter,),
                        prefix + "down_proj.bias": (c.hidden_size,)}
         return shapes

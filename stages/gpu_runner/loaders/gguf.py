@@ -2,6 +2,10 @@
 dequantized on read (or, where asked, 2-D weights of a type the CPU kernels multiply kept as their
 blocks: layers/quantization/), with llama.cpp's conversions undone.
 
+A mixture of experts (Mixtral, a "llama" file with an expert count; qwen2moe; qwen3moe) stores
+each layer's experts stacked, one [experts, ...] tensor per projection (ffn_gate_exps,
+ffn_up_exps, ffn_down_exps); they keep that form under the names mlp.experts.<proj>.weight.
+
 llama.cpp's converter permutes the q and k rows of llama-architecture files (its rotary pairs
 adjacent dimensions; HF pairs halves), and stores Gemma's RMSNorm weights as 1 + w. Both are
 reversed here, so the model code sees what an HF checkpoint holds.
@@ -25,14 +29,18 @@ from stages.gpu_runner.models.config import ModelConfig, ModelLoadError
 
 # general.architecture -> the HF architecture that serves it
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM"}
 _PERMUTED = ("llama", "mistral")  # q/k rows interleaved by the converter
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 _BLOCK = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-          "attn_norm": "input_layernorm"}
+          "attn_norm": "input_layernorm", "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+          "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+          "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+          "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
 # Norms whose meaning differs: llama's ffn_norm is the post-attention norm; Gemma 3 has four.
 _BLOCK_NORMS = {"llama": {"ffn_norm": "post_attention_layernorm"},
                 "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -109,6 +117,7 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
     elif meta("rope.scaling.type", "none") not in ("none", ""):
         raise ModelLoadError(f"{file.path}: rope scaling {meta('rope.scaling.type')!r} is not supported")
+    config |= _moe_config(file, arch, meta)
     window = file.get(f"{arch}.attention.sliding_window")
     if arch == "gemma3":
         # llama.cpp makes every sixth Gemma 3 layer global and keeps the local base at 10,000.
@@ -117,6 +126,25 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
                    "layer_types": ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(num_layers)]}
     elif window is not None:
         config |= {"sliding_window": int(window), "use_sliding_window": True}
+    return config
+
+
+def _moe_config(file: GGUFFile, arch: str, meta) -> dict[str, Any]:
+    """A mixture's config.json fields; llama.cpp renormalises the top-k weights of Mixtral and
+    qwen3moe, not of qwen2moe, unless the file says otherwise (expert_weights_norm)."""
+    if file.get(f"{arch}.expert_count") is None:
+        return {}
+    if arch not in ("llama", "qwen2moe", "qwen3moe"):
+        raise ModelLoadError(f"{file.path}: experts of GGUF architecture {arch!r} are not supported "
+                             f"(only Mixtral as llama, qwen2moe and qwen3moe)")
+    num_experts, top_k = int(meta("expert_count")), int(meta("expert_used_count"))
+    if arch == "llama":
+        return {"architectures": ["MixtralForCausalLM"], "num_local_experts": num_experts, "num_experts_per_tok": top_k}
+    config = {"num_experts": num_experts, "num_experts_per_tok": top_k,
+              "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+              "norm_topk_prob": bool(meta("expert_weights_norm", arch == "qwen3moe"))}
+    if arch == "qwen2moe":
+        config["shared_expert_intermediate_size"] = int(meta("expert_shared_feed_forward_length"))
     return config
 
 

@@ -5,6 +5,7 @@ reads only the slices it holds. With quantization "gguf", a GGUF file's block-qu
 as their blocks on the CPU (layers/quantization/gguf.py); elsewhere they are dequantized at load."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -58,12 +59,19 @@ def open_source(root: Path, config: ModelConfig, keep_blocks: bool = False):
 def load_model(
     model_dir: str | Path, *, device: torch.device, dtype: torch.dtype, max_positions: int,
     config: ModelConfig | None = None, tp: TensorParallel | None = None, quantization: str = "none",
+    expert_parallel: bool = False,
 ) -> CausalLM:
     """Build the model (this rank's shard of it under `tp`) on `device` in `dtype` and fill it from
     the checkpoint, checking every tensor's shape. `quantization` "gguf": a GGUF file's quantized
-    weights stay as blocks where the model runs on the CPU, whole (so not under `tp`)."""
+    weights stay as blocks where the model runs on the CPU, whole (so not under `tp`).
+    `expert_parallel`: a mixture's ranks hold whole experts, num_experts / tp.size each."""
     root = Path(model_dir)
     config = config or load_model_config(root)
+    if expert_parallel and tp is not None and config.num_experts:
+        if config.num_experts % tp.size:
+            raise ModelLoadError(f"expert parallelism over {tp.size} ranks does not divide the model's "
+                                 f"{config.num_experts} experts")
+        config = dataclasses.replace(config, expert_parallel=True)
     keep_blocks = _keeps_blocks(quantization, config, device, tp)
     with torch.device("meta"):
         model = model_class(config)(config, max_positions, device, tp)

@@ -15,7 +15,10 @@ class ModelLoadError(ValueError):
 # HF architecture name -> per-family switches (see ModelConfig).
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 GEMMA3_FAMILY = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GEMMA3_FAMILY
+# Llama-style attention with a mixture of experts in place of (some) MLPs.
+MOE_FAMILY = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GEMMA3_FAMILY + MOE_FAMILY
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,6 +69,15 @@ class ModelConfig:
     rope_linear_factor: float = 1.0  # linear rope scaling of the global layers
     final_logit_softcapping: float | None = None
     gguf_file: str | None = None  # weights read from this GGUF file instead of safetensors
+    # Mixture of experts (MOE_FAMILY; num_experts 0: a dense model). Each token's FFN is the
+    # weighted sum of num_experts_per_tok experts of moe_intermediate_size, chosen by the router.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, under a sigmoid gate (0: none)
+    sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP of intermediate_size
+    expert_parallel: bool = False  # tensor-parallel ranks hold whole experts (see parallel/sharding.py)
 
     @property
     def family(self) -> str:
@@ -171,6 +183,27 @@ def _layer_windows(cfg: dict, arch: str, num_layers: int, sliding_window: int | 
     return tuple(sliding_window if kind == "sliding_attention" else None for kind in layer_types)
 
 
+def _moe(cfg: dict, arch: str, num_layers: int, path: Path) -> dict:
+    """The ModelConfig fields of a mixture of experts (none for a dense architecture)."""
+    if arch not in MOE_FAMILY:
+        return {}
+    mixtral = arch == "MixtralForCausalLM"
+    num_experts = int(_require(cfg, "num_local_experts" if mixtral else "num_experts", path))
+    top_k = int(_require(cfg, "num_experts_per_tok", path))
+    if not 0 < top_k <= num_experts:
+        raise ModelLoadError(f"{path}: num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense = set(cfg.get("mlp_only_layers") or [])
+    sparse = tuple(mixtral or (i not in dense and (i + 1) % step == 0) for i in range(num_layers))
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(_require(cfg, "intermediate_size" if mixtral else "moe_intermediate_size", path)),
+                # Mixtral always renormalises; the Qwen MoEs when norm_topk_prob says so.
+                norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0))
+                if arch == "Qwen2MoeForCausalLM" else 0,
+                sparse_layers=sparse)
+
+
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Parse config.json (and generation_config.json for EOS ids) of a local checkpoint."""
@@ -215,7 +248,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: torch_dtype {dtype_name!r} is not supported; use one of {sorted(_DTYPES)}")
 
     sliding_window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+    if arch in _QWEN and not cfg.get("use_sliding_window", False):
         sliding_window = None
     sliding_window = None if sliding_window is None else int(sliding_window)
 
@@ -244,10 +277,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         sliding_window=sliding_window,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma)),
-        qkv_bias=is_qwen2 or attention_bias,
+        qkv_bias=is_qwen2 or attention_bias or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM" or is_gemma,
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or is_gemma,
         torch_dtype=_DTYPES[dtype_name],
         eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id"),
@@ -260,6 +293,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rope_linear_factor=scaling if isinstance(scaling, float) else 1.0,
         final_logit_softcapping=None if softcap is None else float(softcap),
         gguf_file=top.get("gguf_file"),
+        **_moe(cfg, arch, num_layers, path),
     )
 
 

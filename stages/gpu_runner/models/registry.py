@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from stages.gpu_runner.models.base import CausalLM
-from stages.gpu_runner.models.config import GEMMA3_FAMILY, LLAMA_FAMILY, ModelConfig
+from stages.gpu_runner.models.config import GEMMA3_FAMILY, LLAMA_FAMILY, MOE_FAMILY, ModelConfig
 
 
 def model_class(config: ModelConfig) -> type[CausalLM]:
@@ -12,4 +12,7 @@ def model_class(config: ModelConfig) -> type[CausalLM]:
     if config.architecture in GEMMA3_FAMILY:
         from stages.gpu_runner.models.gemma3 import Gemma3ForCausalLM
         return Gemma3ForCausalLM
+    if config.architecture in MOE_FAMILY:
+        from stages.gpu_runner.models.moe import MoEForCausalLM
+        return MoEForCausalLM
     raise ValueError(f"no model class serves architecture {config.architecture!r}")

@@ -4,12 +4,16 @@ Megatron's cut: q/k/v and gate/up are column-parallel (each rank holds its own h
 slice of the intermediate size), o and down are row-parallel and followed by one all-reduce
 each, the embedding and the LM head are vocab-parallel (each rank holds a contiguous range of
 token ids). KV heads are split like the query heads; with fewer KV heads than ranks each KV head
-is held by the ranks whose query heads read it.
+is held by the ranks whose query heads read it. A mixture of experts splits every expert's (and a
+shared expert's) intermediate size the same way: gate/up column-parallel, down row-parallel; its
+router is replicated. With expert parallelism a rank holds whole experts instead, the
+num_experts / N of `local_experts`, and adds only their outputs before the same all-reduce.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 
 import torch
@@ -19,6 +23,11 @@ from stages.gpu_runner.models.config import ModelConfig
 ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 ROW_PARALLEL_BIAS = ("self_attn.o_proj.bias", "mlp.down_proj.bias")
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+# A mixture's experts (Mixtral's w1/w3/w2, Qwen's gate/up/down_proj) and Qwen2-MoE's shared expert.
+_MOE_COLUMN = re.compile(r"(mlp|block_sparse_moe)\.(experts\.\d+\.(w1|w3|gate_proj|up_proj)"
+                         r"|shared_expert\.(gate|up)_proj)\.weight")
+_MOE_STACKED = re.compile(r"mlp\.experts\.(gate_proj|up_proj|down_proj)\.weight")  # GGUF: [experts, rows, cols]
+_MOE_ROW = re.compile(r"(mlp|block_sparse_moe)\.(experts\.\d+\.(w2|down_proj)|shared_expert\.down_proj)\.weight")
 
 
 def check_tensor_parallel(config: ModelConfig, size: int, device_type: str, local_ranks: int | None = None) -> None:
@@ -35,6 +44,10 @@ def check_tensor_parallel(config: ModelConfig, size: int, device_type: str, loca
     if config.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's intermediate size "
                          f"{config.intermediate_size}")
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(config, name) % size:
+            raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name.replace('_', ' ')} "
+                             f"{getattr(config, name)}")
     local_ranks = size if local_ranks is None else local_ranks
     if device_type == "cuda" and local_ranks > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size {size} puts {local_ranks} ranks on this machine, one per CUDA "
@@ -46,9 +59,23 @@ def shard_config(config: ModelConfig, size: int) -> ModelConfig:
     and hidden size are whole: the vocab-parallel layers keep their own sizes)."""
     if size == 1:
         return config
+    experts_split = 1 if config.expert_parallel else size
     return dataclasses.replace(config, num_heads=config.num_heads // size,
                                num_kv_heads=max(1, config.num_kv_heads // size),
-                               intermediate_size=config.intermediate_size // size)
+                               intermediate_size=config.intermediate_size // size,
+                               moe_intermediate_size=config.moe_intermediate_size // experts_split,
+                               shared_expert_intermediate_size=config.shared_expert_intermediate_size // size)
+
+
+def local_experts(config: ModelConfig, rank: int, size: int) -> range:
+    """The experts this rank holds and runs: all of them (each split) unless expert-parallel."""
+    if not config.expert_parallel or size == 1:
+        return range(config.num_experts)
+    per_rank = config.num_experts // size
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+_EXPERT_INDEX = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 
 
 def vocab_shard_size(vocab_size: int, size: int) -> int:
@@ -70,14 +97,24 @@ def shard_tensor(name: str, read: Callable[[object], torch.Tensor], shape: tuple
         if part.shape[0] < per_rank:  # the last rank's padded tail: never looked up, cut from the gathered logits
             part = torch.cat([part, part.new_zeros(per_rank - part.shape[0], *part.shape[1:])])
         return part
-    if suffix in ROW_PARALLEL:
+    if config.expert_parallel and (_MOE_STACKED.fullmatch(suffix) or _EXPERT_INDEX.match(suffix)):
+        held = local_experts(config, rank, size)
+        if _MOE_STACKED.fullmatch(suffix):
+            return read(slice(held.start, held.stop))
+        # Another rank's expert is not read at all.
+        return read(slice(None)) if int(_EXPERT_INDEX.match(suffix).group(1)) in held else torch.empty(0)
+    if stacked := _MOE_STACKED.fullmatch(suffix):
+        dim = 2 if stacked.group(1) == "down_proj" else 1
+        per_rank = shape[dim] // size
+        return read((slice(None),) * dim + (slice(rank * per_rank, (rank + 1) * per_rank),))
+    if suffix in ROW_PARALLEL or _MOE_ROW.fullmatch(suffix):
         per_rank = shape[1] // size
         return read((slice(None), slice(rank * per_rank, (rank + 1) * per_rank)))
     if suffix in ROW_PARALLEL_BIAS:  # added once, after the all-reduce sums the ranks' parts
         full = read(slice(None))
         return full if rank == 0 else torch.zeros_like(full)
     head_dim = config.head_dim
-    if suffix.startswith(("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")):
+    if suffix.startswith(("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")) or _MOE_COLUMN.fullmatch(suffix):
         per_rank = shape[0] // size
         return read(slice(rank * per_rank, (rank + 1) * per_rank))
     if suffix.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):

@@ -1,4 +1,4 @@
-"""Triton kernels of the GPU runner: paged attention, KV store, RMSNorm, rotary; compiled on CUDA, interpreted on CPU.
+"""Triton kernels of the GPU runner: paged attention, KV store, RMSNorm, rotary, the fused MoE's grouped GEMM; compiled on CUDA, interpreted on CPU.
 
 The attention backend (attention/triton_backend.py) and the layers' kernels (layers/kernels.py)
 call `load(device)` once each: it builds the kernels in the device's mode (see

@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-_JIT_MODULES = ("common", "attention", "norm", "rotary")
+_JIT_MODULES = ("common", "attention", "norm", "rotary", "moe")
 
 
 def interpreted(device: torch.device) -> bool:

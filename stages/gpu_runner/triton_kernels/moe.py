@@ -1,0 +1,63 @@
+"""The fused MoE on the GPU as vLLM's `fused_moe` does it: the (token, choice) slots sorted by expert
+and each expert's run padded to the block size, then one grouped GEMM launch for gate/up over all
+experts, the SwiGLU in torch, and one for down (scaled by the routing weights); the k weighted
+outputs of a token are summed last. Matches layers/fused_moe/experts.fused_experts up to the order
+of the float32 sums.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from stages.gpu_runner.triton_kernels.loading import cdiv, kernels_for
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (sorted_slots, block_experts): the flat slot indices grouped by expert, each
+    expert's run padded with T * k to a multiple of block_m (size fixed by T, k and the experts, so
+    no host read), and the expert of every block of block_m (blocks past the last run: padding only)."""
+    flat = ids.reshape(-1)
+    num_slots = flat.numel()
+    capacity = num_slots + num_experts * (block_m - 1)
+    capacity = cdiv(capacity, block_m) * block_m
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    experts = flat[order]
+    rank_in_expert = torch.arange(num_slots, device=ids.device) - (torch.cumsum(counts, 0) - counts)[experts]
+    sorted_slots = torch.full((capacity,), num_slots, dtype=torch.int64, device=ids.device)
+    sorted_slots[(padded_ends - padded)[experts] + rank_in_expert] = order
+    block_starts = torch.arange(0, capacity, block_m, device=ids.device)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_slots, block_experts
+
+
+def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_slots: torch.Tensor,
+                  block_experts: torch.Tensor, top_k: int, weights: torch.Tensor | None, block_m: int) -> None:
+    n, k = b.shape[1], b.shape[2]
+    block_n, block_k = 32, 32
+    grid = (sorted_slots.numel() // block_m, cdiv(n, block_n))
+    kernels_for("moe", a).grouped_gemm_kernel[grid](
+        a, b, out, out if weights is None else weights, sorted_slots, block_experts,
+        n, k, out.shape[0], a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+        TOP_K=top_k, MUL_WEIGHTS=weights is not None,
+        DOT_FP32=a.dtype == torch.float32 or a.device.type == "cpu",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+              block_m: int = 16) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> Σ_k weight · expert(x) [T, H]."""
+    num_tokens, top_k = ids.shape
+    if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("fused_moe needs x, w13 and w2 contiguous in their last dimension")
+    sorted_slots, block_experts = align_by_expert(ids, w13.shape[0], block_m)
+    gate_up = torch.empty(num_tokens * top_k, w13.shape[1], dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, sorted_slots, block_experts, top_k, None, block_m)
+    gate, up = gate_up.chunk(2, dim=-1)
+    hidden = (F.silu(gate) * up).contiguous()
+    out = torch.empty(num_tokens * top_k, w2.shape[1], dtype=torch.float32, device=x.device)
+    _grouped_gemm(hidden, w2, out, sorted_slots, block_experts, 1, weights.reshape(-1).float().contiguous(), block_m)
+    return out.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
