@@ -28,7 +28,8 @@ from stages.progress import Progress
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.c", "sample.c", "elementwise.c", "quant.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.c", "sample.c", "elementwise.c", "quant.c",
+                                                            "quant_gemm.c", "quant_encode.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "exp.h"))
 # No contraction of a * b + c into one rounding: elementwise.c rounds where torch's operators do.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -88,11 +89,13 @@ def library() -> ctypes.CDLL | None:
         "rotary": [pointer, size, pointer, pointer, pointer, size, size, size, flag],
         "quant_dequantize_rows": [pointer, flag, size, size, pointer, size, size, pointer],
         "quant_matmul": [pointer, flag, size, size, size, pointer, size, pointer],
+        "quant_matmul_tiled": [pointer, flag, size, size, size, pointer, size, pointer, size],
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)
         function.restype, function.argtypes = None, argtypes
     lib.quant_block_bytes.restype, lib.quant_block_bytes.argtypes = flag, [flag]
+    lib.quant_quantize_rows.restype, lib.quant_quantize_rows.argtypes = flag, [pointer, flag, size, size, pointer]
     return lib
 
 

@@ -57,3 +57,39 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int) -> torc
     lib.quant_matmul(blocks.data_ptr(), int(qtype), blocks.shape[1], blocks.shape[0], cols, x.data_ptr(),
                      x.shape[0], out.data_ptr())
     return out
+
+
+def matmul_tiled(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int, tile_rows: int = 0) -> torch.Tensor:
+    """matmul for many activation rows: the weight decoded a tile of `tile_rows` rows at a time
+    (0: sized for the L2 cache), each tile multiplied with all rows."""
+    lib = _checked(blocks, qtype, cols, "quant matmul")
+    if x.dim() != 2 or x.shape[1] != cols or x.device.type != "cpu":
+        raise ValueError(f"quant matmul: activations must be CPU [n, {cols}], not {tuple(x.shape)} on {x.device}")
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
+    lib.quant_matmul_tiled(blocks.data_ptr(), int(qtype), blocks.shape[1], blocks.shape[0], cols, x.data_ptr(),
+                           x.shape[0], out.data_ptr(), int(tile_rows))
+    return out
+
+
+QUANTIZABLE = {8: "Q8_0", 2: "Q4_0"}  # the block types quantize_rows makes (GGMLQuantizationType numbers)
+
+
+def quantize_rows(weight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """float32 weight [rows, cols] (cols a multiple of 32) as ggml blocks of `qtype` (Q8_0 or Q4_0):
+    uint8 [rows, cols // 32 * block bytes], bit for bit ggml's reference quantizer (gguf.quants.quantize)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("quantize_rows: the CPU kernels are not built (see cpu_ops.library)")
+    if int(qtype) not in QUANTIZABLE:
+        raise ValueError(f"quantize_rows: block type {qtype} is not one of {sorted(QUANTIZABLE.values())}")
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % 32:
+        raise ValueError(f"quantize_rows: the weight must be CPU float32 [rows, cols], cols a multiple of 32, "
+                         f"not {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    if not bool(torch.isfinite(weight).all()):
+        raise ValueError("quantize_rows: the weight holds inf or nan values")
+    weight = weight.contiguous()
+    rows, cols = weight.shape
+    out = torch.empty(rows, cols // 32 * lib.quant_block_bytes(int(qtype)), dtype=torch.uint8)
+    lib.quant_quantize_rows(weight.data_ptr(), int(qtype), rows, cols, out.data_ptr())
+    return out
