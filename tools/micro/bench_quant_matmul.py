@@ -9,7 +9,9 @@ times in one run:
   - method: what layers/quantization/gguf.py picks for that many rows;
 the best of --repeat calls each (milliseconds), the method's ratio to dense, and the sum over one
 model step (every layer's projections and the head). Random blocks: the kernels' speed does not
-depend on the values. Threads: torch's (set OMP_NUM_THREADS to change both). On a shared machine only
+depend on the values. As in a model step, weights come from memory, not a warm cache: each call
+takes the next of enough copies of the weight (dense and blocks) to fill COLD_BYTES, several times
+the last-level cache. Threads: torch's (set OMP_NUM_THREADS to change both). On a shared machine only
 ratios from one run count; the load average is printed. With OMP_NUM_THREADS=1 the times are the
 thread's CPU time, which preemption by other processes does not inflate.
 
@@ -47,6 +49,23 @@ def random_blocks(qtype: QType, rows: int, cols: int) -> torch.Tensor:
     return torch.from_numpy(blocks).reshape(rows, -1).contiguous()
 
 
+COLD_BYTES = 128 << 20
+
+
+def copies(tensor: torch.Tensor, dense_bytes: int) -> list[torch.Tensor]:
+    return [tensor.clone() for _ in range(max(1, COLD_BYTES // dense_bytes))]
+
+
+def rotating(call, *pools: list[torch.Tensor]):
+    """call(*one copy from each pool), taking the next copies each time."""
+    state = {"at": 0}
+
+    def next_call():
+        state["at"] = (state["at"] + 1) % len(pools[0])
+        return call(*(pool[state["at"]] for pool in pools))
+    return next_call
+
+
 def best_ms(call, repeat: int) -> float:
     """The best of `repeat` calls after a warm-up. With one thread, the calling thread's CPU time
     (every kernel here runs in it then): on a loaded machine, time spent preempted is not counted."""
@@ -63,21 +82,23 @@ def best_ms(call, repeat: int) -> float:
 def measure(model: str, row_counts: list[int], repeat: int) -> list[dict]:
     method, results = GGUFMethod(), []
     for qtype, rows, cols, per_step in SHAPES[model]:
-        blocks = random_blocks(qtype, rows, cols)
-        weight = QuantizedWeight(qtype.value, blocks, (rows, cols))
-        dense = torch.randn(rows, cols)
+        dense_bytes = rows * cols * 4
+        blocks = copies(random_blocks(qtype, rows, cols), dense_bytes)
+        weights = [QuantizedWeight(qtype.value, one, (rows, cols)) for one in blocks]
+        dense = copies(torch.randn(rows, cols), dense_bytes)
         big = rows * cols > 50_000_000  # the Gemma head: fewer calls
         for n in row_counts:
             x = torch.randn(n, cols)
             times = max(2, repeat // (4 if big else 1))
             row = {"model": model, "qtype": qtype.name, "rows": rows, "cols": cols, "per_step": per_step, "n": n,
-                   "dense_ms": best_ms(lambda: x @ dense.T, times),
-                   "fused_ms": best_ms(lambda: quant.matmul(x, blocks, qtype, cols), times) if n <= 64 else None,
-                   "tiled_ms": best_ms(lambda: quant.matmul_tiled(x, blocks, qtype, cols), times),
-                   "method_ms": best_ms(lambda: method.apply(weight, x, None), times)}
+                   "dense_ms": best_ms(rotating(lambda w: x @ w.T, dense), times),
+                   "fused_ms": best_ms(rotating(lambda b: quant.matmul(x, b, qtype, cols), blocks), times)
+                   if n <= 64 else None,
+                   "tiled_ms": best_ms(rotating(lambda b: quant.matmul_tiled(x, b, qtype, cols), blocks), times),
+                   "method_ms": best_ms(rotating(lambda w: method.apply(w, x, None), weights), times)}
             row["ratio"] = row["method_ms"] / row["dense_ms"]
             results.append(row)
-        del dense
+        del dense, blocks, weights
     return results
 
 

@@ -10,6 +10,7 @@
  *
  * Only the dot's order of summation differs from a float32 matmul (lanes, then across them).
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -110,12 +111,14 @@ static void multiply_tile(const float *x, int64_t n, const float *w, int64_t til
 }
 
 /* out [n, rows] = x [n, cols] times the weight [rows, cols] transposed, decoded `tile_rows` rows
- * at a time (tile_rows <= 0: a default sized for L2). */
+ * at a time (tile_rows <= 0: a default sized for L2 and the threads). */
 void quant_matmul_tiled(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t rows, int64_t cols,
                         const float *x, int64_t n, float *out, int64_t tile_rows) {
-    if (tile_rows <= 0) {
-        tile_rows = (256 * 1024 / 4) / cols; /* 256 KiB of float32 */
-        tile_rows = tile_rows < NR ? NR : tile_rows / NR * NR;
+    if (tile_rows <= 0) { /* 256 KiB of float32, and at least 4 tiles a thread where the rows allow */
+        const int64_t threads = omp_get_max_threads(), share = (rows + 4 * threads - 1) / (4 * threads);
+        tile_rows = (256 * 1024 / 4) / cols;
+        if (share < tile_rows) tile_rows = share;
+        tile_rows = tile_rows < NR ? NR : (tile_rows + NR - 1) / NR * NR;
     }
     const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
 #pragma omp parallel
