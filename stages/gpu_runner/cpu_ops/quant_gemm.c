@@ -10,12 +10,16 @@
  *
  * Only the dot's order of summation differs from a float32 matmul (lanes, then across them).
  */
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if defined(_OPENMP)
+#include <omp.h>
+#else
+static int omp_get_max_threads(void) { return 1; }
 #endif
 
 /* quant.c */
