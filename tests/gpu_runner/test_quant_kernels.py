@@ -150,6 +150,10 @@ def test_bad_inputs_raise_naming_the_problem():
         quant.matmul(torch.zeros(1, 32), weight.blocks, weight.qtype, 64)
     with pytest.raises(ValueError, match="blocks of type"):
         quant.matmul(torch.zeros(1, 64), weight.blocks[:, :-1], weight.qtype, 64)
+    with pytest.raises(ValueError, match="activations"):
+        quant.matmul_tiled(torch.zeros(3, 63), weight.blocks, weight.qtype, 64)
+    with pytest.raises(ValueError, match="tile_rows"):
+        quant.matmul_tiled(torch.zeros(3, 64), weight.blocks, weight.qtype, 64, tile_rows=-1)
 
 
 @pytest.mark.parametrize("file_of, name, qtype", [

@@ -1,6 +1,7 @@
-"""GGUF block-quantized weights on the CPU (quant.c): decode chosen rows, or the fused
-dequantize-and-dot of a few activation rows. `blocks` is a uint8 [rows, row_bytes] tensor of one
-ggml block type (`qtype`, its GGMLQuantizationType number); activations and results are float32."""
+"""GGUF block-quantized weights on the CPU (quant.c, quant_gemm.c, quant_encode.c): decode chosen
+rows, the fused dequantize-and-dot of a few activation rows, the tiled product for many, and float32
+rows made into Q8_0 or Q4_0 blocks (quantize at load). `blocks` is a uint8 [rows, row_bytes] tensor
+of one ggml block type (`qtype`, its GGMLQuantizationType number); activations and results are float32."""
 from __future__ import annotations
 
 import torch
@@ -46,13 +47,17 @@ def dequantize_rows(blocks: torch.Tensor, qtype: int, cols: int, ids: torch.Tens
     return out
 
 
-def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
-    """x [n, cols] times the weight [rows, cols] transposed: float32 [n, rows], each weight row
-    decoded once for all n rows."""
-    lib = _checked(blocks, qtype, cols, "quant matmul")
+def _activations(x: torch.Tensor, cols: int) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != cols or x.device.type != "cpu":
         raise ValueError(f"quant matmul: activations must be CPU [n, {cols}], not {tuple(x.shape)} on {x.device}")
-    x = x.to(torch.float32).contiguous()
+    return x.to(torch.float32).contiguous()
+
+
+def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """x [n, cols] times the weight [rows, cols] transposed: float32 [n, rows], each weight row
+    decoded once for all n rows (the fused kernel: for a few rows)."""
+    lib = _checked(blocks, qtype, cols, "quant matmul")
+    x = _activations(x, cols)
     out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
     lib.quant_matmul(blocks.data_ptr(), int(qtype), blocks.shape[1], blocks.shape[0], cols, x.data_ptr(),
                      x.shape[0], out.data_ptr())
@@ -63,9 +68,9 @@ def matmul_tiled(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int, t
     """matmul for many activation rows: the weight decoded a tile of `tile_rows` rows at a time
     (0: sized for the L2 cache), each tile multiplied with all rows."""
     lib = _checked(blocks, qtype, cols, "quant matmul")
-    if x.dim() != 2 or x.shape[1] != cols or x.device.type != "cpu":
-        raise ValueError(f"quant matmul: activations must be CPU [n, {cols}], not {tuple(x.shape)} on {x.device}")
-    x = x.to(torch.float32).contiguous()
+    if tile_rows < 0:
+        raise ValueError(f"quant matmul: tile_rows must be >= 0 (0: the default), not {tile_rows}")
+    x = _activations(x, cols)
     out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
     lib.quant_matmul_tiled(blocks.data_ptr(), int(qtype), blocks.shape[1], blocks.shape[0], cols, x.data_ptr(),
                            x.shape[0], out.data_ptr(), int(tile_rows))
