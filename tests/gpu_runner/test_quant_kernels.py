@@ -23,10 +23,11 @@ from real_models import gemma3_gguf, smollm2_gguf
 
 from stages.gpu_runner import cpu_ops
 from stages.gpu_runner.cpu_ops import quant
+from stages.gpu_runner.cpu_ops import build as cpu_build
 from stages.gpu_runner.layers.linear import MergedColumnLinear, linear, method_for
 from stages.gpu_runner.layers.quantization.base import QuantizedWeight
 from stages.gpu_runner.layers.quantization import gguf as gguf_method
-from stages.gpu_runner.layers.quantization.gguf import DECODE_ROWS
+from stages.gpu_runner.layers.quantization.gguf import FUSED_ROWS, TILED_ROWS
 from stages.gpu_runner.loaders.gguf_file import GGUFFile
 from stages.gpu_runner.loaders.gguf_quants import dequantize
 
@@ -82,18 +83,35 @@ def test_decoded_rows_equal_the_reference_decoder_bit_for_bit(qtype):
     assert embedded.shape == (2, 2, 512) and torch.equal(embedded, reference[ids])
 
 
+# Activation rows: 1 and FUSED_ROWS (the fused kernel), 7, 32, 33 and TILED_ROWS (quant_gemm.c: a
+# partial block of MR rows, a full one), TILED_ROWS + 1 and 300 (tiles for torch's matmul).
+ROW_COUNTS = sorted({1, FUSED_ROWS, 7, 32, 33, TILED_ROWS, TILED_ROWS + 1, 300})
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("num_rows", [1, 3, 9, DECODE_ROWS, DECODE_ROWS + 1])
-def test_quantized_matmul_equals_dequantize_then_multiply(qtype, num_rows, monkeypatch):
-    """Both kernels: the fused one (up to DECODE_ROWS activation rows) and the tiled one (more),
-    here in tiles of 16 weight rows (the last one partial)."""
+def test_quantized_matmul_equals_dequantize_then_multiply(qtype, monkeypatch):
+    """Every kernel the method picks, by the number of rows; the torch path here in tiles of 16
+    weight rows (the last one partial)."""
     monkeypatch.setattr(gguf_method, "TILE_VALUES", 16 * 768)
-    weight = random_weight(qtype, rows=70, cols=768, seed=num_rows)
-    x = torch.randn(num_rows, 768, generator=torch.Generator().manual_seed(qtype.value))
+    weight = random_weight(qtype, rows=70, cols=768, seed=qtype.value)
+    reference = dequantized(weight)
     bias = torch.randn(70)
-    got = linear(x, weight, bias)
-    assert got.shape == (num_rows, 70) and got.dtype == torch.float32
-    assert_within_float32_rounding(got - bias, x, dequantized(weight))
+    for num_rows in ROW_COUNTS:
+        x = torch.randn(num_rows, 768, generator=torch.Generator().manual_seed(num_rows))
+        got = linear(x, weight, bias)
+        assert got.shape == (num_rows, 70) and got.dtype == torch.float32
+        assert_within_float32_rounding(got - bias, x, reference)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_tiles_of_any_size_over_any_rows(qtype):
+    """quant_gemm.c with tiles that do not divide the weight's rows (nor its micro-kernel's 4), over
+    row counts that leave partial blocks, and columns split in passes (2,560: five of 512)."""
+    for rows, cols, tile_rows, num_rows in [(37, 512, 5, 1), (37, 512, 12, 6), (9, 2560, 0, 11), (64, 256, 64, 5)]:
+        weight = random_weight(qtype, rows=rows, cols=cols, seed=rows + tile_rows)
+        x = torch.randn(num_rows, cols, generator=torch.Generator().manual_seed(num_rows))
+        got = quant.matmul_tiled(x, weight.blocks, weight.qtype, cols, tile_rows)
+        assert_within_float32_rounding(got, x, dequantized(weight))
 
 
 @pytest.mark.parametrize("types", [(QType.Q4_1, QType.Q4_1, QType.Q4_1), (QType.Q5_0, None, QType.Q8_0)],
@@ -133,6 +151,10 @@ def test_bad_inputs_raise_naming_the_problem():
         quant.matmul(torch.zeros(1, 32), weight.blocks, weight.qtype, 64)
     with pytest.raises(ValueError, match="blocks of type"):
         quant.matmul(torch.zeros(1, 64), weight.blocks[:, :-1], weight.qtype, 64)
+    with pytest.raises(ValueError, match="activations"):
+        quant.matmul_tiled(torch.zeros(3, 63), weight.blocks, weight.qtype, 64)
+    with pytest.raises(ValueError, match="tile_rows"):
+        quant.matmul_tiled(torch.zeros(3, 64), weight.blocks, weight.qtype, 64, tile_rows=-1)
 
 
 @pytest.mark.parametrize("file_of, name, qtype", [
@@ -153,7 +175,7 @@ def test_real_tensors(file_of, name, qtype):
     reference = dequantized(weight)
     assert torch.equal(quant.dequantize_rows(weight.blocks, weight.qtype, weight.shape[1], start=0,
                                              count=weight.shape[0]), reference)
-    for num_rows in (1, 4, 33):
+    for num_rows in (1, 4, 33, TILED_ROWS + 3):
         x = torch.randn(num_rows, weight.shape[1], generator=torch.Generator().manual_seed(num_rows))
         assert_within_float32_rounding(linear(x, weight, None), x, reference)
 
@@ -205,31 +227,46 @@ def test_gguf_quantization_is_refused_under_tensor_parallelism():
 
 @pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]],
                          ids=["avx2", "scalar"])
-def test_the_paths_for_other_cpus_decode_and_multiply_the_same(flags, tmp_path):
-    """quant.c built without AVX-512 (its AVX2 dot, scalar decoding) and without any vector
-    extension: the same decoded values bit for bit, products within the same bound."""
+def test_the_paths_for_other_cpus_decode_multiply_and_quantize_the_same(flags, tmp_path):
+    """The quant*.c kernels built without AVX-512 (AVX2 dots and micro-kernel, scalar decoding) and
+    without any vector extension: the same decoded values and blocks bit for bit, products within
+    the same bound."""
     import ctypes
     import platform
     import subprocess
 
+    from gguf.quants import quantize
+
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the flags name x86 extensions")
-    source = Path(cpu_ops.__file__).with_name("quant.c")
+    sources = [str(path) for path in cpu_build.C_SOURCES if path.name.startswith("quant")]
     built_lib = tmp_path / "quant.so"
     compiler = shutil.which("cc") or shutil.which("gcc")
     subprocess.run([compiler, "-O3", "-march=native", *flags, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
-                    "-std=c11", str(source), "-o", str(built_lib), "-lm"], check=True, capture_output=True)
+                    "-std=c11", *sources, "-o", str(built_lib), "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(built_lib))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.quant_dequantize_rows.argtypes = [pointer, ctypes.c_int, size, size, pointer, size, size, pointer]
+    lib.quant_matmul.argtypes = [pointer, ctypes.c_int, size, size, size, pointer, size, pointer]
+    lib.quant_matmul_tiled.argtypes = [pointer, ctypes.c_int, size, size, size, pointer, size, pointer, size]
+    lib.quant_quantize_rows.argtypes = [pointer, ctypes.c_int, size, size, pointer]
     for qtype in TYPES:
-        weight = random_weight(qtype, rows=8, cols=512, seed=qtype.value)
-        decoded = torch.empty(8, 512)
-        lib.quant_dequantize_rows(ctypes.c_void_p(weight.blocks.data_ptr()), int(qtype), ctypes.c_int64(
-            weight.blocks.shape[1]), ctypes.c_int64(512), None, ctypes.c_int64(0), ctypes.c_int64(8),
-            ctypes.c_void_p(decoded.data_ptr()))
-        assert torch.equal(decoded, dequantized(weight)), qtype.name
-        x = torch.randn(3, 512)
-        out = torch.empty(3, 8)
-        lib.quant_matmul(ctypes.c_void_p(weight.blocks.data_ptr()), int(qtype), ctypes.c_int64(weight.blocks.shape[1]),
-                         ctypes.c_int64(8), ctypes.c_int64(512), ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(3),
-                         ctypes.c_void_p(out.data_ptr()))
-        assert_within_float32_rounding(out, x, dequantized(weight))
+        weight = random_weight(qtype, rows=9, cols=512, seed=qtype.value)
+        blocks, reference = weight.blocks.data_ptr(), dequantized(weight)
+        decoded = torch.empty(9, 512)
+        lib.quant_dequantize_rows(blocks, int(qtype), weight.blocks.shape[1], 512, None, 0, 9, decoded.data_ptr())
+        assert torch.equal(decoded, reference), qtype.name
+        x = torch.randn(5, 512)
+        for tiled in (False, True):
+            out = torch.empty(5, 9)
+            if tiled:
+                lib.quant_matmul_tiled(blocks, int(qtype), weight.blocks.shape[1], 9, 512, x.data_ptr(), 5,
+                                       out.data_ptr(), 4)
+            else:
+                lib.quant_matmul(blocks, int(qtype), weight.blocks.shape[1], 9, 512, x.data_ptr(), 5, out.data_ptr())
+            assert_within_float32_rounding(out, x, reference)
+    values = torch.randn(6, 256)
+    for qtype in (QType.Q8_0, QType.Q4_0):
+        made = torch.empty(6, 256 // 32 * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
+        lib.quant_quantize_rows(values.data_ptr(), int(qtype), 6, 256, made.data_ptr())
+        assert np.array_equal(made.numpy(), quantize(values.numpy(), qtype)), qtype.name

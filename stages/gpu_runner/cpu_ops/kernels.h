@@ -32,6 +32,14 @@ void quant_dequantize_rows(const uint8_t *blocks, int qtype, int64_t row_bytes, 
                            int64_t first, int64_t n, float *out);
 void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t rows, int64_t cols, const float *x,
                   int64_t n, float *out);
+void quant_decode_row(const uint8_t *row, int qtype, int64_t cols, float *w);
+
+/* quant_gemm.c */
+void quant_matmul_tiled(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t rows, int64_t cols,
+                        const float *x, int64_t n, float *out, int64_t tile_rows);
+
+/* quant_encode.c */
+int quant_quantize_rows(const float *x, int qtype, int64_t rows, int64_t cols, uint8_t *out);
 
 #ifdef __cplusplus
 }

@@ -243,16 +243,49 @@ Tensor quant_dequantize_rows_op(const Tensor& blocks, int64_t qtype, int64_t col
   return out;
 }
 
-Tensor quant_matmul_op(const Tensor& x, const Tensor& blocks, int64_t qtype, int64_t cols) {
-  const char* op = "quant matmul";
-  check_blocks(blocks, qtype, cols, op);
+// Checks activations: CPU float32 [n, cols].
+Tensor activations(const Tensor& x, int64_t cols, const char* op) {
   check_cpu(x, op, "activations");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == cols && x.scalar_type() == at::kFloat, op,
                     ": activations must be CPU float32 [n, ", cols, "], not ", dtype_name(x.scalar_type()), " ", x.sizes());
-  const Tensor a = x.contiguous();
+  return x.contiguous();
+}
+
+Tensor quant_matmul_op(const Tensor& x, const Tensor& blocks, int64_t qtype, int64_t cols) {
+  const char* op = "quant matmul";
+  check_blocks(blocks, qtype, cols, op);
+  const Tensor a = activations(x, cols, op);
   Tensor out = at::empty({a.size(0), blocks.size(0)}, a.options());
   quant_matmul(blocks.const_data_ptr<uint8_t>(), static_cast<int>(qtype), blocks.size(1), blocks.size(0), cols,
                a.const_data_ptr<float>(), a.size(0), out.mutable_data_ptr<float>());
+  return out;
+}
+
+Tensor quant_matmul_tiled_op(const Tensor& x, const Tensor& blocks, int64_t qtype, int64_t cols, int64_t tile_rows) {
+  const char* op = "quant matmul";
+  check_blocks(blocks, qtype, cols, op);
+  TORCH_CHECK_VALUE(tile_rows >= 0, op, ": tile_rows must be >= 0 (0: the default), not ", tile_rows);
+  const Tensor a = activations(x, cols, op);
+  Tensor out = at::empty({a.size(0), blocks.size(0)}, a.options());
+  quant_matmul_tiled(blocks.const_data_ptr<uint8_t>(), static_cast<int>(qtype), blocks.size(1), blocks.size(0), cols,
+                     a.const_data_ptr<float>(), a.size(0), out.mutable_data_ptr<float>(), tile_rows);
+  return out;
+}
+
+// Q8_0 and Q4_0: the block types quant_encode.c makes.
+Tensor quant_quantize_rows_op(const Tensor& weight, int64_t qtype) {
+  const char* op = "quantize_rows";
+  TORCH_CHECK_VALUE(qtype == 8 || qtype == 2, op, ": block type ", qtype, " is not one of Q8_0 (8), Q4_0 (2)");
+  check_cpu(weight, op, "the weight");
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.size(1) % 32 == 0, op,
+                    ": the weight must be CPU float32 [rows, cols], cols a multiple of 32, not ",
+                    dtype_name(weight.scalar_type()), " ", weight.sizes());
+  const Tensor w = weight.contiguous();
+  const int64_t rows = w.size(0), cols = w.size(1);
+  Tensor out = at::empty({rows, cols / 32 * quant_block_bytes(static_cast<int>(qtype))}, w.options().dtype(at::kByte));
+  const int status = quant_quantize_rows(w.const_data_ptr<float>(), static_cast<int>(qtype), rows, cols,
+                                         out.mutable_data_ptr<uint8_t>());
+  TORCH_CHECK_VALUE(status == 0, op, ": block type ", qtype, " is not made here");
   return out;
 }
 
@@ -268,7 +301,9 @@ Tensor quant_matmul_op(const Tensor& x, const Tensor& blocks, int64_t qtype, int
   X(silu_and_mul, "(Tensor gate, Tensor up) -> Tensor")                                                           \
   X(rotary, "(Tensor x, Tensor cos, Tensor sin) -> Tensor")                                                       \
   X(quant_dequantize_rows, "(Tensor blocks, int qtype, int cols, Tensor? ids, int start, int count) -> Tensor")  \
-  X(quant_matmul, "(Tensor x, Tensor blocks, int qtype, int cols) -> Tensor")
+  X(quant_matmul, "(Tensor x, Tensor blocks, int qtype, int cols) -> Tensor")                                    \
+  X(quant_matmul_tiled, "(Tensor x, Tensor blocks, int qtype, int cols, int tile_rows) -> Tensor")               \
+  X(quant_quantize_rows, "(Tensor weight, int qtype) -> Tensor")
 
 #define PIPELINE_SCALAR_OPS(X) X(quant_block_bytes, "(int qtype) -> int")
 

@@ -249,7 +249,8 @@ static int block_bytes(int qtype) {
 /* Bytes of one block of `qtype`, 0 for a type these kernels do not decode. */
 int quant_block_bytes(int qtype) { return block_bytes(qtype); }
 
-static void decode_row(const uint8_t *row, int qtype, int64_t cols, float *w) {
+/* One row of `cols` values decoded into w (quant_gemm.c's tiles use it too). */
+void quant_decode_row(const uint8_t *row, int qtype, int64_t cols, float *w) {
     const int values = block_values(qtype), bytes = block_bytes(qtype);
 #if defined(__AVX512F__)
     if (values == 32) {
@@ -309,7 +310,7 @@ void quant_dequantize_rows(const uint8_t *blocks, int qtype, int64_t row_bytes, 
                            int64_t first, int64_t n, float *out) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++)
-        decode_row(blocks + (ids != NULL ? ids[i] : first + i) * row_bytes, qtype, cols, out + i * cols);
+        quant_decode_row(blocks + (ids != NULL ? ids[i] : first + i) * row_bytes, qtype, cols, out + i * cols);
 }
 
 /* out [n, rows] = x [n, cols] times the weight [rows, cols] transposed. */
@@ -327,7 +328,7 @@ void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t r
                 continue;
             }
 #endif
-            decode_row(blocks + r * row_bytes, qtype, cols, w);
+            quant_decode_row(blocks + r * row_bytes, qtype, cols, w);
             for (int64_t j = 0; j < n; j++) out[j * rows + r] = dot(w, x + j * cols, cols);
         }
         free(w);

@@ -1,6 +1,7 @@
-"""GGUF block-quantized weights on the CPU (quant.c): decode chosen rows, or the fused
-dequantize-and-dot of a few activation rows. `blocks` is a uint8 [rows, row_bytes] tensor of one
-ggml block type (`qtype`, its GGMLQuantizationType number); activations and results are float32."""
+"""GGUF block-quantized weights on the CPU (quant.c, quant_gemm.c, quant_encode.c): decode chosen
+rows, the fused dequantize-and-dot of a few activation rows, the tiled product for many, and float32
+rows made into Q8_0 or Q4_0 blocks (quantize at load). `blocks` is a uint8 [rows, row_bytes] tensor
+of one ggml block type (`qtype`, its GGMLQuantizationType number); activations and results are float32."""
 from __future__ import annotations
 
 import torch
@@ -27,5 +28,24 @@ def dequantize_rows(blocks: torch.Tensor, qtype: int, cols: int, ids: torch.Tens
 
 def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     """x [n, cols] times the weight [rows, cols] transposed: float32 [n, rows], each weight row
-    decoded once for all n rows."""
+    decoded once for all n rows (the fused kernel: for a few rows)."""
     return operators().quant_matmul(x.to(torch.float32), blocks, int(qtype), cols)
+
+
+def matmul_tiled(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int, tile_rows: int = 0) -> torch.Tensor:
+    """matmul for many activation rows: the weight decoded a tile of `tile_rows` rows at a time
+    (0: sized for the L2 cache), each tile multiplied with all rows."""
+    return operators().quant_matmul_tiled(x.to(torch.float32), blocks, int(qtype), cols, int(tile_rows))
+
+
+QUANTIZABLE = {8: "Q8_0", 2: "Q4_0"}  # the block types quantize_rows makes (GGMLQuantizationType numbers)
+
+
+def quantize_rows(weight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """float32 weight [rows, cols] (cols a multiple of 32) as ggml blocks of `qtype` (Q8_0 or Q4_0):
+    uint8 [rows, cols // 32 * block bytes], bit for bit ggml's reference quantizer (gguf.quants.quantize)."""
+    if int(qtype) not in QUANTIZABLE:
+        raise ValueError(f"quantize_rows: block type {qtype} is not one of {sorted(QUANTIZABLE.values())}")
+    if weight.is_floating_point() and weight.device.type == "cpu" and not bool(torch.isfinite(weight).all()):
+        raise ValueError("quantize_rows: the weight holds inf or nan values")
+    return operators().quant_quantize_rows(weight, int(qtype))

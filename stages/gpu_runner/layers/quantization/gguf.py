@@ -1,10 +1,15 @@
 """The GGUF linear method: a weight kept as the file's blocks (a `QuantizedWeight`), on the CPU.
 
-One place picks the kernel by the number of activation rows: up to DECODE_ROWS (a decode step's
-batch) the fused dequantize-and-dot of cpu_ops/quant.c reads each block once for all rows; more
-rows (a prefill) decode the weight a tile of rows at a time into a cache-sized float32 buffer and
-multiply it with torch's matmul. Embedding lookups decode just the rows they gather. Results
-equal "dequantize, then multiply in float32" up to the order of the dot's summation.
+One place picks the kernel by the number of activation rows n (tools/micro/bench_quant_matmul.py
+measures the three against the dense float32 matmul on the real models' shapes):
+  - n <= FUSED_ROWS (one or two decode streams): cpu_ops/quant.c's fused dequantize-and-dot, each
+    block decoded in registers and dotted at once: the step is bound by reading the blocks;
+  - n <= TILED_ROWS (a decode batch, a short prefill): cpu_ops/quant_gemm.c, tiles of weight rows
+    decoded into an L2-sized float32 buffer per thread and multiplied by a register-blocked kernel;
+  - more (a long prefill): tiles of TILE_VALUES decoded by quant.c and multiplied by torch's matmul,
+    whose GEMM is faster than quant_gemm.c's once the decoding is spread over that many rows.
+Embedding lookups decode just the rows they gather. Every path equals "dequantize, then multiply in
+float32" up to the order of the dot's summation (decoding is exact).
 """
 from __future__ import annotations
 
@@ -13,13 +18,12 @@ import torch
 from stages.gpu_runner.cpu_ops import quant
 from stages.gpu_runner.layers.quantization.base import LinearMethod, QuantizedWeight
 
-# Activation rows the fused kernel takes. Measured on a 2-core AVX-512 machine (SmolLM2's Q4_1
-# projections and Q8_0 head, 2 threads), the fused kernel beats decoding tiles and multiplying them
-# with torch's matmul up to 32 rows; a prefill's hundreds of rows go the tiled way. Both lose to the
-# dense float32 matmul at many rows (tools/bench/bench_one_stream.py --batch 32: a third of its
-# tokens/s), which is why --quantization none stays the default.
-DECODE_ROWS = 32
-# float32 values of one decoded tile (4 MiB): a bounded buffer even for a 262,144-row head.
+# Thresholds measured on a 2-core AVX-512 machine (SmolLM2 and Gemma-3 shapes, one thread, thread CPU
+# time): the fused kernel is ahead at 1-2 rows; quant_gemm.c from 4 rows, ahead of the fused kernel
+# from there and of decoding tiles for torch's matmul up to ~128 rows; above ~192 rows torch's GEMM wins.
+FUSED_ROWS = 2
+TILED_ROWS = 128
+# float32 values of one decoded tile for torch's matmul (4 MiB): bounded even for a 262,144-row head.
 TILE_VALUES = 1 << 20
 
 
@@ -29,17 +33,19 @@ class GGUFMethod(LinearMethod):
         if x.device.type != "cpu":
             raise ValueError(f"GGUF blocks are multiplied on the CPU only, not {x.device}")
         flat = x.reshape(-1, cols)
-        if flat.shape[0] <= DECODE_ROWS:
+        if flat.shape[0] <= FUSED_ROWS:
             out = quant.matmul(flat, weight.blocks, weight.qtype, cols)
+        elif flat.shape[0] <= TILED_ROWS:
+            out = quant.matmul_tiled(flat, weight.blocks, weight.qtype, cols)
         else:
-            out = self._tiled(flat.to(torch.float32), weight)
+            out = self._torch_tiles(flat.to(torch.float32), weight)
         out = out.to(x.dtype)
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], rows)
 
     @staticmethod
-    def _tiled(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    def _torch_tiles(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         rows, cols = weight.shape
         step = max(1, TILE_VALUES // cols)
         out = torch.empty(x.shape[0], rows, dtype=torch.float32)
