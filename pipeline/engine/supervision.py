@@ -4,11 +4,14 @@
 `StageLinks`' (stage_links.py), and `StageBackend` (multiprocess.py) joins the two.
 
 The stages fork from a server process that the first backend starts and that has imported
-their modules (torch among them) once: a restart after a crash then costs a fork and the
-model's load from the page cache, a fraction of a second, instead of a fresh interpreter and
-seconds of imports per stage. The server has touched no accelerator, so a forked runner starts
-CUDA as a spawned one would. Under Nsight Systems, which traces a process only from its exec,
-the stages are spawned instead.
+the modules of the stages that hold no tensors (tokenizer, detokenizer, scheduler) once: their
+restart after a crash costs a fork, not a fresh interpreter and a second of imports. The server
+does not import torch, so neither it nor the stages forked from it carry torch's memory (some
+hundred MiB of libraries and heap a process); a runner, forked from it as well, imports torch
+and the model stack itself, which adds those imports (seconds on a small CPU) to a runner's
+restart. The server has touched no accelerator, so a forked runner starts CUDA as a spawned
+one would. Under Nsight Systems, which traces a process only from its exec, the stages are
+spawned instead.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from pipeline.engine.backend import StageHealth
 from pipeline.errors import StageFailed
 from shm.naming import pid_alive
 from stages.contracts.config import EngineConfig
-from stages.contracts.topology import DAEMON, STAGES, Link, Stage, links, restart_group, touches
+from stages.contracts.topology import DAEMON, RUNNER, STAGES, Link, Stage, links, restart_group, touches
 from stages.process import EXIT_PEER_DIED, launch
 from stages.status import StatusBoard
 
@@ -43,10 +46,11 @@ REAP_WAIT_S = 1.0  # how long a stage seen dead may take to become reapable (its
 # multiprocessing's exit code for a child whose forkserver died: the server reports each child's
 # exit, and with it gone the report is lost, though the child (a stage) may well run on.
 FORKSERVER_LOST = 255
-# What the stages' server imports before its first fork: every stage's module and torch._dynamo,
-# which the runner's first model construction would import otherwise (nn.init on the meta
-# device goes through it: a second and more).
-PRELOAD_MODULES = sorted({stage.module for stage in STAGES} | {"torch._dynamo"})
+# What the stages' server imports before its first fork: the modules of the stages that hold no
+# tensors, none of which imports torch (tests/architecture/test_torch_free.py). The runner's
+# module, which does, is imported by each runner itself (see the module's docstring).
+RUNNER_MODULE = next(stage.module for stage in STAGES if stage.name == RUNNER)
+PRELOAD_MODULES = sorted({stage.module for stage in STAGES if stage.module != RUNNER_MODULE})
 
 Relink = Callable[[list[Link]], dict[str, str]]  # fresh segments for these links -> their names
 
