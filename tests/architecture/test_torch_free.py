@@ -1,7 +1,7 @@
 """The processes that hold no tensors never import torch: the daemon (and the CLI that starts it), the
-router, the forkserver with what it preloads, and the tokenizer, detokenizer and scheduler stages.
-Only the runner does (stages/gpu_runner/). Read from what importing them loads, in a fresh interpreter;
-tests/daemon/test_daemon_e2e.py checks the live processes of a running daemon."""
+router, and the tokenizer, detokenizer and scheduler stages, which are spawned. Only the runner and the
+server it forks from do (stages/gpu_runner/). Read from what importing them loads, in a fresh
+interpreter; tests/daemon/test_daemon_e2e.py checks the live processes of a running daemon."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.engine.supervision import PRELOAD_MODULES
+from pipeline.engine.supervision import PRELOAD_MODULES, RUNNER_MODULE
+from stages.contracts.topology import STAGES
 
 REPO = Path(__file__).resolve().parents[2]
 # The daemon's and the router's own modules: what `pipeline start` and `pipeline router` import.
@@ -34,10 +35,11 @@ def first_importing_torch(modules: list[str]) -> str | None:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_the_forkserver_preloads_no_torch() -> None:
-    assert "stages.gpu_runner.stage" not in PRELOAD_MODULES
-    assert {"stages.tokenizer.stage", "stages.detokenizer.stage"} <= set(PRELOAD_MODULES)
-    assert first_importing_torch(PRELOAD_MODULES) is None
+def test_the_stages_that_hold_no_tensors_import_no_torch() -> None:
+    spawned = sorted({stage.module for stage in STAGES} - {RUNNER_MODULE})
+    assert {"stages.tokenizer.stage", "stages.detokenizer.stage", "stages.scheduler.stage"} <= set(spawned)
+    assert first_importing_torch(spawned) is None
+    assert set(PRELOAD_MODULES).isdisjoint(spawned)  # the runners' server serves runners alone
 
 
 def test_the_daemon_and_the_router_import_no_torch() -> None:
