@@ -132,6 +132,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=positive_int, default=None,
                         help="KV-cache blocks (default: as many as 1 GiB holds on the CPU, or a share of the "
                              "GPU's free memory)")
+    parser.add_argument("--kv-cache-tokens", type=positive_int, default=None,
+                        help="the KV cache's size in tokens, all requests together, rounded up to whole blocks "
+                             "(instead of --num-kv-blocks, as llama.cpp's --n_ctx; default: sized as --num-kv-blocks is)")
     parser.add_argument("--num-tokenizers", type=positive_int, default=1, help="tokenizer processes")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="schedule each step after the last one's output, not while it runs")
@@ -202,6 +205,15 @@ def _speculative_config(text: str | None) -> dict | None:
         raise PipelineError(str(exc)) from None
 
 
+def _num_kv_blocks(args: argparse.Namespace) -> int | None:
+    """--num-kv-blocks, or the blocks --kv-cache-tokens fills; None: sized by memory."""
+    if args.kv_cache_tokens is None:
+        return args.num_kv_blocks
+    if args.num_kv_blocks is not None:
+        raise PipelineError("--kv-cache-tokens and --num-kv-blocks both size the KV cache: give one of them")
+    return -(-args.kv_cache_tokens // args.block_size)
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the options ask for; without --model, the default model."""
     model = resolved_model(args.model)
@@ -214,7 +226,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             model=model, device=args.device, dtype=args.dtype, quantization=args.quantization,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, max_num_batched_tokens=step_tokens,
-            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, num_tokenizers=args.num_tokenizers,
+            block_size=args.block_size, num_kv_blocks=_num_kv_blocks(args), num_tokenizers=args.num_tokenizers,
             async_scheduling=not args.no_async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
             kv_connector=args.kv_connector, attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager, cpu_placement=args.cpu_placement,

@@ -3,12 +3,15 @@
 `StageProcesses` owns the processes only; the rings between them and the daemon are
 `StageLinks`' (stage_links.py), and `StageBackend` (multiprocess.py) joins the two.
 
-The stages fork from a server process that the first backend starts and that has imported
-their modules (torch among them) once: a restart after a crash then costs a fork and the
-model's load from the page cache, a fraction of a second, instead of a fresh interpreter and
-seconds of imports per stage. The server has touched no accelerator, so a forked runner starts
-CUDA as a spawned one would. Under Nsight Systems, which traces a process only from its exec,
-the stages are spawned instead.
+A runner forks from a server process that the first backend starts and that has imported the
+runner's modules (torch among them) once: a runner's restart after a crash then costs a fork
+and the model's load from the page cache, not a fresh interpreter and seconds of imports (some
+6 s of CPU time on a 2-core machine). The server has touched no accelerator, so a forked
+runner starts CUDA as a spawned one would. The stages that hold no tensors (tokenizers,
+detokenizer, scheduler) are spawned: a fresh interpreter that never imports torch (half a
+second of imports), so none of them maps torch's libraries or shares the server's heap, whose
+pages copied on write would cost each some tens of MiB. Under Nsight Systems, which traces a
+process only from its exec, the runner is spawned as well.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from pipeline.engine.backend import StageHealth
 from pipeline.errors import StageFailed
 from shm.naming import pid_alive
 from stages.contracts.config import EngineConfig
-from stages.contracts.topology import DAEMON, STAGES, Link, Stage, links, restart_group, touches
+from stages.contracts.topology import DAEMON, RUNNER, STAGES, Link, Stage, links, restart_group, touches
 from stages.process import EXIT_PEER_DIED, launch
 from stages.status import StatusBoard
 
@@ -43,10 +46,12 @@ REAP_WAIT_S = 1.0  # how long a stage seen dead may take to become reapable (its
 # multiprocessing's exit code for a child whose forkserver died: the server reports each child's
 # exit, and with it gone the report is lost, though the child (a stage) may well run on.
 FORKSERVER_LOST = 255
-# What the stages' server imports before its first fork: every stage's module and torch._dynamo,
-# which the runner's first model construction would import otherwise (nn.init on the meta
-# device goes through it: a second and more).
-PRELOAD_MODULES = sorted({stage.module for stage in STAGES} | {"torch._dynamo"})
+RUNNER_MODULE = next(stage.module for stage in STAGES if stage.name == RUNNER)
+# What the runners' server imports before its first fork: the runner's module and torch._dynamo,
+# which the runner's first model construction would import otherwise (nn.init on the meta device
+# goes through it: a second and more). The other stages' modules import no torch
+# (tests/architecture/test_torch_free.py).
+PRELOAD_MODULES = [RUNNER_MODULE, "torch._dynamo"]
 
 Relink = Callable[[list[Link]], dict[str, str]]  # fresh segments for these links -> their names
 
@@ -78,7 +83,7 @@ class StageProcesses:
         spec = dict(self._spec, name=stage.name, index=index, links=self._ring_names)
         # Not daemonic, so a daemon that is itself a multiprocessing child may start stages;
         # the backend's atexit hook stops them if the owner exits without close().
-        process = _process_context().Process(target=_stage_process, args=(stage.module, json.dumps(spec)),
+        process = _process_context(stage).Process(target=_stage_process, args=(stage.module, json.dumps(spec)),
                                              name=f"pipeline-{stage.name}")
         process.start()
         return process
@@ -289,10 +294,10 @@ def replace_dead_forkserver(procs: Sequence[mp.process.BaseProcess]) -> bool:
     return True
 
 
-def _process_context() -> mp.context.BaseContext:
-    """How stage processes start: forked from the warm server (see the module's docstring), or
-    spawned under Nsight Systems."""
-    if os.environ.get(SESSION_ENV):
+def _process_context(stage: Stage) -> mp.context.BaseContext:
+    """How a stage's process starts: a runner forked from the warm server (see the module's
+    docstring), the other stages, and every stage under Nsight Systems, spawned."""
+    if stage.module != RUNNER_MODULE or os.environ.get(SESSION_ENV):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD_MODULES)  # takes effect when the server starts: the same list every time

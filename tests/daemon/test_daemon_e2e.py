@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from device_choice import engine_device
-from live_daemon import LiveDaemon, RawConnection, wait_idle
+from live_daemon import REAL_BACKEND, LiveDaemon, RawConnection, process_tree, wait_idle
 
 from pipeline import LLM, SamplingParams
 from pipeline.client import AsyncClient, Client, Completion
@@ -295,3 +295,20 @@ def test_only_the_detokenizer_yields_the_cpu_to_the_stages_the_device_waits_on(l
     own = os.getpriority(os.PRIO_PROCESS, 0)
     assert {name: nice(pid) - own for name, pid in pids.items()} == {
         "runner": 0, "scheduler": 0, "detokenizer": 5, "tokenizer0": 0}
+
+
+@pytest.mark.skipif(not REAL_BACKEND, reason="the stage processes' own test")
+def test_only_the_runner_loads_torch(live_daemon: LiveDaemon) -> None:
+    """The processes that hold no tensors (the daemon, the tokenizer, detokenizer and scheduler on a CPU
+    device, where the token mailbox is host memory) never map torch's libraries; the runner and the
+    server it forks from do."""
+    if os.environ.get("PIPELINE_TEST_DEVICE", "cpu") != "cpu":
+        pytest.skip("on CUDA the mailbox's readers open its device slots with torch")
+    with Client(live_daemon.socket_path, timeout_s=10) as client:
+        pids = dict(client.health().stage_pids)
+    pids["daemon"] = live_daemon.process.pid
+    pids |= {"forkserver": pid for pid in process_tree(live_daemon.process.pid)
+             if b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+    loaded = {name: "/torch/lib/" in Path(f"/proc/{pid}/maps").read_text() for name, pid in pids.items()}
+    assert loaded == {"runner": True, "scheduler": False, "detokenizer": False, "tokenizer0": False,
+                      "daemon": False, "forkserver": True}

@@ -156,6 +156,17 @@ def test_an_unsupported_quant_type_is_refused_naming_the_tensor(tiny_checkpoint,
         resolve_model(path)
 
 
+def test_a_process_without_torch_reads_a_gguf_file_in_a_child_and_stays_without(tiny_checkpoint, tmp_path):
+    path = write_gguf(tiny_checkpoint("qwen3"), tmp_path / "apart.gguf", "qwen3")
+    program = ("import json, sys; from pipeline.models.checkpoints import resolve_model; "
+               "print(json.dumps([resolve_model(sys.argv[1]), 'torch' in sys.modules]))")
+    result = subprocess.run([sys.executable, "-c", program, str(path)], capture_output=True, text=True, timeout=60,
+                            env={**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}, check=True)
+    served, torch_loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert not torch_loaded
+    assert served == resolve_model(path)  # the directory the child built, found here in place
+
+
 def test_start_refuses_a_bad_file_before_any_stage_starts(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00")  # the magic, then nothing

@@ -15,10 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from stages.gpu_runner.loaders.gguf import hf_config, hf_name, open_gguf
 from stages.gpu_runner.loaders.gguf_file import GGUFFile
-from stages.gpu_runner.loaders.gguf_quants import SUPPORTED_TYPES, UnsupportedQuantType
-from stages.gpu_runner.models.config import ModelLoadError
 from stages.progress import Progress
 
 LAYOUT_VERSION = 1  # bump when what is written here changes, so older directories are rebuilt
@@ -27,6 +24,11 @@ _DONE = "config.json"  # written last: its presence marks a finished directory
 
 def check_tensors(file: GGUFFile, arch: str) -> None:
     """Every tensor is one the engine knows, of a quant type it dequantizes: else an error naming it."""
+    # Here, not at the top: they import torch, and gguf_source_of serves processes that never do.
+    from stages.gpu_runner.loaders.gguf import hf_name
+    from stages.gpu_runner.loaders.gguf_quants import SUPPORTED_TYPES, UnsupportedQuantType
+    from stages.gpu_runner.models.config import ModelLoadError
+
     for name, info in file.tensors.items():
         if hf_name(name, arch) is None:
             raise ModelLoadError(f"{file.path}: tensor {name} is not known for architecture {arch!r}")
@@ -47,7 +49,9 @@ def gguf_checkpoint(path: str | Path, cache_root: str | Path) -> Path:
     """The checkpoint directory serving GGUF file `path`, built under `cache_root` if not there yet.
     ModelLoadError (naming the file) for a file that is not GGUF, is truncated, or holds an
     architecture, tensor or quant type the engine does not serve."""
+    from stages.gpu_runner.loaders.gguf import hf_config, open_gguf
     from stages.gpu_runner.loaders.gguf_tokenizer import build_tokenizer
+    from stages.gpu_runner.models.config import ModelLoadError
 
     path = Path(path)
     if not path.is_file():
