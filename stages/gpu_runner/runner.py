@@ -172,6 +172,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         if self.plan_broadcast is not None:
             self.plan_broadcast.send(encode_plan(plan))
+        if self.speculator is not None:
+            self.speculator.apply(plan)
         if self.static is not None and is_decode_only(plan):
             return self._execute_static_decode(plan)
         speculator = self.speculator

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from stages.contracts.plan import StepPlan
 from stages.contracts.speculative import SpeculativeConfig
 from stages.gpu_runner.inputs.input_batch import InputBatch
 from stages.gpu_runner.inputs.step_inputs import StepInputs, to_device
@@ -25,6 +26,7 @@ from stages.gpu_runner.speculative.ngram import NgramProposer
 from stages.gpu_runner.speculative.proposer import Proposer
 from stages.gpu_runner.speculative.rejection import verify
 from stages.gpu_runner.speculative.spec_inputs import SpecInputs
+from stages.gpu_runner.speculative.suffix import SuffixProposer
 
 if TYPE_CHECKING:
     from stages.gpu_runner.speculative.draft_model import DraftModelProposer
@@ -42,10 +44,19 @@ class Speculator:
         self.proposer: Proposer | None
         if config.method == "ngram":
             self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.method == "suffix":
+            self.proposer = SuffixProposer(config, batch.num_prompt_tokens)
         else:
             self.proposer = draft
         self.draft = draft
         self._drafts: torch.Tensor | None = None
+
+    def apply(self, plan: StepPlan) -> None:
+        """Tell a proposer that keeps per-row state (suffix decoding) which rows the plan frees;
+        called before the batch applies the plan."""
+        release = getattr(self.proposer, "release", None)
+        if release is not None and len(plan.freed_rows):
+            release(plan.freed_rows)
 
     def propose(self, inputs: StepInputs) -> None:
         """Put the verifying rows' drafts into the token table and read the step's inputs again."""
