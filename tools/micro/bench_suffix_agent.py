@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 from pipeline import LLM, SamplingParams
@@ -83,6 +84,8 @@ def main() -> None:
             seconds[name] += time.perf_counter() - start
             tokens[name] += [list(o.token_ids) for o in outputs]
             sample = outputs[-1].text
+        print(f"requests {first}..{first + len(prompts) - 1}: "
+              + ", ".join(f"{name} {seconds[name]:.1f} s" for name in engines), file=sys.stderr, flush=True)
     rows = []
     for name, llm in engines.items():
         run = llm.scheduler.stats().speculative.since(before[name])
