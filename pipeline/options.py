@@ -155,7 +155,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, with vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 3, '
                              '"prompt_lookup_max": 3} or {"method": "draft_model", "model": DIR_OR_GGUF, '
-                             '"num_speculative_tokens": 3}; "disable_by_batch_size": N stops verifying drafts in '
+                             '"num_speculative_tokens": 3} or {"method": "suffix", "num_speculative_tokens": 4} '
+                             '(docs/speculative.md lists its keys); "disable_by_batch_size": N stops verifying drafts in '
                              'steps with more decoding rows (default: none)')
     parser.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                         help="split the model over this many runner ranks (one per GPU; gloo ranks on CPU), "

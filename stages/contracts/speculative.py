@@ -2,6 +2,14 @@
 
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     {"method": "draft_model", "model": "DIR_OR_GGUF", "num_speculative_tokens": 3}
+    {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 24,
+     "suffix_decoding_max_cached_tokens": 32768, "suffix_decoding_max_spec_factor": 1.0,
+     "suffix_decoding_min_token_prob": 0.1}
+
+Suffix decoding (stages/gpu_runner/speculative/suffix.py) matches the row's latest tokens in a
+trie of its own text and one of recent requests' outputs: `max_tree_depth` bounds the matched
+words plus their drafts, `max_cached_tokens` the outputs kept, `max_spec_factor` the drafts per
+matched token, `min_token_prob` the probability a draft's continuation must keep.
 
 `disable_by_batch_size`: a step with more decoding rows than this verifies no drafts (verifying
 costs more than it saves in a large batch); None takes the default measured on CPU.
@@ -10,15 +18,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 # Decoding rows above which a step verifies no drafts, unless the config says otherwise. On CPU
 # (tools/bench/bench_spec.py, SmolLM2-135M) 16 streams gain from drafts only when copying a passage
 # (1.36x) and lose 10-17% on other tasks; at 4 streams and below drafts that get accepted pay.
 # Below it each row's drafts must pay for themselves (speculation.py in the scheduler).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+_SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_tokens",
+                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-         "disable_by_batch_size")
+         "disable_by_batch_size", *_SUFFIX_KEYS)
 
 
 class SpeculativeConfigError(ValueError):
@@ -33,6 +43,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3
     model: str = ""  # the draft checkpoint (draft_model only)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_tokens: int = 32768
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     @classmethod
     def from_dict(cls, values: object) -> SpeculativeConfig:
@@ -66,7 +80,17 @@ class SpeculativeConfig:
                 raise SpeculativeConfigError(f"speculative_config.{key} is only read by method 'ngram'")
         disable = values.get("disable_by_batch_size")
         disable = DEFAULT_DISABLE_BY_BATCH_SIZE if disable is None else _int(values, "disable_by_batch_size", 1, 1 << 20)
-        return cls(method, k, lookup_min, lookup_max, model, disable)
+        for key in _SUFFIX_KEYS:
+            if key in values and method != "suffix":
+                raise SpeculativeConfigError(f"speculative_config.{key} is only read by method 'suffix'")
+        depth = _int(values, "suffix_decoding_max_tree_depth", 2, 256, 24)
+        if method == "suffix" and depth <= k:
+            raise SpeculativeConfigError(f"speculative_config.suffix_decoding_max_tree_depth {depth} must exceed "
+                                         f"num_speculative_tokens {k}: a match and its drafts share the depth")
+        return cls(method, k, lookup_min, lookup_max, model, disable, depth,
+                   _int(values, "suffix_decoding_max_cached_tokens", 0, 1 << 24, 32768),
+                   _float(values, "suffix_decoding_max_spec_factor", 0.0, 64.0, 1.0),
+                   _float(values, "suffix_decoding_min_token_prob", 0.0, 1.0, 0.1))
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -77,3 +101,10 @@ def _int(values: dict, key: str, lo: int, hi: int, default: int | None = None) -
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise SpeculativeConfigError(f"speculative_config.{key} must be an integer in [{lo}, {hi}], got {value!r}")
     return value
+
+
+def _float(values: dict, key: str, lo: float, hi: float, default: float) -> float:
+    value = values.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise SpeculativeConfigError(f"speculative_config.{key} must be a number in [{lo}, {hi}], got {value!r}")
+    return float(value)

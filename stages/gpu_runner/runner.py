@@ -118,11 +118,11 @@ class ModelRunner:
         if config.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
+        self.constraints = RowConstraints(self.max_num_seqs, self.vocab_size, self.eos_token_ids, self.tokenizer_path,
+                                          self.device)
         self.speculator: Speculator | None = None
         if config.speculative is not None:
             self.speculator = make_speculator(config, self, draft)
-        self.constraints = RowConstraints(self.max_num_seqs, self.vocab_size, self.eos_token_ids, self.tokenizer_path,
-                                          self.device)
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.bind(self.kv_caches, self.block_size)
@@ -172,16 +172,18 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         if self.plan_broadcast is not None:
             self.plan_broadcast.send(encode_plan(plan))
+        if self.speculator is not None:
+            self.speculator.apply(plan)
         if self.static is not None and is_decode_only(plan):
             return self._execute_static_decode(plan)
         speculator = self.speculator
         with self.phase("prepare_inputs"):
             inputs = prepare_step(plan, self.batch, self.max_num_batched_tokens, self.attention_backend,
                                   None if speculator is None else speculator.lag)
-            if inputs.spec is not None:
-                speculator.propose(inputs)
             if self.tp is None or self.tp.is_driver:  # the rank that samples keeps the grammars
                 self.constraints.apply(plan)
+            if inputs.spec is not None:
+                speculator.propose(inputs)
         connector_meta = plan.connector_meta if self.kv_connector is not None else None
         if connector_meta is not None:
             self.kv_connector.load(connector_meta)
@@ -323,7 +325,8 @@ def make_speculator(config: EngineConfig, runner: ModelRunner, draft: DraftModel
     if draft is not None:
         draft.bind(runner.batch, runner.num_kv_blocks)
     # A tensor-parallel rank other than 0 has no draft model (proposer None): it receives the drafts.
-    return Speculator(spec, runner.batch, draft, share=None if tp is None else tp.broadcast_tokens)
+    return Speculator(spec, runner.batch, draft, share=None if tp is None else tp.broadcast_tokens,
+                      constraints=runner.constraints)
 
 
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:

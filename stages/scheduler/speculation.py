@@ -8,8 +8,9 @@ the step's tokens arrive, `num_computed` is rolled back by the drafts that were 
 plan made in between is `lagged` for that row and the runner corrects its positions itself.
 
 A row speculates only when nothing makes its output depend on host-side state a draft would
-bypass: the request allows it (`SamplingParams.speculative`), has no grammar or logit_bias, has
-its min_tokens behind it, and K + 1 more positions fit in max_model_len. A step with more
+bypass: the request allows it (`SamplingParams.speculative`), has no logit_bias, has
+its min_tokens behind it, and K + 1 more positions fit in max_model_len (a grammar row's drafts
+are checked against its grammar in the runner: sampling/constraints.py). A step with more
 decoding rows than `disable_by_batch_size` verifies no drafts.
 
 Drafts must also pay for themselves. A step of B decoding rows costs about c0 + c1 * B: reading
@@ -39,7 +40,7 @@ MEAN_WEIGHT = 0.3  # of the latest verification in a row's running mean: one luc
 
 def allows_speculation(params: SamplingParams) -> bool:
     """Whether a request's drafts may be verified at all (the rest is decided per step)."""
-    return params.speculative and not params.is_guided and not params.logit_bias
+    return params.speculative and not params.logit_bias
 
 
 class Speculation:

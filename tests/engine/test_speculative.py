@@ -21,6 +21,7 @@ REPEATED = [11, 12, 13, 14, 15, 16, 17] * 5  # an n-gram lookup finds these agai
 PROMPTS = [REPEATED, [300 + i for i in range(23)], [7, 7, 8, 9, 7, 7, 8, 9, 7, 7], [42] * 3]
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 3}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,18 @@ def test_ngram_greedy_output_equals_the_engine_without_speculation(tiny_llama, r
     spec = llm.scheduler.stats().speculative
     assert spec.num_draft_tokens > 0 and spec.num_draft_tokens % k == 0
     assert spec.num_accepted_tokens > 0  # the repeated prompt's copies are accepted: drafting is on
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_suffix_greedy_output_equals_the_engine_without_speculation(tiny_llama, reference, async_scheduling):
+    llm = small_llm(tiny_llama, async_scheduling=async_scheduling, speculative_config=SUFFIX)
+    accepted = []
+    for _ in range(2):  # the second round also finds the first round's outputs in the cache
+        assert [list(o.token_ids) for o in llm.generate(PROMPTS, GREEDY)] == reference
+        accepted.append(llm.scheduler.stats().speculative.num_accepted_tokens - sum(accepted))
+    assert min(accepted) > 0
+    # a row's outputs join the cache when a later plan frees it: the first round's all have
+    assert len(PROMPTS) <= llm.runner.speculator.proposer.cache.num_sequences < 2 * len(PROMPTS)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])

@@ -110,12 +110,12 @@ def test_refuses_a_size_that_does_not_divide_the_heads(models: dict[str, Path]) 
         LLM(models["llama"], device="cpu", num_kv_blocks=16, tensor_parallel_size=3)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "suffix"])
 def test_two_ranks_speculating_equal_one_without(models: dict[str, Path], method: str) -> None:
     """Rank 0 proposes the drafts and samples; the ranks share both on the device."""
     model = models["llama"]
     config = {"method": method, "num_speculative_tokens": 3}
-    config |= {"model": str(model)} if method == "draft_model" else {"prompt_lookup_min": 1}
+    config |= {"draft_model": {"model": str(model)}, "ngram": {"prompt_lookup_min": 1}}.get(method, {})
     greedy = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)] * 3
     with LLM(model, device="cpu", max_model_len=128, num_kv_blocks=64, block_size=4) as llm:
         expected = [o.token_ids for o in llm.generate(prompts(), greedy)]

@@ -60,10 +60,11 @@ def test_the_bar_rises_with_the_batch() -> None:
 
 
 def test_a_large_batch_and_requests_that_opt_out_get_no_drafts() -> None:
-    spec = Speculation(SpeculativeConfig("ngram", 2, disable_by_batch_size=2), max_num_seqs=3, max_model_len=100)
+    spec = Speculation(SpeculativeConfig("ngram", 2, disable_by_batch_size=2), max_num_seqs=4, max_model_len=100)
     spec.assign(0, SamplingParams())
     spec.assign(1, SamplingParams(speculative=False))
-    spec.assign(2, SamplingParams(regex="[ab]+"))
+    spec.assign(2, SamplingParams(logit_bias={5: 1.0}))
+    spec.assign(3, SamplingParams(regex="[ab]+"))  # a grammar row drafts: the runner checks its drafts
     assert _choose(spec, np.array([0, 1, 2])).tolist() == [0, 0, 0]  # three decoding rows > 2
     assert _choose(spec, np.array([0, 1])).tolist() == [2, 0]
-    assert _choose(spec, np.array([2])).tolist() == [0]
+    assert _choose(spec, np.array([2, 3])).tolist() == [0, 2]

@@ -7,6 +7,12 @@ event completes while step N+1's forward runs), advances those rows' matchers, f
 bitmask on the host (llguidance, in parallel over rows) and applies it on the device. Rows
 without a grammar never wait, and a step with none does no copy and no wait at all.
 
+A row that verifies K drafts has K + 1 positions to mask: `draft_bitmask` checks the drafts
+against the matcher (those after the first it rejects can never be accepted, and their positions
+are left unmasked), computes the mask after each accepted prefix and rolls the matcher back;
+`sampled` then sends the row's accepted tokens on their way like any step's, so the matcher
+ends up having consumed exactly what was accepted.
+
 A row's matcher is built when its request takes the row, from the outputs it already has (a
 re-admitted or resumed request's delivered tokens), so preemption and recovery rebuild it exactly.
 A token the matcher cannot take (a request that already ended, whose next token is discarded)
@@ -32,9 +38,10 @@ MASK_THREADS = max(1, min(8, (os.cpu_count() or 1) // 4))
 
 @dataclass(slots=True)
 class _PendingTokens:
-    """Step tokens of grammar rows on their way to the host: token i belongs to matchers[i]."""
+    """Step tokens of grammar rows on their way to the host: row i of them belongs to matchers[i]
+    (several for a row that verified drafts, -1 for each rejected one)."""
 
-    host: torch.Tensor  # int32 [g]
+    host: torch.Tensor  # int32 [g, tokens per row]
     ready: torch.cuda.Event | None  # None on the CPU, where the copy is done when made
     matchers: list  # llguidance.LLMatcher per token
     ready_at_ns: int = 0  # on the simulated device: when the tokens exist (CLOCK_MONOTONIC)
@@ -91,10 +98,7 @@ class RowConstraints:
         row_list = rows.tolist()
         grammar_index, bitmask = self.step_bitmask(rows)
         if grammar_index:
-            index = to_device(np.array(grammar_index, np.int64), logits.device)
-            allowed = self._unpack(to_device(bitmask, logits.device), logits.shape[1])
-            masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-            logits.index_copy_(0, index, masked)
+            self.mask(logits, np.array(grammar_index, np.int64), bitmask)
         biased = [(i, self._bias[row]) for i, row in enumerate(row_list) if row in self._bias]
         if biased:
             row_index = np.concatenate([np.full(len(ids), i, np.int64) for i, (ids, _) in biased])
@@ -117,23 +121,63 @@ class RowConstraints:
 
         self._take_pending()
         bitmask = np.empty((len(matchers), -(-self.vocab_size // _BITS)), np.int32)
+        fill_next_token_bitmask_par(self._mask_executor(), [(m, i) for i, m in enumerate(matchers)], bitmask)
+        return bitmask
+
+    def _mask_executor(self):
         if self._executor is None:
             import llguidance
 
             self._executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
-        fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
-        return bitmask
+        return self._executor
 
     def sampled(self, rows: np.ndarray, token_ids: torch.Tensor, ready_at_ns: int = 0) -> None:
-        """Start bringing this step's tokens of the grammar rows to the host (no wait). On the
-        simulated device the tokens are host memory that exists from `ready_at_ns` on."""
+        """Start bringing this step's tokens of the grammar rows to the host (no wait): int32 [n],
+        or [n, K + 1] for rows that verified drafts (-1 for each rejected one). On the simulated
+        device the tokens are host memory that exists from `ready_at_ns` on."""
         if not self._matchers or not self.constrains(rows):
             return
         grammar_index, matchers = self._grammar_rows(rows)
         if not grammar_index:
             return
         tokens = token_ids.index_select(0, to_device(np.array(grammar_index, np.int64), token_ids.device))
-        if token_ids.device.type == "cpu":
+        self._send(tokens.view(len(grammar_index), -1), matchers, ready_at_ns)
+
+    def draft_bitmask(self, rows: np.ndarray, drafts: np.ndarray) -> tuple[list[int], np.ndarray | None]:
+        """The positions in `rows` (verifying drafts [d, K]) of the grammar rows, and their bitmask
+        [g * (K + 1), words]: row i's K + 1 masks one after another, the mask after each prefix of
+        its drafts the grammar accepts, all tokens allowed after the first draft it rejects.
+        Waits for the tokens still on their way to the host; leaves each matcher as it found it."""
+        from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
+
+        grammar_index, matchers = self._grammar_rows(rows)
+        if not matchers:
+            return grammar_index, None
+        self._take_pending()
+        k = drafts.shape[1]
+        bitmask = np.full((len(matchers) * (k + 1), -(-self.vocab_size // _BITS)), -1, np.int32)
+        with_drafts, without = [], []  # llguidance refuses an empty draft list
+        for i, (index, matcher) in enumerate(zip(grammar_index, matchers)):
+            row_drafts = drafts[index].tolist()
+            row_drafts = row_drafts[:matcher.validate_tokens(row_drafts)]
+            if row_drafts:
+                with_drafts.append((matcher, i * (k + 1), row_drafts))
+            else:
+                without.append((matcher, i * (k + 1)))
+        if with_drafts:
+            fill_next_token_bitmask_par_with_draft_tokens(self._mask_executor(), with_drafts, bitmask)
+        if without:
+            fill_next_token_bitmask_par(self._mask_executor(), without, bitmask)
+        return grammar_index, bitmask
+
+    def mask(self, logits: torch.Tensor, index: np.ndarray, bitmask: np.ndarray) -> None:
+        """Set the entries of `logits` [n, vocab] rows `index` that `bitmask` disallows to -inf."""
+        rows = to_device(np.asarray(index, np.int64), logits.device)
+        allowed = self._unpack(to_device(bitmask, logits.device), logits.shape[1])
+        logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
+
+    def _send(self, tokens: torch.Tensor, matchers: list, ready_at_ns: int) -> None:
+        if tokens.device.type == "cpu":
             self._pending.append(_PendingTokens(tokens, None, matchers, ready_at_ns))
             return
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -154,9 +198,10 @@ class RowConstraints:
                 pending.ready.synchronize()
             if pending.ready_at_ns:
                 sleep_until_ns(pending.ready_at_ns)
-            for matcher, token in zip(pending.matchers, pending.host.tolist()):
-                if not matcher.is_stopped():
-                    matcher.consume_token(token)
+            for matcher, tokens in zip(pending.matchers, pending.host.tolist()):
+                for token in tokens:
+                    if token >= 0 and not matcher.is_stopped():
+                        matcher.consume_token(token)
         self._pending.clear()
 
     def _unpack(self, bits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -1,5 +1,7 @@
-"""What proposes drafts: a prompt lookup (ngram.py), a draft model (draft_model.py), or any other
-method that reads the token table on the device and returns each verifying row's K drafts."""
+"""What proposes drafts: a prompt lookup (ngram.py), suffix decoding (suffix.py), a draft model
+(draft_model.py), or any other method that reads the token table and returns each verifying row's
+K drafts. A proposer that keeps per-row state also has `release(rows)`, called with the rows each
+plan frees before the rows are reused."""
 from __future__ import annotations
 
 from typing import Protocol

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from stages.contracts.plan import StepPlan
 from stages.contracts.speculative import SpeculativeConfig
 from stages.gpu_runner.inputs.input_batch import InputBatch
 from stages.gpu_runner.inputs.step_inputs import StepInputs, to_device
@@ -25,32 +26,47 @@ from stages.gpu_runner.speculative.ngram import NgramProposer
 from stages.gpu_runner.speculative.proposer import Proposer
 from stages.gpu_runner.speculative.rejection import verify
 from stages.gpu_runner.speculative.spec_inputs import SpecInputs
+from stages.gpu_runner.speculative.suffix import SuffixProposer
 
 if TYPE_CHECKING:
+    from stages.gpu_runner.sampling.constraints import RowConstraints
     from stages.gpu_runner.speculative.draft_model import DraftModelProposer
 
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, batch: InputBatch, draft: DraftModelProposer | None = None,
-                 share: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 share: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 constraints: RowConstraints | None = None) -> None:
         """`draft`: a DraftModelProposer (draft_model.py) for method draft_model. `share`: under
-        tensor parallelism, broadcasts rank 0's drafts to the other ranks."""
+        tensor parallelism, broadcasts rank 0's drafts to the other ranks. `constraints`: the
+        rows' grammars, which mask each verified position of a grammar row."""
         self.share = share
+        self.constraints = constraints
         self.k = config.num_speculative_tokens
         self.batch = batch
         self.lag = torch.zeros(batch.max_num_seqs, dtype=torch.int64, device=batch.device)
         self.proposer: Proposer | None
         if config.method == "ngram":
             self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.method == "suffix":
+            self.proposer = SuffixProposer(config, batch.num_prompt_tokens)
         else:
             self.proposer = draft
         self.draft = draft
         self._drafts: torch.Tensor | None = None
+        self._host_drafts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # for grammar rows
+
+    def apply(self, plan: StepPlan) -> None:
+        """Tell a proposer that keeps per-row state (suffix decoding) which rows the plan frees;
+        called before the batch applies the plan."""
+        release = getattr(self.proposer, "release", None)
+        if release is not None and len(plan.freed_rows):
+            release(plan.freed_rows)
 
     def propose(self, inputs: StepInputs) -> None:
         """Put the verifying rows' drafts into the token table and read the step's inputs again."""
         spec = inputs.spec
-        self._drafts = None
+        self._drafts = self._host_drafts = None
         if not spec.num_drafts:
             return
         batch, width = self.batch, self.batch.max_model_len
@@ -66,6 +82,8 @@ class Speculator:
         batch.token_table.view(-1).index_copy_(0, where.view(-1), drafts.view(-1).to(torch.int32))
         inputs.input_ids = batch.token_table.view(-1)[inputs.gather_index]
         self._drafts = drafts
+        if self.constraints is not None and self.constraints.constrains(spec.verify_rows):
+            self._host_drafts = _to_host(drafts)  # on its way while the forward runs
 
     def sample(self, logits: torch.Tensor | None, inputs: StepInputs, sampler: Sampler,
                sample_plain: Callable[[torch.Tensor], SamplerOutput | None], eos_token_ids: list[int],
@@ -110,7 +128,20 @@ class Speculator:
         meta = SamplingMetadata.for_rows(batch, rows, num_tokens, eos_token_ids)
         planned = to_device(np.repeat(spec.verify_planned_start, k + 1), logits.device)
         shift_meta(meta, planned - torch.repeat_interleave(spec.verify_start, k + 1))
-        return verify(logits, self._drafts, meta, sampler)[0]
+        if self._host_drafts is None:
+            return verify(logits, self._drafts, meta, sampler)[0]
+        # Grammar rows: each position masked with the grammar after the drafts before it. A
+        # draft the grammar rejects has probability 0 where it is verified, so it is rejected.
+        host, ready = self._host_drafts
+        if ready is not None:
+            ready.synchronize()
+        grammar_index, bitmask = self.constraints.draft_bitmask(spec.verify_rows, host.numpy())
+        if grammar_index:
+            entries = (np.array(grammar_index, np.int64)[:, None] * (k + 1) + np.arange(k + 1)).reshape(-1)
+            self.constraints.mask(logits, entries, bitmask)
+        tokens = verify(logits, self._drafts, meta, sampler)[0]
+        self.constraints.sampled(spec.verify_rows, tokens)
+        return tokens
 
     def _write_verified(self, spec: SpecInputs, verified: torch.Tensor) -> None:
         """Each verifying row's outputs go where the next step reads them, the -1 of its rejected
@@ -120,6 +151,17 @@ class Speculator:
             + torch.arange(self.k + 1, device=verified.device)
         where = torch.where(verified >= 0, where, batch.max_num_seqs * width)
         batch.padded_token_table.view(-1).index_copy_(0, where.view(-1), verified.view(-1))
+
+
+def _to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A host copy of `tensor`, and the event that completes it (None on the CPU)."""
+    if tensor.device.type == "cpu":
+        return tensor, None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def shift_meta(meta: SamplingMetadata, shift: torch.Tensor) -> None:
