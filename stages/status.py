@@ -22,6 +22,8 @@ Layout (int64 slots; each written by one process):
                     trace file written, or why not                        (stage s's)
     then            the scheduler's counters: SchedulerCounters's ints in field order, nested
                     structs flattened (stages/contracts/counters.py)      (the scheduler's)
+    then            what the model runs in (ModelLimits.runs_in, RUNS_IN_BYTES, utf-8,
+                    length-prefixed), written before limits ready         (the runner's)
 
 CLOCK_MONOTONIC is one clock for every process on the machine, so heartbeat ages compare.
 A profile request is posted by writing the directory and the active flag, then bumping the
@@ -65,7 +67,9 @@ _PROFILE_DIRECTORY_OFFSET = _PROFILE_OFFSET + 16
 _PROFILE_MESSAGES_OFFSET = _PROFILE_DIRECTORY_OFFSET + PROFILE_DIRECTORY_BYTES
 _COUNTERS = (_PROFILE_MESSAGES_OFFSET + MAX_STAGES * PROFILE_MESSAGE_BYTES) // 8
 _NUM_COUNTERS = num_counts(SchedulerCounters)
-SIZE_BYTES = (_COUNTERS + _NUM_COUNTERS) * 8
+RUNS_IN_BYTES = 1024
+_RUNS_IN_OFFSET = (_COUNTERS + _NUM_COUNTERS) * 8
+SIZE_BYTES = _RUNS_IN_OFFSET + RUNS_IN_BYTES
 
 
 class ProfileOutcome(IntEnum):
@@ -112,12 +116,14 @@ def _read_text(mm: mmap.mmap, offset: int) -> str:
 class LimitsArea:
     """The loaded model's limits: published once by the runner, read by the scheduler and the daemon."""
 
-    def __init__(self, slots: memoryview) -> None:
-        self._slots = slots
+    def __init__(self, segment: SharedSegment) -> None:
+        self._slots = segment.slots
+        self._mm = segment.mm
 
     def publish(self, limits: ModelLimits) -> None:
         eos = limits.eos_token_ids[:MAX_EOS_IDS]
         slots = self._slots
+        _write_text(self._mm, _RUNS_IN_OFFSET, RUNS_IN_BYTES, limits.runs_in)
         slots[_NUM_KV_BLOCKS] = limits.num_kv_blocks
         slots[_MAX_MODEL_LEN] = limits.max_model_len
         slots[_VOCAB_SIZE] = limits.vocab_size
@@ -136,7 +142,8 @@ class LimitsArea:
             return None
         eos = [slots[_EOS + 1 + i] for i in range(slots[_EOS])]
         return ModelLimits(slots[_NUM_KV_BLOCKS], slots[_MAX_MODEL_LEN], slots[_VOCAB_SIZE], eos,
-                           slots[_NUM_HOST_BLOCKS], slots[_WINDOW], slots[_LOCAL_WINDOW], slots[_NUM_WINDOW_BLOCKS])
+                           slots[_NUM_HOST_BLOCKS], slots[_WINDOW], slots[_LOCAL_WINDOW], slots[_NUM_WINDOW_BLOCKS],
+                           _read_text(self._mm, _RUNS_IN_OFFSET))
 
 
 class CountersArea:
@@ -267,7 +274,7 @@ class StatusBoard:
         self.name = segment.name
         self._segment = segment
         self._slots = segment.slots
-        self.limits = LimitsArea(segment.slots)
+        self.limits = LimitsArea(segment)
         self.counters = CountersArea(segment.slots)
         self.stages = StageArea(segment)
         self.profile = ProfileArea(segment)

@@ -112,7 +112,7 @@ def test_a_gguf_file_serves_the_tokens_of_its_safetensors_checkpoint(arch, tiny_
 def test_quantized_gguf_loads_within_its_quantization_error(tiny_checkpoint, tmp_path):
     served = resolve_model(write_gguf(tiny_checkpoint("qwen3"), tmp_path / "q8.gguf", "qwen3",
                                       gguf.GGMLQuantizationType.Q8_0))
-    runner = make_runner(Path(served), num_kv_blocks=8)
+    runner = make_runner(Path(served), num_kv_blocks=8, quantization="none")  # dequantized at load
     plain = make_runner(tiny_checkpoint("qwen3"), num_kv_blocks=8)
     quantized = runner.model.layers[0].mlp.down_proj.weight
     exact = plain.model.layers[0].mlp.down_proj.weight
