@@ -117,7 +117,7 @@ class ModelRunner:
         self._kv_storage = allocate_kv_caches(shard, [n + 1 for n in pool], self.block_size, self.dtype, self.device)
         self.kv_caches = [cache[:, :n] for cache, n in zip(self._kv_storage, pool)]
         # What each part runs in: logged here, published on the status board (`pipeline status`).
-        self.runs_in = describe_runs_in(self.model, self.model.quantization.name, self.dtype, self.dtype,
+        self.runs_in = describe_runs_in(self.model, self.model.quantization.reason, self.dtype, self.dtype,
                                         (num_kv_blocks + num_window_blocks) * self.block_size)
         log.info("%s", self.runs_in)
         self.batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size, self.device,

@@ -37,19 +37,18 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from servers import free_port, start_server, stop_server
+
 from pipeline.models.checkpoints import cache_dir, default_model_file, is_gguf, resolve_model
 
 SERVED_NAME = "peer-model"
-START_TIMEOUT_S = 900.0  # vLLM compiles its CPU kernels on start
 LOAD = ["--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "128", "--ignore-eos"]
 WARMUP_PROMPTS = 8
 WARMUP_SEED = 1_000_000  # no measured run's seed: run_seed stays below it
@@ -92,53 +91,6 @@ def peer_checkpoint(model: Path) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ready(process: subprocess.Popen, port: int, log: Path) -> None:
-    """Until GET /v1/models answers; RuntimeError with the log's tail if the server exits first."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server did not answer on port {port} in {START_TIMEOUT_S:.0f} s")
-
-
-def start_server(engine: str, command: list[str], env: dict[str, str], port: int, run_dir: Path) -> subprocess.Popen:
-    log = run_dir / f"{engine}.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                   start_new_session=True)
-    try:
-        wait_ready(process, port, log)
-    except BaseException:
-        stop_server(process)
-        raise
-    return process
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, then SIGKILL if it lingers."""
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, 15)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        process.wait()
 
 
 def pipeline_command(model: Path, dtype: str, port: int, run_dir: Path) -> list[str]:

@@ -53,8 +53,8 @@ def describe_weights(model: nn.Module) -> str:
 
 def describe_runs_in(model: nn.Module, quantization: str, dtype: torch.dtype, kv_dtype: torch.dtype,
                      kv_tokens: int) -> str:
-    """The whole line: weights, the quantization choice, the dense dtype and the KV cache."""
-    return (f"weights: {describe_weights(model)} (quantization {quantization}); dense dtype {_name(dtype)}; "
+    """The whole line: weights, the quantization choice and why, the dense dtype and the KV cache."""
+    return (f"weights: {describe_weights(model)}; quantization {quantization}; dense dtype {_name(dtype)}; "
             f"KV cache {_name(kv_dtype)}, {kv_tokens} tokens")
 
 
