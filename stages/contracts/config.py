@@ -52,7 +52,7 @@ class EngineConfig:
 
     model: str = ""  # checkpoint directory ("" only where a ready-made runner is given to LLM)
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA; on CPU bfloat16 where it has bf16 instructions, else float32
+    dtype: str = "auto"  # auto: the checkpoint's on CUDA; on CPU bfloat16 given bf16 instructions, else float32
     quantization: str = "auto"  # QUANTIZATIONS
     max_num_seqs: int = 256  # batch rows: requests holding KV at once
     max_model_len: int | None = None  # prompt + outputs of one request; None: the model's, bounded by the KV pool

@@ -77,7 +77,8 @@ def test_every_speculative_count_reaches_the_client_under_its_own_name() -> None
 
 
 def test_what_the_model_runs_in_reaches_the_client() -> None:
-    runs_in = "weights: 10 Q8_0 quantized (0.2 MB) (quantization q8_0); dense dtype float32; KV cache float32, 256 tokens"
+    runs_in = ("weights: 10 Q8_0 quantized (0.2 MB); quantization q8_0: float weights quantized at load; "
+               "dense dtype float32; KV cache float32, 256 tokens")
     model = ServedModel("tiny", "/nowhere", 256, 1024, [], runs_in=runs_in)
     server = server_with(SimpleNamespace(stats=lambda: BackendStats()))
     server.model = model

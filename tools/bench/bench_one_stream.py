@@ -54,7 +54,8 @@ def child(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     # KV for every request of the batch at once (16-token blocks), and some to spare.
     blocks = max(1, args.batch) * ((args.prompt_tokens + args.max_tokens) // 16 + 2) + 16
-    llm = LLM(resolve_model(args.model[0] if args.model else None), device="cpu", quantization=args.child, dtype=args.dtype,
+    model = resolve_model(args.model[0] if args.model else None)
+    llm = LLM(model, device="cpu", quantization=args.child, dtype=args.dtype,
               num_kv_blocks=blocks, max_model_len=1024)
     load_s = time.perf_counter() - start
     loaded = _memory_mib()
@@ -130,11 +131,13 @@ def offline_row(args: argparse.Namespace, model: Path | None, mode: str) -> dict
 def print_table(result: dict, batch: int) -> None:
     print(f"load average {' '.join(f'{x:.2f}' for x in result['load_average'])}, {result['cpus']} CPUs")
     print("| file | engine | quantization | dtype | TPOT p50 | TTFT p50 | RSS (largest process) | tree PSS |"
-          + (" batch tok/s |" if batch else "") + "\n|---|---|---|---|---:|---:|---:|---:|" + ("---:|" if batch else ""))
+          + (" batch tok/s |" if batch else "") + "\n|---|---|---|---|---:|---:|---:|---:|"
+          + ("---:|" if batch else ""))
     for row in result["rows"]:
         pss = f"{row['tree_pss_mib']} MiB" if row.get("tree_pss_mib") is not None else "-"
         extra = f" {row.get('batch_tokens_per_s') or '-'} |" if batch else ""
-        print(f"| {row['file']} | {row['engine']} | {row['quantization']} | {row['dtype']} | {row['tpot_ms_p50']:.2f} ms "
+        print(f"| {row['file']} | {row['engine']} | {row['quantization']} | {row['dtype']} "
+              f"| {row['tpot_ms_p50']:.2f} ms "
               f"| {row['ttft_ms_p50']:.1f} ms | {row['largest_rss_mib']} MiB | {pss} |{extra}")
 
 
