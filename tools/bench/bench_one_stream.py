@@ -56,7 +56,7 @@ def child(args: argparse.Namespace) -> dict:
     blocks = max(1, args.batch) * ((args.prompt_tokens + args.max_tokens) // 16 + 2) + 16
     model = resolve_model(args.model[0] if args.model else None)
     llm = LLM(model, device="cpu", quantization=args.child, dtype=args.dtype,
-              num_kv_blocks=blocks, max_model_len=1024)
+              num_kv_blocks=blocks, max_model_len=min(1024, blocks * 16))
     load_s = time.perf_counter() - start
     loaded = _memory_mib()
     ids = llm.runner.tokenizer_path

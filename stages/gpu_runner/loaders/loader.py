@@ -62,7 +62,7 @@ def load_model(
     config: ModelConfig | None = None, tp: TensorParallel | None = None, quantization: str = "none",
 ) -> CausalLM:
     """Build the model (this rank's shard of it under `tp`) on `device` in `dtype` and fill it from
-    the checkpoint, checking every tensor's shape. `quantization` (loaders/quantization.py CHOICES):
+    the checkpoint, checking every tensor's shape. `quantization` (one of QUANTIZATIONS):
     "gguf" keeps a GGUF file's quantized weights as blocks where the model runs on the CPU, whole
     (so not under `tp`); "q8_0"/"q4_0" also quantize float weights at load; "auto" keeps a GGUF
     file's blocks where it can. The choice and its reason are logged."""
