@@ -126,8 +126,10 @@ def _status(args: argparse.Namespace) -> int:
     print(f"daemon: {health.status} (version {health.version}, up {health.uptime_s:.0f} s)")
     print(f"model: {stats.model or '-'} (vocabulary {stats.vocab_size}, max_model_len {stats.max_model_len})"
           + (f"; OpenAI API on {health.http_url}" if health.http_url else ""))
+    if stats.runs_in:
+        print(f"  {stats.runs_in}")
     if stats.cpu_kernels:
-        print(f"CPU kernels: {stats.cpu_kernels}")
+        print(f"  CPU kernels: {stats.cpu_kernels}")
     if health.reason:
         print(f"  why: {health.reason}")
     print(f"stages: instance {health.instance or '-'}, {health.num_restarts} restarts"

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pipeline.errors import PipelineError
 from pipeline.serve.config import DaemonConfig
 from pipeline.serve.model import DEFAULT_MODEL_NAME
-from stages.contracts.config import CPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from stages.contracts.config import CPU_MAX_NUM_BATCHED_TOKENS, QUANTIZATIONS, EngineConfig
 from stages.process import model_on_cpu
 
 API_KEY_ENV = "PIPELINE_API_KEY"
@@ -118,11 +118,15 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="where the model runs (auto: CUDA when there is a device, else the CPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="the weights' and activations' type (auto: the checkpoint's on CUDA, float32 on the CPU)")
-    parser.add_argument("--quantization", default="none", choices=["none", "gguf"],
-                        help="gguf: keep a GGUF file's quantized weights as their blocks and multiply them in place "
-                             "on the CPU (less memory; on CUDA they are dequantized at load); none: dequantize every "
-                             "weight to --dtype at load (default: none)")
+                        help="the dense weights' and activations' type (auto: the checkpoint's on CUDA; on the CPU "
+                             "bfloat16 where it has bf16 instructions (avx512_bf16, amx_bf16, ARM bf16), else float32)")
+    parser.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                        help="auto: a GGUF file on the CPU keeps its quantized blocks (gguf) where the CPU kernels "
+                             "are built, else every weight is dequantized (none), and the log says which and why; "
+                             "gguf: keep a GGUF file's quantized blocks and multiply them in place on the CPU; "
+                             "q8_0, q4_0: also quantize float weights (a safetensors checkpoint's) to those blocks "
+                             "at load (CPU; not under tensor parallelism); none: dequantize every weight to --dtype "
+                             "at load (default: auto)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=256, help="requests decoded together at most")
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="prompt and output tokens of one request at most (default: the model's context length)")

@@ -263,6 +263,7 @@ class StatsReply(_SpeculativeFields, tag="stats_reply"):
     vocab_size: int = 0  # token ids are in [0, vocab_size)
     max_model_len: int = 0  # prompt + output tokens of one request at most
     cpu_kernels: str = ""  # the runner's CPU kernels: "built (torch ops, avx512)", "plain torch (...)"; "" off CPU
+    runs_in: str = ""  # what the model runs in: its weights (quantized, dense), dense dtype, KV cache
     chat_template: bool = False  # the model has a chat template: a `Chat` request can be rendered
     special_token_ids: list[int] = msgspec.field(default_factory=list)  # ids a prompt of text never holds
     num_resumed_requests: int = 0  # resubmitted to restarted stages after a crash (each time counts)

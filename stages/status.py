@@ -22,8 +22,9 @@ Layout (int64 slots; each written by one process):
                     trace file written, or why not                        (stage s's)
     then            the scheduler's counters: SchedulerCounters's ints in field order, nested
                     structs flattened (stages/contracts/counters.py)      (the scheduler's)
-    then            the CPU kernels' state (ModelLimits.cpu_kernels, CPU_KERNELS_BYTES, utf-8,
-                    length-prefixed), written before limits ready         (the runner's)
+    then            what the model runs in (ModelLimits.runs_in, RUNS_IN_BYTES, utf-8,
+                    length-prefixed), then the CPU kernels' state (ModelLimits.cpu_kernels,
+                    CPU_KERNELS_BYTES, likewise), written before limits ready (the runner's)
 
 CLOCK_MONOTONIC is one clock for every process on the machine, so heartbeat ages compare.
 A profile request is posted by writing the directory and the active flag, then bumping the
@@ -67,8 +68,10 @@ _PROFILE_DIRECTORY_OFFSET = _PROFILE_OFFSET + 16
 _PROFILE_MESSAGES_OFFSET = _PROFILE_DIRECTORY_OFFSET + PROFILE_DIRECTORY_BYTES
 _COUNTERS = (_PROFILE_MESSAGES_OFFSET + MAX_STAGES * PROFILE_MESSAGE_BYTES) // 8
 _NUM_COUNTERS = num_counts(SchedulerCounters)
+RUNS_IN_BYTES = 1024
+_RUNS_IN_OFFSET = (_COUNTERS + _NUM_COUNTERS) * 8
 CPU_KERNELS_BYTES = 512
-_CPU_KERNELS_OFFSET = (_COUNTERS + _NUM_COUNTERS) * 8
+_CPU_KERNELS_OFFSET = _RUNS_IN_OFFSET + RUNS_IN_BYTES
 SIZE_BYTES = _CPU_KERNELS_OFFSET + CPU_KERNELS_BYTES
 
 
@@ -123,6 +126,7 @@ class LimitsArea:
     def publish(self, limits: ModelLimits) -> None:
         eos = limits.eos_token_ids[:MAX_EOS_IDS]
         slots = self._slots
+        _write_text(self._mm, _RUNS_IN_OFFSET, RUNS_IN_BYTES, limits.runs_in)
         _write_text(self._mm, _CPU_KERNELS_OFFSET, CPU_KERNELS_BYTES, limits.cpu_kernels)
         slots[_NUM_KV_BLOCKS] = limits.num_kv_blocks
         slots[_MAX_MODEL_LEN] = limits.max_model_len
@@ -143,6 +147,7 @@ class LimitsArea:
         eos = [slots[_EOS + 1 + i] for i in range(slots[_EOS])]
         return ModelLimits(slots[_NUM_KV_BLOCKS], slots[_MAX_MODEL_LEN], slots[_VOCAB_SIZE], eos,
                            slots[_NUM_HOST_BLOCKS], slots[_WINDOW], slots[_LOCAL_WINDOW], slots[_NUM_WINDOW_BLOCKS],
+                           runs_in=_read_text(self._mm, _RUNS_IN_OFFSET),
                            cpu_kernels=_read_text(self._mm, _CPU_KERNELS_OFFSET))
 
 

@@ -215,6 +215,8 @@ def run_daemon(config: EngineConfig, socket_path: Path | str, backend_factory: B
             backend = backend_factory(config, new_instance_id())  # sweeps what dead instances left in /dev/shm
         try:
             model = ServedModel.load(config, backend.limits, settings.served_model_name)
+            if model.runs_in:
+                log.info("model %s: %s", model.name, model.runs_in)
         except BaseException:
             backend.close()
             raise

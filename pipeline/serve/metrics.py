@@ -46,6 +46,8 @@ STATS_GAUGES = (
 # requests count since the daemon started, speculative decoding since the engine (re)started.
 STATS_TOTALS = (
     ("pipeline:stage_restarts", "Times the stage processes were restarted.", "num_restarts"),
+    ("pipeline:prefix_cache_hits", "Admitted prompt tokens found in the prefix cache (vLLM's prefix_cache_hits).",
+     "prefix_cache_hit_tokens"),
     ("pipeline:requests_resumed", "Requests resubmitted to restarted stages after a crash (each time counts).",
      "num_resumed_requests"),
     ("pipeline:requests_failed_by_guard", "Requests ended because they were in flight during two crashes of one "

@@ -31,6 +31,7 @@ class ServedModel:
     special_token_ids: list[int]
     tokenizer: Tokenizer | None = None
     chat_template: ChatTemplate = field(default_factory=lambda: ChatTemplate(None, origin="none was loaded"))
+    runs_in: str = ""  # what the runner holds each part in (ModelLimits.runs_in)
     _texts: dict[int, str] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -42,7 +43,7 @@ class ServedModel:
         tokenizer = Tokenizer.from_file(str(config.tokenizer_path))
         special = sorted(token_id for token_id, token in tokenizer.get_added_tokens_decoder().items() if token.special)
         return cls(name, config.model, limits.max_model_len, limits.vocab_size, special, tokenizer,
-                   ChatTemplate.from_checkpoint(config.model))
+                   ChatTemplate.from_checkpoint(config.model), limits.runs_in)
 
     def token_text(self, token_id: int) -> str:
         """A token's own text (special tokens included), as the API shows it per token."""

