@@ -91,24 +91,23 @@ def workload(model: Path, long_tokens: int) -> Workload:
 
 @contextmanager
 def cpu_load(enabled: bool) -> Iterator[None]:
-    """Two busy processes per core (tests/contention.py run alone) for the block; ended by SIGINT."""
+    """Two busy processes per core (tests/contention.py run alone) for the block; the load's whole
+    process group ended after it (a background shell may have it ignore SIGINT)."""
     if not enabled:
         yield
         return
-    load = subprocess.Popen([sys.executable, str(CONTENTION), "600"], stdout=subprocess.DEVNULL)
+    load = subprocess.Popen([sys.executable, str(CONTENTION), "600"], stdout=subprocess.DEVNULL,
+                            start_new_session=True)
     try:
         yield
     finally:
-        load.send_signal(signal.SIGINT)  # its `with` block kills its busy processes on the way out
-        try:
-            load.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            load.kill()
-            load.wait()
+        os.killpg(load.pid, signal.SIGKILL)
+        load.wait()
 
 
-async def kill_cycle(socket_path: Path, work: Workload, stage: str) -> str | None:
-    """Fresh streams, `stage` SIGKILLed once all run: None if all came exactly, else what went wrong."""
+async def kill_cycle(socket_path: Path, work: Workload, stage: str, progress: list[str]) -> str | None:
+    """Fresh streams, `stage` SIGKILLed once all run: None if all came exactly, else what went
+    wrong. `progress` gets each milestone as it passes (what a cycle that timed out reached)."""
     client = AsyncClient(socket_path)
     try:
         before = await client.health()
@@ -117,12 +116,14 @@ async def kill_cycle(socket_path: Path, work: Workload, stage: str) -> str | Non
         iterators = [stream.__aiter__() for stream in streams]
         await asyncio.gather(*(iterator.__anext__() for iterator in iterators))
         os.kill(before.stage_pids[stage], signal.SIGKILL)
+        progress.append(f"{stage} killed under {len(streams)} running streams")
 
         async def finish(iterator: object) -> None:
             async for _ in iterator:  # type: ignore[attr-defined]
                 pass
 
         ended = await asyncio.gather(*(finish(iterator) for iterator in iterators), return_exceptions=True)
+        progress.append("every stream ended")
         after = await wait_restarted(client, before.num_restarts + 1)
         guard_after = (await client.stats()).num_guard_failed_requests
     finally:
@@ -151,7 +152,7 @@ async def wait_restarted(client: AsyncClient, num_restarts: int) -> object:
         await asyncio.sleep(0.05)
 
 
-async def long_cycle(socket_path: Path, daemon_pid: int, work: Workload) -> str | None:
+async def long_cycle(socket_path: Path, daemon_pid: int, work: Workload, progress: list[str]) -> str | None:
     """The long stream through a runner kill, the forkserver's and a second runner kill."""
     client = AsyncClient(socket_path)
     stream = client.stream(work.long_prompt, dict(max_tokens=len(work.long_expected), ignore_eos=True,
@@ -170,6 +171,7 @@ async def long_cycle(socket_path: Path, daemon_pid: int, work: Workload) -> str 
                 pid = forkserver_pid(daemon_pid) if kills[done] == "forkserver" else health.stage_pids["runner"]
                 os.kill(pid, signal.SIGKILL)
                 done += 1
+                progress.append(f"{kills[done - 1]} killed at {received} tokens")
     except Exception as exc:  # noqa: BLE001 - the cycle's outcome, reported
         return f"{received} tokens, then {exc!r}"
     finally:
@@ -245,7 +247,8 @@ class Daemon:
                 self.process.wait()
 
 
-def run_scenario(name: str, work: Workload, directory: Path, cycles: int, load: bool) -> Scenario:
+def run_scenario(name: str, work: Workload, directory: Path, cycles: int, load: bool,
+                 timeout_scale: float) -> Scenario:
     result = Scenario(name)
     daemon = Daemon(work, directory / name, cycles)
     started = time.monotonic()
@@ -257,13 +260,16 @@ def run_scenario(name: str, work: Workload, directory: Path, cycles: int, load: 
                 if not serving(daemon.socket_path, SERVING_TIMEOUT_S):
                     daemon.start()
                     result.daemon_starts += 1
+                progress: list[str] = ["started"]
                 if name == LONG:
-                    cycle = long_cycle(daemon.socket_path, daemon.process.pid, work)
+                    cycle = long_cycle(daemon.socket_path, daemon.process.pid, work, progress)
                 else:
-                    cycle = kill_cycle(daemon.socket_path, work, name)
-                timeout_s = LONG_TIMEOUT_S if name == LONG else KILL_TIMEOUT_S
+                    cycle = kill_cycle(daemon.socket_path, work, name, progress)
+                timeout_s = timeout_scale * (LONG_TIMEOUT_S if name == LONG else KILL_TIMEOUT_S)
                 try:
                     failure = asyncio.run(asyncio.wait_for(cycle, timeout_s))
+                except TimeoutError:
+                    failure = f"not done within {timeout_s:.0f} s; reached: {progress[-1]}"
                 except Exception as exc:  # noqa: BLE001 - the cycle's outcome, reported
                     failure = f"{type(exc).__name__}: {exc}"[:200]
                 result.runs += 1
@@ -285,20 +291,25 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, of {', '.join([*STAGES, LONG])} (default all)")
     parser.add_argument("--long-tokens", type=int, default=1500, help="the long stream's tokens (default 1500)")
     parser.add_argument("--no-load", action="store_true", help="leave the CPU to the daemon alone")
+    parser.add_argument("--timeout-scale", type=float, default=1.0,
+                        help=f"times each cycle's time limit ({KILL_TIMEOUT_S:g} s a kill, {LONG_TIMEOUT_S:g} s the "
+                             "long stream; default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
     names = args.scenarios.split(",")
     unknown = sorted(set(names) - {*STAGES, LONG})
-    if unknown or args.cycles < 1 or not 0 < args.long_tokens < MAX_MODEL_LEN - 64:
+    if unknown or args.cycles < 1 or not 0 < args.long_tokens < MAX_MODEL_LEN - 64 or not args.timeout_scale > 0:
         parser.error(f"unknown scenarios {unknown}" if unknown else
-                     f"--cycles must be at least 1 and --long-tokens within 1..{MAX_MODEL_LEN - 65}")
+                     f"--cycles must be at least 1, --long-tokens within 1..{MAX_MODEL_LEN - 65} and "
+                     "--timeout-scale above 0")
     # SIGTERM unwinds like Ctrl-C, so the daemon and the load this starts are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     directory = Path(tempfile.mkdtemp(prefix="pl-recovery-load-"))
     try:
         work = workload(make_tiny_model(directory / "model", "llama", seed=3, max_position_embeddings=MAX_MODEL_LEN),
                         args.long_tokens)
-        results = [run_scenario(name, work, directory, args.cycles, not args.no_load) for name in names]
+        results = [run_scenario(name, work, directory, args.cycles, not args.no_load, args.timeout_scale)
+                   for name in names]
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     if args.json:
