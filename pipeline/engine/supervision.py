@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import signal
@@ -42,7 +43,8 @@ log = logging.getLogger("pipeline.engine.supervision")
 SESSION_ENV = "PIPELINE_NSYS_SESSION"
 READY_POLL_S = 0.01
 KILL_GRACE_S = 1.0  # how long stop() lets a stage take to end after SIGTERM, then after SIGKILL
-REAP_WAIT_S = 1.0  # how long a stage seen dead may take to become reapable (its threads exiting)
+# How often a wait for a dead stage's exit status looks again whether its parent can still report it.
+REPORT_POLL_S = 0.05
 # multiprocessing's exit code for a child whose forkserver died: the server reports each child's
 # exit, and with it gone the report is lost, though the child (a stage) may well run on.
 FORKSERVER_LOST = 255
@@ -174,40 +176,63 @@ class StageProcesses:
             raise failed
 
     def failed_stage(self, among: Sequence[int] | None = None) -> StageFailed | None:
-        """StageFailed naming a dead stage (of those at `among`, if given), if any died: one that
-        failed on its own (killed, or its own error) is named before one that ended because a
-        peer died under it."""
-        dead = [(index, name, code) for index, (name, p) in enumerate(self.procs)
-                if (among is None or index in among) and (code := _exit_code(p)) is not None]
+        """StageFailed naming a dead stage (of those at `among`, if given), if any died.
+
+        Who died is known by pid: a stage whose pid is gone or a zombie is dead, whether or not
+        its exit status has come. The status says how; it is waited for (see _await_exit_status)
+        whenever the parent that reaps the stage can report it, however long the kernel takes to
+        tear a killed process down. The stage named is the cause: one killed (by a signal, or
+        dead without a word on the board), then one that failed on its own, before one that
+        ended because a peer died under it."""
+        dead = self._dead(among)
         if not dead:
             return None
-        if all(code == EXIT_PEER_DIED for _, _, code in dead) and self._reap_dead_peers():
-            return self.failed_stage(among)
-        dead.sort(key=lambda d: (d[2] == EXIT_PEER_DIED, d[2] >= 0))  # killed first, then own errors
-        index, name, code = dead[0]
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        if code == FORKSERVER_LOST:
+        if any(code is None for _, _, code in dead):
+            self._await_exit_status([index for index, _, code in dead if code is None])
+            dead = self._dead(among)
+        index, name, code = min(dead, key=lambda d: self._blame_rank(*d))
+        if code is None:
+            how = "died (seen by its pid; the parent that reaps it has not reported its exit status)"
+        elif code == FORKSERVER_LOST:
             how = "died (its exit status was lost with the forkserver it was forked from)"
+        else:
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         error = self._board.stages.error(index)
         ready = "" if self._board.stages.is_ready(index) else " while starting"
         return StageFailed(f"stage {name!r} {how}{ready}" + (f": {error}" if error else ""), stage=name)
 
+    def _dead(self, among: Sequence[int] | None) -> list[tuple[int, str, int | None]]:
+        """The dead stages (of those at `among`, if given): index, name, exit code (None while unreported)."""
+        return [(index, name, code) for index, (name, p) in enumerate(self.procs)
+                if (among is None or index in among)
+                and ((code := _exit_code(p)) is not None or not pid_alive(p.pid or 0))]
+
+    def _blame_rank(self, index: int, name: str, code: int | None) -> int:
+        """0 killed, 1 failed on its own, 3 ended because a peer died. A stage whose status has not
+        come is told by the board, where a stage that ends by itself leaves its reason before it
+        exits: with none it was killed (0), with one it failed or followed a peer (2)."""
+        if code is None:
+            return 2 if self._board.stages.error(index) else 0
+        return 3 if code == EXIT_PEER_DIED else 0 if code < 0 else 1
+
     def dead_peer_failure(self, message: str, stage: str | None) -> StageFailed:
-        """The failure behind a ring's PeerDied: the ring sees its peer dead as soon as it is a
-        zombie, which may be before its exit status can be read, so that is waited for briefly."""
-        self._reap_dead_peers()
+        """The failure behind a ring's PeerDied, which sees its peer dead by its pid: the stage
+        that died, as failed_stage names it."""
         return self.failed_stage() or StageFailed(message, stage=stage)
 
-    def _reap_dead_peers(self) -> bool:
-        """Waits (briefly) for the exit status of stages that are dead but not yet reapable; True
-        if one came. A stage that ended because a peer died can be reaped before that peer: a
-        killed process with many threads is seen dead (a zombie leader) while its threads exit."""
-        reaped = False
-        for _, process in self.procs:
-            if _exit_code(process) is None and not pid_alive(process.pid or 0):
-                process.join(REAP_WAIT_S)
-                reaped = reaped or process.exitcode is not None
-        return reaped
+    def _await_exit_status(self, indexes: Sequence[int]) -> None:
+        """Waits until the exit status of each dead stage at `indexes` has come, as long as the
+        parent that reaps it can report it (see _reported_later). A killed process with many
+        threads is a zombie at once but reapable only once every thread is gone, which on a busy
+        machine may take seconds; its parent then reports at once. A start timeout bounds the
+        wait against a process the kernel never lets go."""
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while time.monotonic() < deadline:
+            waiting = [p for p in (self.procs[index][1] for index in indexes)
+                       if _exit_code(p) is None and _reported_later(p)]
+            if not waiting:
+                return
+            multiprocessing.connection.wait([p.sentinel for p in waiting], REPORT_POLL_S)
 
     def _watch_forkserver(self) -> None:
         """Once the forkserver has died under running stages, a thread starts a fresh one."""
@@ -262,6 +287,28 @@ def _exit_code(process: mp.process.BaseProcess) -> int | None:
     if code == FORKSERVER_LOST and process.pid is not None and pid_alive(process.pid):
         return None
     return code
+
+
+def _reported_later(process: mp.process.BaseProcess) -> bool:
+    """Whether the exit status of a dead stage that has not come yet will: its parent (the
+    forkserver it was forked from, or this process for a spawned one) reaps it and reports, unless
+    that parent is stopped. Once the stage is reaped its status is on the way; once the forkserver
+    is dead, its end of the status pipe is closed and the status taken as lost (FORKSERVER_LOST)."""
+    fields = _stat_fields(process.pid or 0)
+    if not fields:
+        return True
+    parent = int(fields[1])
+    return parent == os.getpid() or _stat_fields(parent)[:1] not in ([b"T"], [b"t"])
+
+
+def _stat_fields(pid: int) -> list[bytes]:
+    """The fields of /proc/<pid>/stat after the command name (state, parent pid, ...); [] once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            stat = stat_file.read()
+    except OSError:
+        return []
+    return stat[stat.rfind(b")") + 2:].split()  # the command name may hold spaces and parentheses
 
 
 def _join(process: mp.process.BaseProcess, deadline: float) -> None:

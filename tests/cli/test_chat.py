@@ -166,8 +166,14 @@ def test_bad_model_is_a_clear_error(tmp_path: Path, state_dir: Path) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_chat_with_the_default_model(state_dir: Path) -> None:
-    """SmolLM2-135M-Instruct, started by the chat itself, answers a question through its chat template."""
+    """SmolLM2-135M-Instruct, started by the chat itself, answers a question through its chat template.
+
+    Slow (the real model loads in the chat's own daemon); the default run covers its parts apart:
+    the chat starting and stopping a daemon of its own (test_chat_starts_and_stops_its_daemon), the
+    default model being SmolLM2 and its chat template's answer knowing Paris
+    (tests/daemon/test_real_models.py)."""
     from real_models import smollm2_gguf
 
     smollm2_gguf()  # skips, naming the package to install, when the default model is missing

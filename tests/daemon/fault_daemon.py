@@ -2,8 +2,9 @@
 comes under, the offline engine's outputs for it, and the checks that the daemon recovered.
 
 The daemon runs the stage processes with one change, whose tokenizer workers die on a marked
-prompt (poisoned_tokenizer.py), so that one daemon per test module serves every test there. The
-fault tests import the fixtures and helpers from here by this module's name.
+prompt (poisoned_tokenizer.py), so that one daemon serves every fault test of the session (the
+daemon's conftest.py holds it; a test that stops it leaves the next module to start it afresh).
+The fault tests import the fixtures and helpers from here by this module's name.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from device_choice import engine_device
-from live_daemon import REAL_BACKEND, LiveDaemon, parent_pids, short_dir, start_daemon
+from live_daemon import REAL_BACKEND, LiveDaemon, parent_pids, short_dir, start_daemon, wait_for_health
 
 from pipeline import LLM, RequestOutput, SamplingParams
 from pipeline.bench.workload import mixed_params
@@ -29,10 +30,11 @@ from pipeline.protocol import HealthReply
 from shm.naming import ring_name
 
 GRACE_S = 3.0
+SERVING_TIMEOUT_S = 30.0  # for a module's shared daemon, left by the last, to serve again
 # A long context, so that a long request outlasts the grace period and the faults on any CPU: a
 # single sequence of the tiny model decodes ~1,000 tokens a second when it runs alone.
 MAX_MODEL_LEN = 16384
-DAEMON_OPTIONS = ["--stall-seconds", "1", "--grace-seconds", str(GRACE_S), "--max-restarts", "16",
+DAEMON_OPTIONS = ["--stall-seconds", "1", "--grace-seconds", str(GRACE_S), "--max-restarts", "64",
                   "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", str(4 * MAX_MODEL_LEN // 16)]
 BACKEND = "poisoned-tokenizer"  # the stage processes, but for a tokenizer that dies on POISON_PROMPT
 LONG = dict(max_tokens=MAX_MODEL_LEN - 64, ignore_eos=True, temperature=0.0)  # runs until the fault
@@ -73,16 +75,36 @@ def fault_daemon(tmp_path_factory: pytest.TempPathFactory, extra: tuple[str, ...
         shutil.rmtree(directory.parent, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
+@pytest.fixture(scope="session")
+def fault_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
+    """The fault daemon every fault test module shares (see `slot`)."""
     yield from fault_daemon(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def reference(slot: DaemonSlot) -> str:
+def slot(fault_slot: DaemonSlot) -> DaemonSlot:
+    """The shared fault daemon, started afresh on the same socket if an earlier module stopped it
+    or left it not serving."""
+    if fault_slot.daemon.process.poll() is None:
+        try:
+            wait_for_health(fault_slot.daemon.socket_path, lambda h: h.status == "ok", SERVING_TIMEOUT_S)
+            return fault_slot
+        except pytest.fail.Exception:
+            fault_slot.daemon.stop()
+    fault_slot.daemon = start_daemon(fault_slot.model, fault_slot.directory, DAEMON_OPTIONS, BACKEND)
+    return fault_slot
+
+
+@pytest.fixture(scope="session")
+def fault_reference(fault_slot: DaemonSlot) -> str:
     """PROMPT's greedy output from the healthy daemon: the same after every restart."""
-    with Client(slot.daemon.socket_path) as client:
+    with Client(fault_slot.daemon.socket_path) as client:
         return client.generate(PROMPT, SHORT).text
+
+
+@pytest.fixture(scope="module")
+def reference(slot: DaemonSlot, fault_reference: str) -> str:
+    return fault_reference
 
 
 def health_of(socket_path: Path) -> HealthReply:
@@ -116,15 +138,25 @@ class Load:
     expected: list[RequestOutput]
 
 
-@pytest.fixture(scope="module")
-def load(slot: DaemonSlot) -> Load:
+def make_load(model: Path) -> Load:
     """16 streams long enough to be mid-stream at the kill: greedy, seeded sampling, seeded with
     penalties, greedy with a stop string from late in its text; the offline engine's outputs."""
-    llm = LLM(slot.model, device=engine_device(), max_model_len=MAX_MODEL_LEN, num_kv_blocks=4 * MAX_MODEL_LEN // 16,
+    llm = LLM(model, device=engine_device(), max_model_len=MAX_MODEL_LEN, num_kv_blocks=4 * MAX_MODEL_LEN // 16,
               block_size=16)
     prompts = [f"{i}: {PROMPT}" for i in range(16)]
     params = mixed_params(llm, prompts, LOAD_TOKENS)
     return Load(prompts, params, llm.generate(prompts, params))
+
+
+@pytest.fixture(scope="session")
+def fault_load(fault_slot: DaemonSlot) -> Load:
+    """make_load for the shared fault daemon's model, made once."""
+    return make_load(fault_slot.model)
+
+
+@pytest.fixture(scope="module")
+def load(slot: DaemonSlot, fault_load: Load) -> Load:
+    return fault_load
 
 
 async def kill_under_load(socket_path: Path, load: Load, stage: str, then_kill: str | None = None,

@@ -17,8 +17,7 @@ import pytest
 from contention import cpu_contention, runs
 from device_choice import engine_device
 from fault_daemon import (ENGINE_STAGES, FRONTEND_STAGES, MAX_MODEL_LEN, DaemonSlot, Load, assert_as_offline,
-                          fault_daemon, forkserver_pid, health_of, kill_under_load, live)
-from fault_daemon import load  # noqa: F401 - the fault daemon's fixture
+                          fault_daemon, forkserver_pid, health_of, kill_under_load, live, make_load)
 from live_daemon import wait_for_health
 
 from pipeline import LLM, SamplingParams
@@ -40,6 +39,11 @@ LONG_PROMPT = "Through every fault the stream"
 def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
     """The fault daemon, allowed a restart per kill of every run (each test kills up to 4 times per run)."""
     yield from fault_daemon(tmp_path_factory, ("--max-restarts", str(8 * len(runs()) + 8)))
+
+
+@pytest.fixture(scope="module")
+def load(slot: DaemonSlot) -> Load:
+    return make_load(slot.model)
 
 
 def _serving(socket_path: os.PathLike, timeout_s: float = 60) -> HealthReply:

@@ -53,7 +53,7 @@ def test_a_dead_engine_stage_does_not_restart_alone(make_backend: MakeBackend) -
     backend = make_backend()
     os.kill(stage_pid(backend, "scheduler"), signal.SIGKILL)
     failure = wait_failure(backend)
-    assert failure.stage in ("scheduler", "runner", "detokenizer", "tokenizer0")
+    assert failure.stage == "scheduler" and "was killed by signal 9" in failure.message
     assert not backend.restart_stage("scheduler")
 
 
