@@ -23,8 +23,14 @@ REFERENCE_USERS = {"tests/daemon/test_real_models.py::": "serving", "tests/gpu_r
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """When tests that compare with transformers on the real checkpoints are collected, the
-    references they need start at once, in a worker at the lowest priority (real_models.py)."""
+    """The CPU operators are built (once per machine and source, about a minute) before any test's
+    time limit runs, so the first test to use them is not timed with the compiler. When tests that
+    compare with transformers on the real checkpoints are collected, the references they need start
+    at once, in a worker at the lowest priority (real_models.py)."""
+    if session.items and os.environ.get("PIPELINE_CPU_KERNELS", "1") != "0":
+        from stages.gpu_runner import cpu_ops
+
+        cpu_ops.library()  # a failed build is kept for the kernel tests, which then fail naming it
     kinds = {kind for prefix, kind in REFERENCE_USERS.items() if any(item.nodeid.startswith(prefix)
                                                                     for item in session.items)}
     if os.environ.get("PIPELINE_TEST_BACKEND", "real") != "real":
