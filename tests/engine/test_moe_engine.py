@@ -1,6 +1,6 @@
 """Mixtures of experts through the whole offline engine: greedy tokens equal transformers' with chunked
-prefill, a prefix-cache hit and preemption, under async and sync scheduling, for each family; and with
-speculative decoding."""
+prefill, a prefix-cache hit and preemption, under async and sync scheduling, for each family (gpt-oss
+with its sinks and sliding window too); and with speculative decoding."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -62,7 +62,7 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-@pytest.mark.parametrize("arch", sorted(MOE))
+@pytest.mark.parametrize("arch", [*sorted(MOE), "gpt_oss"])
 def test_moe_engine_equals_transformers_with_chunks_prefix_hits_and_preemption(moe_model, expected, arch,
                                                                              async_scheduling):
     model = moe_model(arch)
