@@ -1,19 +1,24 @@
 """gpt-oss's pieces against transformers' own: the router (top-k of the biased logits, then their
 softmax; ties broken alike), the clamped SwiGLU experts loaded from the stacked, interleaved
-checkpoint layout, attention with sinks, YaRN's frequencies, and the MXFP4 refusal."""
+checkpoint layout, attention with sinks, YaRN's frequencies, and MXFP4 experts dequantized at load."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import GptOssConfig
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter, eager_attention_forward
 
 from stages.gpu_runner.attention.sinks import sink_attention
 from stages.gpu_runner.layers.fused_moe.clamped import STACKED, ClampedSwigluExperts
 from stages.gpu_runner.layers.fused_moe.routing import TopK, select_experts
+from stages.gpu_runner.layers.quantization.mxfp4 import dequantize_mxfp4
+from stages.gpu_runner.loaders.loader import load_model
 from stages.gpu_runner.layers.rotary import yarn_attention_factor, yarn_inv_freq
 from stages.gpu_runner.models.config import ModelLoadError, YarnScaling, load_model_config
 
@@ -95,16 +100,56 @@ def test_yarn_frequencies_and_factor_equal_transformers(truncate: bool) -> None:
     assert yarn_attention_factor(yarn) == want_factor
 
 
-def test_an_mxfp4_checkpoint_is_refused_by_name(tmp_path) -> None:
+def test_a_quantization_other_than_mxfp4_is_refused_by_name(tmp_path) -> None:
     cfg = {"architectures": ["GptOssForCausalLM"], "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100,
            "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
-           "quantization_config": {"quant_method": "mxfp4"}}
+           "quantization_config": {"quant_method": "fp8"}}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="mxfp4.*gate_up_proj_blocks"):
+    with pytest.raises(ModelLoadError, match="'fp8' are not supported"):
         load_model_config(tmp_path)
     del cfg["quantization_config"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     loaded = load_model_config(tmp_path)
     assert loaded.layer_windows == (8, None) and loaded.attention_sinks and loaded.qkv_bias and loaded.o_bias
-    assert loaded.rope_theta == 150_000.0
+    assert loaded.rope_theta == 150_000.0 and not loaded.experts_mxfp4
+
+
+def random_mxfp4(gen: torch.Generator, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = torch.randint(0, 256, (*shape[:-1], shape[-1] // 32, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(122, 130, (*shape[:-1], shape[-1] // 32), generator=gen, dtype=torch.uint8)
+    return blocks, scales
+
+
+def test_mxfp4_dequantizes_as_transformers_does() -> None:
+    blocks, scales = random_mxfp4(torch.Generator().manual_seed(3), 3, 24, 64)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    assert torch.equal(dequantize_mxfp4(blocks, scales), want) and want.shape == (3, 64, 24)
+
+
+def test_an_mxfp4_checkpoint_loads_as_its_dequantized_dense_twin(tiny_checkpoint, tmp_path) -> None:
+    """The same experts stored as MXFP4 blocks and scales, and dense (dequantized by transformers)."""
+    source = tiny_checkpoint("gpt_oss")
+    dense_dir, mxfp4_dir = tmp_path / "dense", tmp_path / "mxfp4"
+    for out in (dense_dir, mxfp4_dir):
+        shutil.copytree(source, out)
+    tensors = load_file(source / "model.safetensors")
+    dense, quantized = dict(tensors), dict(tensors)
+    gen = torch.Generator().manual_seed(4)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, rows, cols = tensors[name].shape  # the dense [E, in, out]: stored as [E, out, in / 32, 16]
+        blocks, scales = random_mxfp4(gen, e, cols, rows)
+        dense[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        del quantized[name]
+        quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+    save_file(dense, str(dense_dir / "model.safetensors"))
+    save_file(quantized, str(mxfp4_dir / "model.safetensors"))
+    cfg = json.loads((source / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (mxfp4_dir / "config.json").write_text(json.dumps(cfg))
+    models = [load_model(d, device=torch.device("cpu"), dtype=torch.float32, max_positions=64)
+              for d in (dense_dir, mxfp4_dir)]
+    assert models[1].config.experts_mxfp4
+    want, got = (dict(m.named_parameters()) for m in models)
+    assert want.keys() == got.keys() and all(torch.equal(want[n], got[n]) for n in want)
+    assert not torch.equal(want["layers.0.mlp.experts.w13"], models[0].layers[1].mlp.experts.w13)

@@ -102,6 +102,7 @@ class ModelConfig:
     attention_sinks: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    experts_mxfp4: bool = False  # gpt-oss experts stored as MXFP4 blocks and scales, dequantized at load
 
     @property
     def family(self) -> str:
@@ -230,10 +231,9 @@ def _moe(cfg: dict, arch: str, num_layers: int, path: Path) -> dict:
     """The ModelConfig fields of a mixture of experts (none for a dense architecture)."""
     if arch == GPT_OSS:
         quantization = (cfg.get("quantization_config") or {}).get("quant_method")
-        if quantization is not None:
-            raise ModelLoadError(f"{path}: gpt-oss experts quantized as {quantization!r} (gate_up_proj_blocks/"
-                                 "_scales tensors) are not supported; use a checkpoint with dense experts "
-                                 "(transformers saves one when loaded with Mxfp4Config(dequantize=True))")
+        if quantization not in (None, "mxfp4"):
+            raise ModelLoadError(f"{path}: gpt-oss weights quantized as {quantization!r} are not supported "
+                                 "(only dense weights and MXFP4 experts)")
         num_experts = int(_require(cfg, "num_local_experts", path))
         top_k = int(_require(cfg, "num_experts_per_tok", path))
         if not 0 < top_k <= num_experts:
@@ -241,7 +241,8 @@ def _moe(cfg: dict, arch: str, num_layers: int, path: Path) -> dict:
         return dict(num_experts=num_experts, num_experts_per_tok=top_k,
                     moe_intermediate_size=int(_require(cfg, "intermediate_size", path)),
                     sparse_layers=(True,) * num_layers, attention_sinks=True,
-                    swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+                    swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                    experts_mxfp4=quantization == "mxfp4")
     if arch not in MOE_FAMILY:
         return {}
     mixtral = arch == "MixtralForCausalLM"
