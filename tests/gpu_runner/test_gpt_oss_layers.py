@@ -14,6 +14,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter, eager_attention_forward
 
+from stages.gpu_runner.attention.selector import model_attention_backend
 from stages.gpu_runner.attention.sinks import sink_attention
 from stages.gpu_runner.layers.fused_moe.clamped import STACKED, ClampedSwigluExperts
 from stages.gpu_runner.layers.fused_moe.routing import TopK, select_experts
@@ -153,3 +154,9 @@ def test_an_mxfp4_checkpoint_loads_as_its_dequantized_dense_twin(tiny_checkpoint
     want, got = (dict(m.named_parameters()) for m in models)
     assert want.keys() == got.keys() and all(torch.equal(want[n], got[n]) for n in want)
     assert not torch.equal(want["layers.0.mlp.experts.w13"], models[0].layers[1].mlp.experts.w13)
+
+
+def test_auto_attends_sinks_with_the_torch_backend() -> None:
+    assert model_attention_backend("auto", attention_sinks=True) == "torch"
+    assert model_attention_backend("auto", attention_sinks=False) == "auto"
+    assert model_attention_backend("triton", attention_sinks=True) == "triton"  # refused by the backend itself
