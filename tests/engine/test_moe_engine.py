@@ -89,3 +89,14 @@ def test_moe_with_speculative_decoding_equals_transformers(moe_model, expected, 
     assert [o.token_ids for o in llm.generate(prompts(), params)] == expected(arch)
     spec = llm.scheduler.stats().speculative
     assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
+
+
+def test_gpt_oss_verifying_a_dense_drafts_tokens_equals_transformers(moe_model, expected, tmp_path):
+    """gpt-oss cannot draft (its sliding layers); as the target it verifies a tiny Llama's drafts,
+    several queries per row through its sink attention."""
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=32)
+    llm = small_llm(moe_model("gpt_oss"), max_num_seqs=3, max_model_len=160,
+                    speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts(), params)] == expected("gpt_oss")
+    assert llm.scheduler.stats().speculative.num_draft_tokens > 0
