@@ -71,6 +71,7 @@ def _sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
 def _decode_attention(query: torch.Tensor, flat_cache: torch.Tensor, batch: DecodeBatch, scale: float,
                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [d, num_heads, head_dim] -> [d, num_heads, head_dim]."""
+    # Sink layers skip the compiled CPU kernel and spread decode: their softmax has no sink term.
     if sinks is None and native_attends(query):
         return native_decode_attention(query, flat_cache, batch, scale)
     keys, values = _gather(flat_cache, batch.key_slots)  # [d, ctx, kv_heads, head_dim]
