@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "mixtral": ("MixtralForCausalLM", "mixtral"),
     "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gpt_oss": ("GptOssForCausalLM", "gpt_oss"),
 }
 # The mixtures' experts: count, top-k, each expert's intermediate size (Mixtral's is its
 # intermediate_size), Qwen2-MoE's shared expert, and which layers keep a dense MLP; each family
@@ -37,6 +38,12 @@ MOE = {
 }
 # Gemma 3's tiny sliding window: prompts of the tests cross it many times.
 GEMMA3_WINDOW = 16
+# gpt-oss: its experts (stacked, see _gpt_oss_layer), a short sliding window on every other layer,
+# YaRN over a short original context (2048 / 64 = its factor), and a SwiGLU limit low enough that the clamp binds.
+GPT_OSS = dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=8, swiglu_alpha=1.702, swiglu_limit=3.0,
+               attention_bias=True, router_aux_loss_coef=0.0, output_router_logits=False,
+               rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 10000.0})
 
 PRESETS: dict[str, dict[str, int]] = {
     # head_dim differs from hidden_size / num_heads on purpose, so explicit head_dim is exercised.
@@ -160,6 +167,9 @@ def _config(arch: str, sizes: dict[str, int], dtype: str, rope_scaling_llama3: b
                    "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
                                    for i in range(sizes["num_layers"])],
                    "final_logit_softcapping": None, "attn_logit_softcapping": None}
+    if arch == "gpt_oss":
+        config |= GPT_OSS | {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                             for i in range(sizes["num_layers"])]}
     if arch in MOE:
         config |= MOE[arch] | {"router_aux_loss_coef": 0.0, "output_router_logits": False}
     if arch == "mixtral":
@@ -208,7 +218,9 @@ def _weights(arch: str, sizes: dict[str, int], seed: int, dtype: torch.dtype, ti
         if arch in ("qwen3", "gemma3", "qwen3_moe"):
             tensors[p + "self_attn.q_norm.weight"] = normal(head_dim, std=0.1, mean=norm_mean)
             tensors[p + "self_attn.k_norm.weight"] = normal(head_dim, std=0.1, mean=norm_mean)
-        if arch in MOE and i not in MOE[arch].get("mlp_only_layers", ()):
+        if arch == "gpt_oss":
+            tensors |= _gpt_oss_layer(p, sizes, normal)
+        elif arch in MOE and i not in MOE[arch].get("mlp_only_layers", ()):
             tensors |= _experts(arch, p, sizes, normal)
         else:
             tensors |= _mlp(p + "mlp.", ("gate_proj", "up_proj", "down_proj"), hidden, inter, normal)
@@ -242,6 +254,22 @@ def _experts(arch: str, p: str, sizes: dict[str, int], normal) -> dict[str, torc
                         moe["shared_expert_intermediate_size"], normal)
         tensors[prefix + "shared_expert_gate.weight"] = normal(1, hidden, std=0.5)
     return tensors
+
+
+def _gpt_oss_layer(p: str, sizes: dict[str, int], normal) -> dict[str, torch.Tensor]:
+    """gpt-oss's attention biases and sinks, its router (with a bias) and its experts stacked as
+    transformers saves them: gate_up_proj [E, H, 2I] (gate and up interleaved), down_proj [E, I, H]."""
+    hidden, inter, experts = sizes["hidden_size"], sizes["intermediate_size"], GPT_OSS["num_local_experts"]
+    q_size, kv_size = sizes["num_heads"] * sizes["head_dim"], sizes["num_kv_heads"] * sizes["head_dim"]
+    tensors = {p + f"self_attn.{name}.bias": normal(size, std=0.1)
+               for name, size in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size), ("o_proj", hidden))}
+    tensors[p + "self_attn.sinks"] = normal(sizes["num_heads"], std=1.0)
+    mlp = p + "mlp."
+    return tensors | {mlp + "router.weight": normal(experts, hidden, std=0.5), mlp + "router.bias": normal(experts, std=0.5),
+                      mlp + "experts.gate_up_proj": normal(experts, hidden, 2 * inter, std=0.5),
+                      mlp + "experts.gate_up_proj_bias": normal(experts, 2 * inter, std=0.1),
+                      mlp + "experts.down_proj": normal(experts, inter, hidden, std=0.5),
+                      mlp + "experts.down_proj_bias": normal(experts, hidden, std=0.1)}
 
 
 def _save_shards(tensors: dict[str, torch.Tensor], outdir: Path, num_shards: int) -> None:

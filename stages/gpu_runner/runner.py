@@ -31,7 +31,9 @@ from stages.contracts.config import EngineConfig
 from stages.contracts.connector import KVConnectorWorker
 from stages.contracts.plan import StepPlan
 from stages.gpu_runner.attention.kv_cache import allocate_kv_caches, kv_pool_sizes
-from stages.gpu_runner.attention.selector import make_attention_backend, resolve_attention_backend
+from stages.gpu_runner.attention.selector import (
+    make_attention_backend, model_attention_backend, resolve_attention_backend,
+)
 from stages.gpu_runner.inputs.decode_graphs import DecodeGraphs
 from stages.gpu_runner.inputs.input_batch import InputBatch
 from stages.gpu_runner.inputs.output import StepOutput
@@ -98,8 +100,9 @@ class ModelRunner:
                                 max_positions=self.max_model_len, config=self.config, tp=tp,
                                 quantization=config.quantization, expert_parallel=config.enable_expert_parallel)
         shard = self.model.shard
-        self.attention_backend = make_attention_backend(config.attention_backend, self.device, self.block_size)
-        self.layer_kernels = make_layer_kernels(config.attention_backend, self.device)
+        backend = model_attention_backend(config.attention_backend, self.config.attention_sinks)
+        self.attention_backend = make_attention_backend(backend, self.device, self.block_size)
+        self.layer_kernels = make_layer_kernels(backend, self.device)
         self.model.use_kernels(self.attention_backend, self.layer_kernels)
         self.kv_group_windows = self.config.kv_group_windows
         # A draft model is loaded before the KV pool is sized: its weights and its KV per block count.
@@ -155,7 +158,7 @@ class ModelRunner:
             # Only the triton kernels read nothing but the static buffers (the torch backend sizes
             # its key gather by the step's longest context), so only they are captured.
             capture = (self.device.type == "cuda" and not config.enforce_eager
-                       and resolve_attention_backend(config.attention_backend, self.device) == "triton")
+                       and resolve_attention_backend(backend, self.device) == "triton")
             # One logits buffer for every bucket: captured graphs keep their outputs alive (and the
             # eager path runs the same code).
             self._decode_logits = torch.empty(self.max_num_seqs, self.vocab_size, dtype=torch.float32,

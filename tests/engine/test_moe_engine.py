@@ -1,6 +1,6 @@
 """Mixtures of experts through the whole offline engine: greedy tokens equal transformers' with chunked
-prefill, a prefix-cache hit and preemption, under async and sync scheduling, for each family; and with
-speculative decoding."""
+prefill, a prefix-cache hit and preemption, under async and sync scheduling, for each family (gpt-oss
+with its sinks and sliding window too); and with speculative decoding."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -62,7 +62,7 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-@pytest.mark.parametrize("arch", sorted(MOE))
+@pytest.mark.parametrize("arch", [*sorted(MOE), "gpt_oss"])
 def test_moe_engine_equals_transformers_with_chunks_prefix_hits_and_preemption(moe_model, expected, arch,
                                                                              async_scheduling):
     model = moe_model(arch)
@@ -89,3 +89,14 @@ def test_moe_with_speculative_decoding_equals_transformers(moe_model, expected, 
     assert [o.token_ids for o in llm.generate(prompts(), params)] == expected(arch)
     spec = llm.scheduler.stats().speculative
     assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
+
+
+def test_gpt_oss_verifying_a_dense_drafts_tokens_equals_transformers(moe_model, expected, tmp_path):
+    """gpt-oss cannot draft (its sliding layers); as the target it verifies a tiny Llama's drafts,
+    several queries per row through its sink attention."""
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=32)
+    llm = small_llm(moe_model("gpt_oss"), max_num_seqs=3, max_model_len=160,
+                    speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts(), params)] == expected("gpt_oss")
+    assert llm.scheduler.stats().speculative.num_draft_tokens > 0

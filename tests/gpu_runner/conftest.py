@@ -12,7 +12,7 @@ from pipeline.models.tiny_model import ARCHITECTURES, make_tiny_model
 ARCHS = tuple(ARCHITECTURES)
 # A distinct seed per architecture, so two archs never share weights and outputs.
 ARCH_SEEDS = {"llama": 11, "mistral": 12, "qwen2": 13, "qwen3": 14, "gemma3": 15, "mixtral": 16, "qwen2_moe": 17,
-              "qwen3_moe": 18}
+              "qwen3_moe": 18, "gpt_oss": 19}
 
 
 @pytest.fixture(autouse=True)

@@ -82,8 +82,8 @@ def test_missing_or_unexpected_tensor_is_named(tiny_checkpoint, tmp_path, change
 
 def test_unsupported_rope_scaling_is_named(tiny_checkpoint, tmp_path):
     model_dir = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "m")
-    edit_config(model_dir, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ModelLoadError, match="rope scaling type 'yarn' is not supported"):
+    edit_config(model_dir, rope_scaling={"rope_type": "longrope", "factor": 4.0})
+    with pytest.raises(ModelLoadError, match="rope scaling type 'longrope' is not supported"):
         load_model_config(model_dir)
 
 

@@ -51,12 +51,14 @@ class AttentionBackend(Protocol):
         a graph must not depend on it)."""
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                  meta: Any, scale: float, window: int | None = None) -> torch.Tensor:
+                  meta: Any, scale: float, window: int | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write this step's key/value into the paged cache, then attend: [T, H, D] -> [T, H, D].
 
         `window` (sliding-window layers): a query at position p attends only the keys at
         max(0, p - window + 1)..p; None attends its whole causal context. One `meta` serves every
-        layer of the step, windowed or not."""
+        layer of the step, windowed or not. `sinks` [H] (gpt-oss): each head's learned logit that
+        joins its softmax denominator; None: plain attention."""
 
 
 def window_blocks(window: int | None, block_size: int, max_blocks: int) -> int:

@@ -17,6 +17,12 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     return name
 
 
+def model_attention_backend(name: str, attention_sinks: bool) -> str:
+    """The backend name a model asks for: auto means torch for a model whose attention has sinks
+    (gpt-oss), which only the torch backend attends."""
+    return "torch" if name == "auto" and attention_sinks else name
+
+
 def make_attention_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
     """The backend `name` resolves to on `device`; the triton kernels are loaded only when asked for."""
     if resolve_attention_backend(name, device) == "triton":

@@ -14,6 +14,9 @@ cached prefix plus itself, causally. Which keys each query reads is the metadata
 torch_metadata.py, sized from host-known numbers, so nothing waits on the device. On the CPU,
 decode and verify rows go to cpu_attention.py instead.
 
+A layer with attention sinks (gpt-oss) attends every kind of row by sinks.py's plain torch
+(SDPA and the compiled CPU kernel of cpu_ops have no sink term in their softmax).
+
 `TorchBackend` is this module as an AttentionBackend (interface.py): the CPU product path.
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from stages.gpu_runner.attention.cpu_attention import (
     MAX_SPREAD_KV_HEADS, native_attends, native_decode_attention, native_verify_attention, spread_decode_attention,
 )
+from stages.gpu_runner.attention.sinks import sink_attention
 from stages.gpu_runner.attention.torch_metadata import (
     AttentionMetadata, DecodeBatch, PrefillChunk, VerifyBatch, decode_batch, row_kinds, step_attention_metadata,
 )
@@ -55,64 +59,73 @@ def _gather(flat_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor
             flat_cache[1].index_select(0, flat_slots).view(shape))
 
 
-def _decode_attention(query: torch.Tensor, flat_cache: torch.Tensor, batch: DecodeBatch, scale: float) -> torch.Tensor:
+def _sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          sinks: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:
+    """SDPA over [B, H, Q, D] queries and [B, Hkv, K, D] keys/values, with the sinks' term when given."""
+    if sinks is not None:
+        return sink_attention(query, keys, values, mask, scale, sinks, is_causal)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=keys.shape[1] != query.shape[1])
+
+
+def _decode_attention(query: torch.Tensor, flat_cache: torch.Tensor, batch: DecodeBatch, scale: float,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [d, num_heads, head_dim] -> [d, num_heads, head_dim]."""
-    if native_attends(query):
+    # Sink layers skip the compiled CPU kernel and spread decode: their softmax has no sink term.
+    if sinks is None and native_attends(query):
         return native_decode_attention(query, flat_cache, batch, scale)
     keys, values = _gather(flat_cache, batch.key_slots)  # [d, ctx, kv_heads, head_dim]
-    if query.device.type == "cpu" and keys.shape[2] <= MAX_SPREAD_KV_HEADS:
+    if sinks is None and query.device.type == "cpu" and keys.shape[2] <= MAX_SPREAD_KV_HEADS:
         return spread_decode_attention(query, keys, values, batch.mask, scale)
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.mask, scale=scale,
-        enable_gqa=keys.shape[2] != query.shape[1],
-    )  # [d, heads, 1, head_dim]
+    out = _sdpa(query.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), batch.mask, scale,
+                sinks)  # [d, heads, 1, head_dim]
     return out.squeeze(2)
 
 
-def _prefill_attention(query: torch.Tensor, flat_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+def _prefill_attention(query: torch.Tensor, flat_cache: torch.Tensor, chunk: PrefillChunk, scale: float,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [q, num_heads, head_dim] of one row -> [q, num_heads, head_dim]."""
     keys, values = _gather(flat_cache, chunk.key_slots)  # [ctx, kv_heads, head_dim]
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-        attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
-        enable_gqa=keys.shape[1] != query.shape[1],
-    )  # [1, heads, q, head_dim]
+    out = _sdpa(query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0), chunk.mask, scale, sinks,
+                is_causal=chunk.mask is None)  # [1, heads, q, head_dim]
     return out[0].transpose(0, 1)
 
 
-def _verify_attention(query: torch.Tensor, flat_cache: torch.Tensor, batch: VerifyBatch, scale: float) -> torch.Tensor:
+def _verify_attention(query: torch.Tensor, flat_cache: torch.Tensor, batch: VerifyBatch, scale: float,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [d * q, num_heads, head_dim] of the verifying rows -> the same shape."""
-    if native_attends(query):
+    if sinks is None and native_attends(query):
         return native_verify_attention(query, flat_cache, batch, scale)
     d, q = batch.rows.shape[0], batch.num_queries
     keys, values = _gather(flat_cache, batch.key_slots)  # [d, ctx, kv_heads, head_dim]
-    out = F.scaled_dot_product_attention(
-        query.view(d, q, *query.shape[1:]).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=batch.mask, scale=scale, enable_gqa=keys.shape[2] != query.shape[1],
-    )  # [d, heads, q, head_dim]
+    out = _sdpa(query.view(d, q, *query.shape[1:]).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                batch.mask, scale, sinks)  # [d, heads, q, head_dim]
     return out.transpose(1, 2).reshape(query.shape)
 
 
 def paged_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every flattened query token over its row's cached keys (this step's included).
 
-    query [num_tokens, num_heads, head_dim]; the step's K/V must already be written.
+    query [num_tokens, num_heads, head_dim]; the step's K/V must already be written; `sinks`
+    [num_heads]: each head's sink logit (see sinks.py), None for plain attention.
     """
     flat_cache = kv_cache.flatten(1, 2)
     if meta.decode is not None and meta.decode.token_idx is None:
-        return _decode_attention(query, flat_cache, meta.decode, scale)
+        return _decode_attention(query, flat_cache, meta.decode, scale, sinks)
     out = torch.empty_like(query)
     if meta.decode is not None:
-        decoded = _decode_attention(query[meta.decode.token_idx], flat_cache, meta.decode, scale)
+        decoded = _decode_attention(query[meta.decode.token_idx], flat_cache, meta.decode, scale, sinks)
         out.index_copy_(0, meta.decode.token_idx, decoded)
     if meta.verify is not None:
-        verified = _verify_attention(query[meta.verify.token_idx], flat_cache, meta.verify, scale)
+        verified = _verify_attention(query[meta.verify.token_idx], flat_cache, meta.verify, scale, sinks)
         out.index_copy_(0, meta.verify.token_idx, verified)
     for chunk in meta.prefills:
         out[chunk.token_start:chunk.token_end] = _prefill_attention(
-            query[chunk.token_start:chunk.token_end], flat_cache, chunk, scale)
+            query[chunk.token_start:chunk.token_end], flat_cache, chunk, scale, sinks)
     return out
 
 
@@ -152,6 +165,7 @@ class TorchBackend:
                                  block_table=inputs.block_table, block_size=self.block_size, max_context=max_context)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(kv_cache, key, value, meta.slot_mapping)
-        return paged_attention(query, kv_cache, meta.for_window(window), scale)
+        return paged_attention(query, kv_cache, meta.for_window(window), scale, sinks)

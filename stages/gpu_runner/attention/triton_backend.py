@@ -79,7 +79,11 @@ class TritonBackend:
             query_start_loc=None, max_query_len=1)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                  meta: TritonMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                  meta: TritonMetadata, scale: float, window: int | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if sinks is not None:
+            raise ValueError("the triton attention kernels have no attention sinks (gpt-oss); "
+                             "serve this model with --attention-backend torch")
         self.kernels.store_kv(kv_cache, key, value, meta.slot_mapping)
         if meta.query_start_loc is None:
             return self.kernels.paged_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale,

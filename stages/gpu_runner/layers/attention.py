@@ -1,5 +1,6 @@
 """The attention layer: fused q/k/v projection, optional per-head q/k norm, rotary, paged attention
-(full or over a sliding window) through the step's attention backend, and the output projection."""
+(full or over a sliding window, optionally with per-head sinks) through the step's attention
+backend, and the output projection."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ class ForwardContext:
 
 class Attention(nn.Module):
     def __init__(self, shard: ModelConfig, tp: TensorParallel | None, *, window: int | None = None,
-                 rope: str = "global", kv_group: int = 0) -> None:
+                 rope: str = "global", kv_group: int = 0, sinks: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, shard.head_dim
         self.q_size, self.kv_size = shard.q_size, shard.kv_size
@@ -47,6 +48,8 @@ class Attention(nn.Module):
         if shard.qk_norm:
             self.q_norm = RMSNorm(shard.head_dim, shard.rms_norm_eps, shard.norm_unit_offset)
             self.k_norm = RMSNorm(shard.head_dim, shard.rms_norm_eps, shard.norm_unit_offset)
+        # gpt-oss: each head's learned logit in its softmax denominator (attention/sinks.py).
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if sinks else None
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -59,7 +62,8 @@ class Attention(nn.Module):
             q, k = ctx.kernels.qk_norm_rotary(q, k, self.q_norm, self.k_norm, rope)
         else:
             q, k = ctx.kernels.rotary(q, k, rope)
-        out = ctx.attention.attention(q, k, v, kv_cache, ctx.metas[self.kv_group], self.scale, window=self.window)
+        out = ctx.attention.attention(q, k, v, kv_cache, ctx.metas[self.kv_group], self.scale, window=self.window,
+                                      sinks=self.sinks)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     @staticmethod
@@ -77,4 +81,6 @@ class Attention(nn.Module):
         if c.qk_norm:
             shapes[prefix + "q_norm.weight"] = (c.head_dim,)
             shapes[prefix + "k_norm.weight"] = (c.head_dim,)
+        if c.attention_sinks:
+            shapes[prefix + "sinks"] = (c.num_heads,)
         return shapes

@@ -17,7 +17,9 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
 GEMMA3_FAMILY = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 # Llama-style attention with a mixture of experts in place of (some) MLPs.
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GEMMA3_FAMILY + MOE_FAMILY
+# A mixture of experts with attention sinks, alternating sliding/full layers and a clamped SwiGLU.
+GPT_OSS = "GptOssForCausalLM"
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GEMMA3_FAMILY + MOE_FAMILY + (GPT_OSS,)
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -32,6 +34,22 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class YarnScaling:
+    """YaRN rope scaling (transformers' _compute_yarn_parameters): frequencies between the
+    correction range's dimensions are blended from interpolated (divided by `factor`) to
+    extrapolated, and cos/sin are multiplied by `attention_factor`."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # the correction range rounded outward to whole dimensions
+    attention_factor: float | None = None  # None: 0.1 * ln(factor) + 1 (mscale / mscale_all_dim when given)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
 
 @dataclass(slots=True)
@@ -78,6 +96,13 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, under a sigmoid gate (0: none)
     sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP of intermediate_size
     expert_parallel: bool = False  # tensor-parallel ranks hold whole experts (see parallel/sharding.py)
+    rope_yarn: YarnScaling | None = None
+    # gpt-oss: a learned logit per head joins each softmax's denominator (attention sinks); the
+    # router takes the top k of its logits, then their softmax; experts use the clamped SwiGLU.
+    attention_sinks: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    experts_mxfp4: bool = False  # gpt-oss experts stored as MXFP4 blocks and scales, dequantized at load
 
     @property
     def family(self) -> str:
@@ -135,8 +160,9 @@ def _require(cfg: dict, key: str, path: Path) -> int | float:
     return cfg[key]
 
 
-def _rope(cfg: dict, path: Path, layer_type: str = "full_attention") -> tuple[float, RopeScaling | float | None]:
-    """(theta, scaling): scaling is None, a llama3 RopeScaling, or a linear factor (float)."""
+def _rope(cfg: dict, path: Path,
+          layer_type: str = "full_attention") -> tuple[float, RopeScaling | YarnScaling | float | None]:
+    """(theta, scaling): scaling is None, a llama3 RopeScaling, a YarnScaling, or a linear factor (float)."""
     # transformers 4 writes rope_theta + rope_scaling; transformers 5 writes rope_parameters,
     # keyed by layer type for models that mix them (Gemma 3).
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -150,8 +176,11 @@ def _rope(cfg: dict, path: Path, layer_type: str = "full_attention") -> tuple[fl
         return theta, None
     if rope_type == "linear":
         return theta, float(params["factor"])
+    if rope_type == "yarn":
+        return theta, _yarn(params, cfg, path)
     if rope_type != "llama3":
-        raise ModelLoadError(f"{path}: rope scaling type {rope_type!r} is not supported (only 'llama3' and 'linear')")
+        raise ModelLoadError(f"{path}: rope scaling type {rope_type!r} is not supported "
+                             "(only 'llama3', 'linear' and 'yarn')")
     try:
         scaling = RopeScaling(
             factor=float(params["factor"]),
@@ -165,15 +194,30 @@ def _rope(cfg: dict, path: Path, layer_type: str = "full_attention") -> tuple[fl
     return theta, scaling
 
 
+def _yarn(params: dict, cfg: dict, path: Path) -> YarnScaling:
+    def optional(key: str) -> float | None:
+        return None if params.get(key) is None else float(params[key])
+
+    original = int(params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 0))
+    if original <= 0:
+        raise ModelLoadError(f"{path}: yarn rope scaling needs original_max_position_embeddings")
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else float(cfg["max_position_embeddings"]) / original
+    return YarnScaling(factor=factor, original_max_position_embeddings=original,
+                       beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                       truncate=bool(params.get("truncate", True)), attention_factor=optional("attention_factor"),
+                       mscale=optional("mscale"), mscale_all_dim=optional("mscale_all_dim"))
+
+
 def _layer_windows(cfg: dict, arch: str, num_layers: int, sliding_window: int | None,
                    path: Path) -> tuple[int | None, ...]:
     """Each layer's attention window: Gemma 3 by `layer_types` (older configs: a pattern where
     every n-th layer is global), the others one window for every layer or none."""
-    if arch not in GEMMA3_FAMILY:
+    if arch not in GEMMA3_FAMILY and arch != GPT_OSS:
         return (sliding_window,) * num_layers
     layer_types = cfg.get("layer_types")
-    if layer_types is None:
-        pattern = int(cfg.get("sliding_window_pattern", 6))
+    if layer_types is None:  # gpt-oss: every other layer sliding, from the first
+        pattern = int(cfg.get("sliding_window_pattern", 2 if arch == GPT_OSS else 6))
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     if len(layer_types) != num_layers or not set(layer_types) <= {"sliding_attention", "full_attention"}:
         raise ModelLoadError(f"{path}: layer_types must name sliding_attention or full_attention for each of "
@@ -185,6 +229,20 @@ def _layer_windows(cfg: dict, arch: str, num_layers: int, sliding_window: int | 
 
 def _moe(cfg: dict, arch: str, num_layers: int, path: Path) -> dict:
     """The ModelConfig fields of a mixture of experts (none for a dense architecture)."""
+    if arch == GPT_OSS:
+        quantization = (cfg.get("quantization_config") or {}).get("quant_method")
+        if quantization not in (None, "mxfp4"):
+            raise ModelLoadError(f"{path}: gpt-oss weights quantized as {quantization!r} are not supported "
+                                 "(only dense weights and MXFP4 experts)")
+        num_experts = int(_require(cfg, "num_local_experts", path))
+        top_k = int(_require(cfg, "num_experts_per_tok", path))
+        if not 0 < top_k <= num_experts:
+            raise ModelLoadError(f"{path}: num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
+        return dict(num_experts=num_experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=int(_require(cfg, "intermediate_size", path)),
+                    sparse_layers=(True,) * num_layers, attention_sinks=True,
+                    swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                    experts_mxfp4=quantization == "mxfp4")
     if arch not in MOE_FAMILY:
         return {}
     mixtral = arch == "MixtralForCausalLM"
@@ -234,7 +292,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
     num_layers = int(_require(cfg, "num_hidden_layers", path))
     # Gemma 3's global base defaults to 1e6; its local base is rope_local_base_freq, never scaled.
-    theta, scaling = _rope({"rope_theta": 1_000_000.0, **cfg} if is_gemma else cfg, path)
+    default_theta = 1_000_000.0 if is_gemma else 150_000.0 if arch == GPT_OSS else None
+    theta, scaling = _rope(cfg if default_theta is None else {"rope_theta": default_theta, **cfg}, path)
     local_theta = None
     if is_gemma:
         local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
@@ -259,7 +318,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             if token_id not in eos:
                 eos.append(token_id)
 
-    attention_bias = bool(cfg.get("attention_bias", False))
+    attention_bias = bool(cfg.get("attention_bias", arch == GPT_OSS))
     is_qwen2 = arch == "Qwen2ForCausalLM"
     softcap = cfg.get("final_logit_softcapping")
     return ModelConfig(
@@ -274,6 +333,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling if isinstance(scaling, RopeScaling) else None,
+        rope_yarn=scaling if isinstance(scaling, YarnScaling) else None,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         sliding_window=sliding_window,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma)),

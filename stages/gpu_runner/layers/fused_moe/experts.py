@@ -13,6 +13,7 @@ id num_experts (one past this rank's), sorts last and is left out.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,13 +57,17 @@ def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> Σ_k weight · expert(x) [T, H]."""
+                  ids: torch.Tensor, expert_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> Σ_k weight · expert(x) [T, H].
+    `expert_fn(x, e)`: expert e over its tokens, where it is not the plain SwiGLU of w13/w2."""
     groups = group_by_expert(ids, w13.shape[0])
     if not groups.experts:  # every choice is an expert held elsewhere (or there are no tokens)
         return torch.zeros_like(x)
     sorted_x = x[groups.tokens]
-    outs = [swiglu(sorted_x[start:end], w13[expert], w2[expert])
+    if expert_fn is None:
+        def expert_fn(tokens: torch.Tensor, expert: int) -> torch.Tensor:
+            return swiglu(tokens, w13[expert], w2[expert])
+    outs = [expert_fn(sorted_x[start:end], expert)
             for expert, start, end in zip(groups.experts, groups.bounds, groups.bounds[1:])]
     weighted = torch.cat(outs) * weights.reshape(-1)[groups.order].unsqueeze(1)
     return torch.zeros_like(x).index_add_(0, groups.tokens, weighted.to(x.dtype))
