@@ -190,7 +190,7 @@ class ModelRunner:
             with self.phase("forward"):
                 hidden = self.model(inputs.input_ids, inputs.positions, self._kv_storage, inputs.attention)
                 if speculator is not None and speculator.draft is not None:
-                    speculator.draft.observe(inputs)
+                    speculator.draft.observe(inputs.input_ids, inputs.positions, inputs.attention)
             if inputs.spec is not None and len(inputs.logits_index):
                 with self.phase("sample"):
                     logits = self.model.compute_logits(hidden[inputs.logits_index])
@@ -254,7 +254,11 @@ class ModelRunner:
         static = self.static
         input_ids = static.token_table.view(-1).index_select(0, static.gather_index[:num_rows])
         meta = self.attention_backend.static_decode_metadata(static, num_rows, max_context)
-        hidden = self.model(input_ids, static.positions[:num_rows], self._kv_storage, meta)
+        positions = static.positions[:num_rows]
+        hidden = self.model(input_ids, positions, self._kv_storage, meta)
+        if self.speculator is not None and self.speculator.draft is not None:
+            # Rows that verify nothing this step still extend the draft's KV (a graph records both).
+            self.speculator.draft.observe(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden, out=self._decode_logits[:num_rows])
         greedy = logits.argmax(dim=-1).to(torch.int32)
         static.token_table.view(-1).index_copy_(0, static.sampled_index[:num_rows], greedy)
