@@ -122,7 +122,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default="none", choices=["none", "gguf"],
                         help="gguf: keep a GGUF file's quantized weights as their blocks and multiply them in place "
                              "on the CPU (less memory; on CUDA they are dequantized at load); none: dequantize every "
-                             "weight to --dtype at load (default: none)")
+                             "weight to --dtype at load (default: none; drafts are weighed per row against their measured cost)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=256, help="requests decoded together at most")
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="prompt and output tokens of one request at most (default: the model's context length)")
@@ -138,7 +138,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="never reuse the KV blocks of a prompt prefix seen before")
     parser.add_argument("--kv-connector", choices=["offload"], default=None,
-                        help="offload: keep KV blocks evicted from the device in host memory (default: none)")
+                        help="offload: keep KV blocks evicted from the device in host memory (default: none; drafts are weighed per row against their measured cost)")
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                         help="attention and fused-kernel path: triton (Triton kernels; CUDA) or torch; "
                              "auto picks triton on CUDA, torch on CPU (default: auto)")
@@ -153,7 +153,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help='speculative decoding, with vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 3, '
                              '"prompt_lookup_max": 3} or {"method": "draft_model", "model": DIR_OR_GGUF, '
                              '"num_speculative_tokens": 3}; "disable_by_batch_size": N stops verifying drafts in '
-                             'steps with more decoding rows (default: none)')
+                             'steps with more rows that can draft (default: none; each row\'s drafts are weighed '
+                             'against their cost measured at start-up)')
     parser.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                         help="split the model over this many runner ranks (one per GPU; gloo ranks on CPU), "
                              "spread evenly over --nnodes machines")

@@ -207,3 +207,6 @@ class ModelLimits:
     window: int = 0
     local_window: int = 0
     num_window_blocks: int = 0
+    # c0 / c1 of a step of N tokens costing c0 + c1 * N, as the runner measured it at start-up with
+    # speculative decoding on: how many extra tokens cost as much as the step itself (None: not measured).
+    verify_free_tokens: float | None = None

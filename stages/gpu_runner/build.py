@@ -36,7 +36,8 @@ def model_limits(runner: ModelRunner | SimulatedDeviceRunner, config: EngineConf
         max_model_len=serving_max_model_len(runner.max_model_len, runner.num_kv_blocks, config.block_size,
                                             config.max_model_len),
         vocab_size=runner.vocab_size, eos_token_ids=runner.eos_token_ids,
-        num_host_blocks=0 if worker is None else worker.num_host_blocks, **window_limits(runner))
+        num_host_blocks=0 if worker is None else worker.num_host_blocks,
+        verify_free_tokens=getattr(runner, "verify_free_tokens", None), **window_limits(runner))
 
 
 def window_limits(runner: object) -> dict[str, int]:

@@ -122,3 +122,14 @@ def test_seeded_verification_emits_the_plain_samplers_draw_at_every_position() -
         n = int(accepted[row]) + 1
         assert tokens[row, :n].tolist() == plain[row, :n].tolist()
         assert tokens[row, n:].tolist() == [-1] * (k + 1 - n)
+
+
+def test_rows_verify_different_numbers_of_drafts_packed_without_padding() -> None:
+    """Rows of 2, 0+1 and 1 drafts: the logits hold 3 + 1 + 2 positions, one after another, and each
+    row reads only its own drafts."""
+    params = SamplingParams(temperature=0.0)
+    logits = torch.cat([LOGITS, LOGITS[:1], LOGITS[:2]])  # argmax: 0, 2, 0 | 0 | 0, 2
+    drafts = torch.tensor([[0, 2], [5, 5], [0, 6]])
+    tokens, accepted = verify(logits, drafts, _meta(params, 6), Sampler(), torch.tensor([2, 0, 1]))
+    assert accepted.tolist() == [2, 0, 1]
+    assert tokens.tolist() == [[0, 2, 0], [0, -1, -1], [0, 2, -1]]

@@ -74,3 +74,15 @@ def test_speculative_counts_and_the_last_profile_message_keep_their_own_bytes(bo
     answer = board.profile.answer_of(last)
     assert (answer.generation, answer.outcome) == (3, ProfileOutcome.WRITTEN)
     assert message.startswith(answer.message) and len(answer.message) == (PROFILE_MESSAGE_BYTES - 8) // 2
+
+
+def test_the_model_limits_read_back_the_measured_cost_of_verifying_drafts(board: StatusBoard) -> None:
+    from stages.contracts.config import ModelLimits
+
+    assert board.limits.read() is None
+    limits = ModelLimits(num_kv_blocks=64, max_model_len=512, vocab_size=100, eos_token_ids=[1, 2], window=8,
+                         verify_free_tokens=12.345)
+    board.limits.publish(limits)
+    assert board.limits.read() == limits
+    board.limits.publish(dataclasses.replace(limits, verify_free_tokens=None))  # not measured
+    assert board.limits.read().verify_free_tokens is None

@@ -1,0 +1,42 @@
+"""What verifying drafts costs on the device in use, measured once at start-up.
+
+A step of N tokens costs about c0 + c1 * N: reading the weights (c0) does not grow with the
+tokens, the arithmetic (c1 per token) does. The runner times the model over B decode rows of one
+token each, then over B * (1 + K) (the same rows with K drafts each), and reports F = c0 / c1:
+how many extra tokens cost as much as the step itself. The scheduler weighs each row's drafts
+against it (stages/scheduler/speculation.py). On a GPU verifying a few drafts per row is nearly
+free (F in the hundreds); on a CPU a few tokens more cost about as much as the weights (F ~ 10).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+MAX_FREE_TOKENS = 1e6  # what a step whose cost did not grow measurably with its tokens reports
+REPEATS = 3
+
+
+def measure_free_tokens(step: Callable[[int], None], rows: int, k: int, device: torch.device) -> float:
+    """F = c0 / c1 from timing `step(n)` (the model over n single-token rows, logits included) at
+    n = rows and n = rows * (1 + k); the fastest of REPEATS runs each, after one to warm up."""
+    small, large = rows, rows * (1 + k)
+
+    def timed(n: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step(n)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    timed(small), timed(large)
+    t_small = min(timed(small) for _ in range(REPEATS))
+    t_large = min(timed(large) for _ in range(REPEATS))
+    c1 = (t_large - t_small) / (large - small)
+    c0 = t_small - c1 * small
+    if c1 <= 0 or c0 <= 0:
+        return MAX_FREE_TOKENS if c1 <= 0 else 0.0
+    return min(c0 / c1, MAX_FREE_TOKENS)
