@@ -4,8 +4,10 @@ A step of N tokens costs about c0 + c1 * N: reading the weights (c0) does not gr
 tokens, the arithmetic (c1 per token) does. The runner times the model over B decode rows of one
 token each, then over B * (1 + K) (the same rows with K drafts each), and reports F = c0 / c1:
 how many extra tokens cost as much as the step itself. The scheduler weighs each row's drafts
-against it (stages/scheduler/speculation.py). On a GPU verifying a few drafts per row is nearly
-free (F in the hundreds); on a CPU a few tokens more cost about as much as the weights (F ~ 10).
+against it (stages/scheduler/speculation.py). Where reading the weights dominates a step (a GPU,
+a quantized model) F is large and drafts are nearly free; where the arithmetic does, it is small.
+The figure covers the target's forward and logits only: a draft model's own decoding, the
+proposer and the sampling of each verified position are not in it.
 """
 from __future__ import annotations
 
