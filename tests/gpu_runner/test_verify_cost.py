@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_the_cost_of_verifying_is_fitted_from_two_timed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step of n tokens that costs 10 + 0.5 n (ms) has F = c0 / c1 = 20; one whose cost does not
-    grow with its tokens reports drafts as free."""
+    grow with its tokens reports drafts as free; a fit without a fixed cost is no measurement."""
     clock = [0.0]
     monkeypatch.setattr(verify_cost.time, "perf_counter", lambda: clock[0])
 
@@ -25,6 +25,8 @@ def test_the_cost_of_verifying_is_fitted_from_two_timed_steps(monkeypatch: pytes
 
     assert verify_cost.measure_free_tokens(step(10, 0.5), 16, 4, torch.device("cpu")) == pytest.approx(20)
     assert verify_cost.measure_free_tokens(step(10, 0.0), 16, 4, torch.device("cpu")) == verify_cost.MAX_FREE_TOKENS
+    # five times the tokens costing more than five times as much: noise, not a measurement
+    assert verify_cost.measure_free_tokens(step(-2, 1.0), 16, 4, torch.device("cpu")) is None
 
 
 def test_a_speculative_runner_measures_what_a_verified_draft_costs(tiny_checkpoint):

@@ -20,9 +20,11 @@ MAX_FREE_TOKENS = 1e6  # what a step whose cost did not grow measurably with its
 REPEATS = 3
 
 
-def measure_free_tokens(step: Callable[[int], None], rows: int, k: int, device: torch.device) -> float:
+def measure_free_tokens(step: Callable[[int], None], rows: int, k: int, device: torch.device) -> float | None:
     """F = c0 / c1 from timing `step(n)` (the model over n single-token rows, logits included) at
-    n = rows and n = rows * (1 + k); the fastest of REPEATS runs each, after one to warm up."""
+    n = rows and n = rows * (1 + k); the fastest of REPEATS runs each, after one to warm up. None
+    when the timings contradict the model (more than (1 + k) times the cost for (1 + k) times the
+    tokens: a busy machine's noise), which the scheduler reads as not measured."""
     small, large = rows, rows * (1 + k)
 
     def timed(n: int) -> float:
@@ -39,6 +41,8 @@ def measure_free_tokens(step: Callable[[int], None], rows: int, k: int, device: 
     t_large = min(timed(large) for _ in range(REPEATS))
     c1 = (t_large - t_small) / (large - small)
     c0 = t_small - c1 * small
-    if c1 <= 0 or c0 <= 0:
-        return MAX_FREE_TOKENS if c1 <= 0 else 0.0
+    if c1 <= 0:
+        return MAX_FREE_TOKENS
+    if c0 <= 0:
+        return None
     return min(c0 / c1, MAX_FREE_TOKENS)
