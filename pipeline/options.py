@@ -145,7 +145,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="never reuse the KV blocks of a prompt prefix seen before")
     parser.add_argument("--kv-connector", choices=["offload"], default=None,
-                        help="offload: keep KV blocks evicted from the device in host memory (default: none)")
+                        help="offload: keep KV blocks evicted from the device in host memory (default: none; drafts are weighed per row against their measured cost)")
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                         help="attention and fused-kernel path: triton (Triton kernels; CUDA) or torch; "
                              "auto picks triton on CUDA, torch on CPU (default: auto)")
@@ -161,7 +161,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                              '"prompt_lookup_max": 3} or {"method": "draft_model", "model": DIR_OR_GGUF, '
                              '"num_speculative_tokens": 3} or {"method": "suffix", "num_speculative_tokens": 4} '
                              '(docs/speculative.md lists its keys); "disable_by_batch_size": N stops verifying drafts in '
-                             'steps with more decoding rows (default: none)')
+                             'steps with more rows that can draft (default: none; each row\'s drafts are weighed '
+                             'against their cost measured at start-up)')
     parser.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                         help="split the model over this many runner ranks (one per GPU; gloo ranks on CPU), "
                              "spread evenly over --nnodes machines")

@@ -85,6 +85,7 @@ class LLM:
             max_model_len = serving_max_model_len(runner.max_model_len, runner.num_kv_blocks,
                                                   self.config.block_size, self.config.max_model_len)
             limits = ModelLimits(runner.num_kv_blocks, max_model_len, runner.vocab_size, list(runner.eos_token_ids),
+                                 verify_free_tokens=getattr(runner, "verify_free_tokens", None),
                                  **window_limits(runner), cpu_kernels=cpu_kernels(runner))
         self.runner = runner
         self.limits = limits

@@ -217,3 +217,6 @@ class ModelLimits:
     # torch (no compiler)" and why; "" where the model is not on the CPU.
     cpu_kernels: str = ""
     runs_in: str = ""  # what each part runs in (weights, dense dtype, KV cache), for the log and status
+    # c0 / c1 of a step of N tokens costing c0 + c1 * N, as the runner measured it at start-up with
+    # speculative decoding on: how many extra tokens cost as much as the step itself (None: not measured).
+    verify_free_tokens: float | None = None

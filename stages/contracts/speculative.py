@@ -11,8 +11,9 @@ trie of its own text and one of recent requests' outputs: `max_tree_depth` bound
 words plus their drafts, `max_cached_tokens` the outputs kept, `max_spec_factor` the drafts per
 matched token, `min_token_prob` the probability a draft's continuation must keep.
 
-`disable_by_batch_size`: a step with more decoding rows than this verifies no drafts (verifying
-costs more than it saves in a large batch); None takes the default measured on CPU.
+`disable_by_batch_size`: a step with more rows that could draft than this verifies no drafts;
+None (the default): no such limit, each row's drafts are weighed against what verifying costs on
+the device, as the runner measured it at start-up (the scheduler's speculation.py).
 """
 from __future__ import annotations
 
@@ -20,11 +21,6 @@ from dataclasses import asdict, dataclass
 
 METHODS = ("ngram", "draft_model", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
-# Decoding rows above which a step verifies no drafts, unless the config says otherwise. On CPU
-# (tools/bench/bench_spec.py, SmolLM2-135M) 16 streams gain from drafts only when copying a passage
-# (1.36x) and lose 10-17% on other tasks; at 4 streams and below drafts that get accepted pay.
-# Below it each row's drafts must pay for themselves (speculation.py in the scheduler).
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 _SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_tokens",
                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
@@ -42,7 +38,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     model: str = ""  # the draft checkpoint (draft_model only)
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int | None = None
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_tokens: int = 32768
     suffix_decoding_max_spec_factor: float = 1.0
@@ -79,7 +75,7 @@ class SpeculativeConfig:
             if key in values and method != "ngram":
                 raise SpeculativeConfigError(f"speculative_config.{key} is only read by method 'ngram'")
         disable = values.get("disable_by_batch_size")
-        disable = DEFAULT_DISABLE_BY_BATCH_SIZE if disable is None else _int(values, "disable_by_batch_size", 1, 1 << 20)
+        disable = None if disable is None else _int(values, "disable_by_batch_size", 1, 1 << 20)
         for key in _SUFFIX_KEYS:
             if key in values and method != "suffix":
                 raise SpeculativeConfigError(f"speculative_config.{key} is only read by method 'suffix'")

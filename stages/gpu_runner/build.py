@@ -38,7 +38,7 @@ def model_limits(runner: ModelRunner | SimulatedDeviceRunner, config: EngineConf
                                             config.max_model_len),
         vocab_size=runner.vocab_size, eos_token_ids=runner.eos_token_ids,
         num_host_blocks=0 if worker is None else worker.num_host_blocks, **window_limits(runner),
-        runs_in=getattr(runner, "runs_in", ""),
+        runs_in=getattr(runner, "runs_in", ""), verify_free_tokens=getattr(runner, "verify_free_tokens", None),
         cpu_kernels=cpu_kernels(runner))
 
 

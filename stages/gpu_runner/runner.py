@@ -52,12 +52,14 @@ from stages.gpu_runner.sampling.constraints import RowConstraints
 from stages.gpu_runner.sampling.metadata import SamplingMetadata
 from stages.gpu_runner.sampling.sampler import Sampler, SamplerOutput
 from stages.gpu_runner.speculative.speculator import Speculator, shift_meta
+from stages.gpu_runner.speculative.verify_cost import measure_free_tokens
 from stages.messages import encode_plan
 
 if TYPE_CHECKING:
     from stages.gpu_runner.speculative.draft_model import DraftModelProposer
 
 log = logging.getLogger(__name__)
+COST_ROWS = 16  # decode rows of the steps timed at start-up to learn what a verified draft costs
 
 
 class ModelRunner:
@@ -132,8 +134,16 @@ class ModelRunner:
         self.constraints = RowConstraints(self.max_num_seqs, self.vocab_size, self.eos_token_ids, self.tokenizer_path,
                                           self.device)
         self.speculator: Speculator | None = None
+        # c0 / c1 of a step's cost (speculative/verify_cost.py), for the scheduler to weigh drafts by.
+        self.verify_free_tokens: float | None = None
         if config.speculative is not None:
             self.speculator = make_speculator(config, self, draft)
+            if tp is None and not num_window_blocks:
+                self.verify_free_tokens = measure_free_tokens(
+                    self._cost_step, min(self.max_num_seqs, COST_ROWS), config.speculative.num_speculative_tokens,
+                    self.device)
+        self.constraints = RowConstraints(self.max_num_seqs, self.vocab_size, self.eos_token_ids, self.tokenizer_path,
+                                          self.device)
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.bind(self.kv_caches, self.block_size)
@@ -203,7 +213,7 @@ class ModelRunner:
             with self.phase("forward"):
                 hidden = self.model(inputs.input_ids, inputs.positions, self._kv_storage, inputs.attention)
                 if speculator is not None and speculator.draft is not None:
-                    speculator.draft.observe(inputs)
+                    speculator.draft.observe(inputs.input_ids, inputs.positions, inputs.attention)
             if inputs.spec is not None and len(inputs.logits_index):
                 with self.phase("sample"):
                     logits = self.model.compute_logits(hidden[inputs.logits_index])
@@ -267,11 +277,27 @@ class ModelRunner:
         static = self.static
         input_ids = static.token_table.view(-1).index_select(0, static.gather_index[:num_rows])
         meta = self.attention_backend.static_decode_metadata(static, num_rows, max_context)
-        hidden = self.model(input_ids, static.positions[:num_rows], self._kv_storage, meta)
+        positions = static.positions[:num_rows]
+        hidden = self.model(input_ids, positions, self._kv_storage, meta)
+        if self.speculator is not None and self.speculator.draft is not None:
+            # Rows that verify nothing this step still extend the draft's KV (a graph records both).
+            self.speculator.draft.observe(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden, out=self._decode_logits[:num_rows])
         greedy = logits.argmax(dim=-1).to(torch.int32)
         static.token_table.view(-1).index_copy_(0, static.sampled_index[:num_rows], greedy)
         return logits, greedy
+
+    @torch.inference_mode()
+    def _cost_step(self, num_tokens: int) -> None:
+        """The model and its logits over `num_tokens` single-token rows that write only the scratch
+        block and attend to one key: what a step costs for its tokens (verify_cost.py)."""
+        batch, device = self.batch, self.device
+        ones = torch.ones(num_tokens, dtype=torch.int64, device=device)
+        slots = torch.full((num_tokens,), self.num_kv_blocks * self.block_size, dtype=torch.int64, device=device)
+        meta = self.attention_backend.decode_metadata(ones * batch.scratch_row, ones, 1, slots,
+                                                      batch.padded_block_table)
+        hidden = self.model(ones, ones - 1, self._kv_storage, meta)
+        self.model.compute_logits(hidden)
 
     def _sample(self, logits: torch.Tensor | None, rows: np.ndarray, num_tokens: np.ndarray,
                 shift: torch.Tensor | None = None) -> SamplerOutput | None:

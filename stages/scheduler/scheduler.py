@@ -72,7 +72,7 @@ class Scheduler:
         self._first_admitted: deque[list[tuple[int, int]]] = deque()  # per step in flight: (req_id, ns)
         self._next_step = 0
         self.spec = None if config.speculative is None else \
-            Speculation(config.speculative, self.max_num_seqs, self.max_model_len)
+            Speculation(config.speculative, self.max_num_seqs, self.max_model_len, limits.verify_free_tokens)
         self.num_preemptions = 0
         self.num_tokens_generated = 0
         self.prefix = PrefixCacheCounts()
@@ -175,7 +175,7 @@ class Scheduler:
         num_new = np.where(is_decode, _greedy_fill(np.where(is_decode, need, 0), budget), 0)
         drafts = np.zeros(len(rows), np.int64) if self.spec is None else self.spec.choose(
             rows, is_decode, num_new, num_computed, rows_t.num_known[rows] - rows_t.num_prompt[rows],
-            rows_t.min_tokens[rows], budget - int(num_new.sum()))
+            rows_t.min_tokens[rows], budget - int(num_new.sum()), rows_t.token_ids, rows_t.num_known[rows])
         num_new += drafts
         num_new += _greedy_fill(np.where(is_decode, 0, need), budget - int(num_new.sum()))
         blocks_needed = np.maximum(-(-(num_computed + num_new) // self.block_size) - rows_t.num_blocks[rows], 0)

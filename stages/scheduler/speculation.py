@@ -1,26 +1,33 @@
-"""The scheduler's side of speculative decoding: which rows verify drafts, and reading their results.
+"""The scheduler's side of speculative decoding: which rows verify drafts, how many, and reading their results.
 
-A decoding row that speculates computes its last token plus K drafts in one step (the runner
-proposes the drafts on the device) and yields up to K + 1 tokens. Under async scheduling the
+A decoding row that speculates computes its last token plus k drafts in one step (the runner
+proposes the drafts on the device) and yields up to k + 1 tokens. Under async scheduling the
 next plan is made before that step's tokens are known, so the row is planned as if every
-draft were accepted: `num_computed` advances by K + 1 and K + 1 placeholders are counted. When
+draft were accepted: `num_computed` advances by k + 1 and k + 1 placeholders are counted. When
 the step's tokens arrive, `num_computed` is rolled back by the drafts that were rejected; the
 plan made in between is `lagged` for that row and the runner corrects its positions itself.
 
-A row speculates only when nothing makes its output depend on host-side state a draft would
-bypass: the request allows it (`SamplingParams.speculative`), has no logit_bias, has
-its min_tokens behind it, and K + 1 more positions fit in max_model_len (a grammar row's drafts
-are checked against its grammar in the runner: sampling/constraints.py). A step with more
-decoding rows than `disable_by_batch_size` verifies no drafts.
+A row may draft only when nothing makes its output depend on host-side state a draft would
+bypass: the request allows it (`SamplingParams.speculative`), has no logit_bias, has its
+min_tokens behind it, and its drafts fit in max_model_len (a grammar row drafts: the runner checks
+its drafts against its grammar, sampling/constraints.py). A step with more rows that could draft
+than the config's `disable_by_batch_size` (if it sets one) verifies none.
 
-Drafts must also pay for themselves. A step of B decoding rows costs about c0 + c1 * B: reading
-the weights (c0) does not grow with the tokens, the arithmetic (c1 per token) does. K drafts of
-one row add K * c1 and bring the drafts it gets accepted, so they pay when the row's accepted
-drafts per verification exceed K * B / (FREE_TOKENS + B), with FREE_TOKENS = c0 / c1: a row
-needs more accepted drafts the larger the batch. Each row keeps a running mean of its accepted
-drafts; below the bar it backs off (after n such verifications in a row it skips 4^n - 1 decode
-steps, at most MAX_COOLDOWN) and then verifies once more to see whether its text has turned
-repetitive.
+Drafts must also pay for themselves, on the device in use. A step of N tokens costs about
+c0 + c1 * N: reading the weights (c0) does not grow with the tokens, the arithmetic (c1 per
+token) does. The runner measures both at start-up (ModelLimits.verify_free_tokens = c0 / c1,
+F below). With B rows that can draft in the step, a draft token adds c1 to a step that yields
+about B tokens in c0 + c1 * B, so it pays when the chance it is accepted exceeds B / (F + B).
+Each row keeps a running estimate of the chance that one of its drafts is accepted, a (accepted
+drafts over drafts read up to the first rejection); its j-th draft is accepted with chance a^j,
+so the row drafts the k <= K drafts with a^k above the bar, and rows verify different numbers.
+
+A row drafting none for its rate backs off. With n-gram drafts the host checks each step, from
+the tokens it knows, whether the row is copying again (its last tokens occurred before in its
+text), and if so lets it draft at once; a row whose last tokens have no earlier occurrence at
+all drafts none (no match). Other proposers cannot be judged on the host: a backed-off row
+verifies one draft after a cooldown that grows 4x with each miss, at most MAX_COOLDOWN steps.
+SpeculativeCounts counts the decoding rows that drafted nothing, by reason.
 """
 from __future__ import annotations
 
@@ -30,12 +37,10 @@ from stages.contracts.params import SamplingParams
 from stages.contracts.counters import SpeculativeCounts
 from stages.contracts.speculative import SpeculativeConfig
 
-MAX_COOLDOWN = 127  # decode steps a row skips after its drafts did not pay several times in a row
-# c0 / c1 above: how many tokens a decode step computes for about the price of reading the weights.
-# On the 2-core AVX-512 machine a SmolLM2-135M step of 5 tokens costs about 1.35x one of 1 (10),
-# but tools/bench/bench_spec.py finds rows of 4 streams accepting 1.2-1.6 of 4 drafts losing: 6.
-FREE_TOKENS = 6.0
-MEAN_WEIGHT = 0.3  # of the latest verification in a row's running mean: one lucky run does not reset it
+MAX_COOLDOWN = 31  # decode steps a backed-off row of a proposer the host cannot judge waits at most
+MEAN_WEIGHT = 0.3  # of the latest verification in a row's running rate: one lucky run does not reset it
+HOPEFUL_RATE = 0.8  # the acceptance rate a row starts from, and returns to when it is seen copying
+MIN_COPY = 3  # tokens that must recur together before a backed-off n-gram row drafts again
 
 
 def allows_speculation(params: SamplingParams) -> bool:
@@ -43,46 +48,105 @@ def allows_speculation(params: SamplingParams) -> bool:
     return params.speculative and not params.logit_bias
 
 
+def recurs(tokens: np.ndarray, n: int) -> bool:
+    """Whether the last n of `tokens` occurred earlier, followed by at least one token."""
+    length = tokens.shape[0]
+    if length <= n:
+        return False
+    suffix = tokens[length - n:]
+    starts = np.flatnonzero(tokens[:length - n] == suffix[0])
+    for i in range(1, n):
+        starts = starts[tokens[starts + i] == suffix[i]]
+    return starts.shape[0] > 0
+
+
 class Speculation:
     """Per-row speculation state of one scheduler, as arrays indexed by row, and its counts. The
-    scheduler tells it what each step scheduled (`scheduled`) and what each verified (`verified`)."""
+    scheduler tells it what each step scheduled (`scheduled`) and what each verified (`verified`).
+    `free_tokens`: the runner's measured c0 / c1 (None: not measured, drafts are taken as free)."""
 
-    def __init__(self, config: SpeculativeConfig, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_num_seqs: int, max_model_len: int,
+                 free_tokens: float | None = None) -> None:
         self.k = config.num_speculative_tokens
         self.max_batch = config.disable_by_batch_size
         self.max_model_len = max_model_len
+        self.free_tokens = free_tokens
+        # n-gram drafts are copies of the row's own text: whether it has any is known on the host.
+        self.lookup = config.prompt_lookup_min if config.method == "ngram" else 0
+        self.copy_length = max(MIN_COPY, self.lookup + 1)
         self.allowed = np.zeros(max_num_seqs, np.bool_)
+        self.guided = np.zeros(max_num_seqs, np.bool_)  # would draft, but its logit_bias forbids it
         self.drafts_in_flight = np.zeros(max_num_seqs, np.int64)  # drafts of steps not yet processed
-        self.accepted = np.zeros(max_num_seqs)  # running mean of accepted drafts per verification
-        self.misses = np.zeros(max_num_seqs, np.int64)  # verifications in a row below the bar
-        self.cooldown = np.zeros(max_num_seqs, np.int64)  # decode steps to go without drafts
-        self.bar = 0.0  # accepted drafts a verification needs to pay, at the last step's batch
+        self.hits = np.zeros(max_num_seqs)  # running sums: accepted drafts, and drafts read
+        self.trials = np.zeros(max_num_seqs)
+        self.misses = np.zeros(max_num_seqs, np.int64)  # verifications in a row that did not pay
+        self.cooldown = np.zeros(max_num_seqs, np.int64)  # decode steps to go before a probe
+        self.revived_at = np.zeros(max_num_seqs, np.int64)  # num_known when a copy last revived the row
+        self.bar = 0.0  # the chance of acceptance a draft needs to pay, at the last step's batch
         self.counts = SpeculativeCounts()
 
     def assign(self, row: int, params: SamplingParams) -> None:
         self.allowed[row] = allows_speculation(params)
-        self.drafts_in_flight[row] = self.misses[row] = self.cooldown[row] = 0
-        self.accepted[row] = self.k / 2  # hopeful until its drafts say otherwise
+        self.guided[row] = params.speculative and not self.allowed[row]
+        self.drafts_in_flight[row] = self.misses[row] = self.cooldown[row] = self.revived_at[row] = 0
+        self.hits[row], self.trials[row] = HOPEFUL_RATE, 1.0  # hopeful until its drafts say otherwise
 
     def choose(self, rows: np.ndarray, is_decode: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
-               num_outputs: np.ndarray, min_tokens: np.ndarray, budget: int) -> np.ndarray:
-        """Drafts (0 or K) for each of the running `rows` this step. `is_decode` rows that got their
+               num_outputs: np.ndarray, min_tokens: np.ndarray, budget: int, token_ids: np.ndarray,
+               num_known: np.ndarray) -> np.ndarray:
+        """Drafts (0..K) for each of the running `rows` this step. `is_decode` rows that got their
         one token (`num_new`) may speculate; num_computed and num_outputs are before this step;
-        `budget` is the step's token budget left once every decode row has its token."""
-        batch = int(is_decode.sum())
-        if batch > self.max_batch:
-            return np.zeros(len(rows), np.int64)
-        self.bar = self.k * batch / (FREE_TOKENS + batch)
+        `budget` is the step's token budget left once every decode row has its token; token_ids
+        [max_num_seqs, L] holds each row's first num_known (of `rows`) tokens."""
         decoding = is_decode & (num_new == 1)
-        paying = self.accepted[rows] >= self.bar
-        cooling = decoding & ~paying & (self.cooldown[rows] > 0)
-        self.cooldown[rows[cooling]] -= 1
-        eligible = (decoding & ~cooling & self.allowed[rows] & (num_outputs >= min_tokens)
-                    & (num_computed + self.k + 1 < self.max_model_len))
-        drafts = np.where(eligible, self.k, 0)
+        counts = self.counts
+        counts.num_rows_off_logit_bias += int((decoding & self.guided[rows]).sum())
+        capable = decoding & self.allowed[rows] & (num_outputs >= min_tokens)
+        batch = int(capable.sum())
+        if self.max_batch is not None and batch > self.max_batch:
+            counts.num_rows_off_batch += batch
+            return np.zeros(len(rows), np.int64)
+        if not batch:
+            return np.zeros(len(rows), np.int64)
+        self.bar = 0.0 if self.free_tokens is None else batch / (self.free_tokens + batch)
+        if self.lookup:
+            self._revive(rows, capable, token_ids, num_known)
+        rate = self.hits[rows] / self.trials[rows]
+        drafts = _lengths(rate, self.bar, self.k)
+        alone = _lengths(rate, self._alone_bar, self.k)
+        off = capable & (drafts == 0)
+        counts.num_rows_off_batch += int((off & (alone > 0)).sum())
+        backed_off = off & (alone == 0)
+        if not self.lookup:  # probes: a backed-off row verifies one draft once its cooldown is over
+            cooling = backed_off & (self.cooldown[rows] > 0)
+            self.cooldown[rows[cooling]] -= 1
+            drafts = np.where(backed_off & ~cooling, 1, drafts)
+        counts.num_rows_off_backoff += int((backed_off & (drafts == 0)).sum())
+        drafts = np.where(capable, np.minimum(drafts, self.max_model_len - 1 - num_computed - 1), 0).clip(0)
+        if self.lookup:
+            for i in np.flatnonzero(drafts).tolist():
+                if not recurs(token_ids[rows[i], :num_known[i]], self.lookup):
+                    drafts[i] = 0
+                    counts.num_rows_off_no_match += 1
         fits = np.cumsum(drafts) <= max(budget, 0)
         return np.where(fits, drafts, 0)
 
+    @property
+    def _alone_bar(self) -> float:
+        """The bar of a row drafting alone: below it, a row backs off whatever the batch."""
+        return 0.0 if self.free_tokens is None else 1 / (self.free_tokens + 1)
+
+    def _revive(self, rows: np.ndarray, capable: np.ndarray, token_ids: np.ndarray, num_known: np.ndarray) -> None:
+        """Backed-off n-gram rows seen copying (their last copy_length tokens occurred before) draft
+        again at once; a row revived for nothing waits copy_length more known tokens per miss since."""
+        low = capable & (_lengths(self.hits[rows] / self.trials[rows], self._alone_bar, self.k) == 0)
+        for i in np.flatnonzero(low).tolist():
+            row, known = rows[i], int(num_known[i])
+            spacing = self.copy_length * (1 + int(self.misses[row]))
+            if known - self.revived_at[row] >= spacing and recurs(token_ids[row, :known], self.copy_length):
+                self.revived_at[row] = known
+                self.hits[row], self.trials[row] = HOPEFUL_RATE, 1.0
+                self.counts.num_revivals += 1
     def scheduled(self, rows: np.ndarray, drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A plan of `rows` verifying `drafts` each: its num_draft_tokens (int32) and lagged rows
         (whose previous speculative step is still unprocessed)."""
@@ -100,8 +164,16 @@ class Speculation:
         counts.num_draft_tokens += int(drafts.sum())
         counts.num_accepted_tokens += int(accepted.sum())
         counts.num_verifications += int(speculated.sum())
-        mean = self.accepted[rows] = (1 - MEAN_WEIGHT) * self.accepted[rows] + MEAN_WEIGHT * accepted
-        paying = mean >= self.bar
+        # drafts read: up to and including the first rejected one
+        read = accepted + (accepted < drafts[speculated])
+        self.hits[rows] = (1 - MEAN_WEIGHT) * self.hits[rows] + accepted
+        self.trials[rows] = (1 - MEAN_WEIGHT) * self.trials[rows] + read
+        paying = self.hits[rows] / self.trials[rows] > self.bar
         self.misses[rows] = np.where(paying, 0, self.misses[rows] + 1)
         self.cooldown[rows] = np.where(paying, 0,
                                        np.minimum((1 << 2 * np.minimum(self.misses[rows], 8)) - 1, MAX_COOLDOWN))
+
+
+def _lengths(rate: np.ndarray, bar: float, k: int) -> np.ndarray:
+    """How many drafts each row's acceptance `rate` pays for: the j <= k with rate^j above `bar`."""
+    return (rate[:, None] ** np.arange(1, k + 1) > bar).sum(axis=1)

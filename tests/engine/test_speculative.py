@@ -47,7 +47,8 @@ def test_ngram_greedy_output_equals_the_engine_without_speculation(tiny_llama, r
                        speculative_config={**NGRAM, "num_speculative_tokens": k})
     assert outputs == reference
     spec = llm.scheduler.stats().speculative
-    assert spec.num_draft_tokens > 0 and spec.num_draft_tokens % k == 0
+    # rows verify 1..k drafts each, as many as their acceptance pays for
+    assert 0 < spec.num_verifications <= spec.num_draft_tokens <= k * spec.num_verifications
     assert spec.num_accepted_tokens > 0  # the repeated prompt's copies are accepted: drafting is on
 
 

@@ -209,7 +209,7 @@ def verify_step(heads: int, kv_heads: int, head_dim: int = 16, num_queries: int 
                           torch.arange(rows * num_queries))
     meta = AttentionMetadata(slot_mapping=torch.zeros(rows * num_queries, dtype=torch.int64), decode=None, prefills=[],
                              block_table=meta.block_table, block_size=BLOCK_SIZE, max_context=max(contexts),
-                             verify=verify)
+                             verify=[verify])
     query = torch.randn(rows * num_queries, heads, head_dim, generator=torch.Generator().manual_seed(2))
     return query, kv_cache, meta
 

@@ -102,3 +102,34 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
     proposer = NgramProposer(3, 1, 3)
     drafts = proposer.propose(table, torch.tensor([0, 1, 2]), torch.tensor([12, 6, 4]), 12)
     assert drafts.tolist() == [[2, 6, 7], [3, 4, 3], [4, 4, 4]]
+
+
+def test_seeded_verification_emits_the_plain_samplers_draw_at_every_position() -> None:
+    """A seeded row's verified tokens are the tokens the plain sampler draws at those positions,
+    with penalties, top-p and temperature: accepted while they equal the drafts, the first
+    mismatch's draw after them."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, repetition_penalty=1.2, presence_penalty=0.3)
+    rows, k = 64, LOGITS.shape[0] - 1
+    logits = LOGITS.repeat(rows, 1)
+    positions = np.tile(np.arange(k + 1), rows) + np.repeat(np.arange(rows) * (k + 1), k + 1)
+    plain = Sampler()(logits.clone(), _meta(params, rows * (k + 1), positions)).token_ids.view(rows, k + 1)
+    # Rows 0..31 draft what the target draws there, the others a token it does not draw first.
+    drafts = plain[:, :k].to(torch.int64).clone()
+    drafts[32:, 0] = (drafts[32:, 0] + 1) % VOCAB
+    tokens, accepted = verify(logits, drafts, _meta(params, rows * (k + 1), positions), Sampler())
+    assert accepted[:32].tolist() == [k] * 32 and accepted[32:].tolist() == [0] * 32
+    for row in range(rows):
+        n = int(accepted[row]) + 1
+        assert tokens[row, :n].tolist() == plain[row, :n].tolist()
+        assert tokens[row, n:].tolist() == [-1] * (k + 1 - n)
+
+
+def test_rows_verify_different_numbers_of_drafts_packed_without_padding() -> None:
+    """Rows of 2, 0+1 and 1 drafts: the logits hold 3 + 1 + 2 positions, one after another, and each
+    row reads only its own drafts."""
+    params = SamplingParams(temperature=0.0)
+    logits = torch.cat([LOGITS, LOGITS[:1], LOGITS[:2]])  # argmax: 0, 2, 0 | 0 | 0, 2
+    drafts = torch.tensor([[0, 2], [5, 5], [0, 6]])
+    tokens, accepted = verify(logits, drafts, _meta(params, 6), Sampler(), torch.tensor([2, 0, 1]))
+    assert accepted.tolist() == [2, 0, 1]
+    assert tokens.tolist() == [[0, 2, 0], [0, -1, -1], [0, 2, -1]]

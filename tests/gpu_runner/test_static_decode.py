@@ -132,3 +132,29 @@ def test_auto_attention_backend_is_triton_on_cuda_and_torch_on_cpu(tiny_checkpoi
     assert make_runner(tiny_checkpoint("llama"), num_kv_blocks=16).attention_backend.name == "torch"
     with pytest.raises(ValueError, match="needs a block_size that is a power of two >= 16, got 8"):
         make_runner(tiny_checkpoint("llama"), num_kv_blocks=16, block_size=8, attention_backend="triton")
+
+
+def test_static_steps_extend_a_draft_models_kv_as_a_fresh_prefill_would(tiny_checkpoint):
+    """Decode steps on the static path verify no drafts, yet the draft model must see their tokens:
+    after many of them its KV of every computed position equals a fresh prefill of the same tokens."""
+    target, draft = tiny_checkpoint("llama"), tiny_checkpoint("llama", num_layers=1, rope_scaling_llama3=False)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    runner = make_runner(target, num_kv_blocks=32, max_num_seqs=4, block_size=8, static_decode=True,
+                         speculative_config=spec)
+    static_steps = count_static_steps(runner)
+    requests = [PlannedRequest(list(range(10, 10 + n)), m) for n, m in ((5, 12), (11, 9), (3, 14))]
+    run_requests(runner, requests, token_budget=32, async_mode=True)
+    assert len(static_steps) > 8  # the decode steps took the static path
+
+    fresh = make_runner(draft, num_kv_blocks=32, max_num_seqs=4, block_size=8, static_decode=False)
+    # Every token whose KV was computed: the prompt and each output but the last.
+    replay = [PlannedRequest(r.prompt + r.outputs[:-1], 1) for r in requests]
+    run_requests(fresh, replay, token_budget=64)
+    for served, prefilled in zip(requests, replay):
+        length = len(served.prompt) + len(served.outputs) - 1
+        blocks = torch.tensor(served.block_ids)
+        for observed, expected in zip(runner.speculator.draft.kv_caches, fresh.kv_caches):
+            got = observed[:, blocks].flatten(1, 2)[:, :length]
+            want = expected[:, torch.tensor(prefilled.block_ids)].flatten(1, 2)[:, :length]
+            assert got.abs().sum(dim=(0, 2, 3)).min() > 0  # no hole: every position was written
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -137,6 +137,17 @@ def test_speculative_counts_rise_and_an_engine_restart_adds_its_fresh_counts():
     assert spec_decode_values(metrics) == pytest.approx([45, 29, 19, 0.0, 1.0])
 
 
+def test_rows_not_drafting_are_counted_by_reason():
+    metrics = Metrics("tiny")
+    reasons = ("batch", "backoff", "grammar", "no_match")
+    metrics.set_stats(StatsReply(num_rows_off_batch=4, num_rows_off_backoff=3, num_rows_off_logit_bias=2,
+                                 num_rows_off_no_match=1, num_revivals=5))
+    metrics.set_stats(StatsReply(num_rows_off_batch=6, num_rows_off_backoff=3, num_rows_off_logit_bias=2,
+                                 num_rows_off_no_match=9, num_revivals=5))
+    assert [value(metrics, f"pipeline:spec_decode_num_rows_off_{r}_total") for r in reasons] == [6, 3, 2, 9]
+    assert value(metrics, "pipeline:spec_decode_num_revivals_total") == 5
+
+
 class StatsServer:
     """What the /metrics handler reads of the daemon server: its stats and its metrics."""
 

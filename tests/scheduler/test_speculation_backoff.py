@@ -1,70 +1,126 @@
-"""Drafts must pay for themselves: a row whose drafts are rarely accepted verifies fewer and fewer
-of them, the more so in a larger batch; a row whose drafts are accepted keeps verifying them."""
+"""Drafts must pay for themselves: each row drafts as many as its acceptance rate pays for at the
+step's batch and the device's measured cost, rows with nothing to copy draft none, backed-off
+rows that start copying draft again within a few steps, and /metrics learns why rows did not draft."""
 from __future__ import annotations
 
 import numpy as np
 
 from stages.contracts.params import SamplingParams
 from stages.contracts.speculative import SpeculativeConfig
-from stages.scheduler.speculation import FREE_TOKENS, MAX_COOLDOWN, Speculation
+from stages.scheduler.speculation import MAX_COOLDOWN, Speculation, recurs
+
+REPEATING = np.array([5, 6, 7, 8] * 10, np.int32)  # every suffix occurred before
+FRESH = np.arange(100, 140, dtype=np.int32)  # no token occurred before
 
 
-def _choose(spec: Speculation, rows: np.ndarray, batch: int | None = None) -> np.ndarray:
-    n = len(rows)
-    decode = np.ones(n, bool) if batch is None else np.arange(n) < batch
-    ones = np.ones(n, np.int64)
-    return spec.choose(rows, decode, ones, np.full(n, 10), np.full(n, 5), np.zeros(n, np.int64), 1000)
-
-
-def _speculation(num_rows: int, k: int = 4, **config) -> Speculation:
-    spec = Speculation(SpeculativeConfig("ngram", k, **config), max_num_seqs=num_rows, max_model_len=100)
+def _speculation(num_rows: int, k: int = 4, method: str = "ngram", free_tokens: float | None = 6.0,
+                 **config) -> Speculation:
+    spec = Speculation(SpeculativeConfig(method, k, **config), max_num_seqs=num_rows, max_model_len=100,
+                       free_tokens=free_tokens)
     for row in range(num_rows):
         spec.assign(row, SamplingParams())
     return spec
 
 
-def test_rows_whose_drafts_do_not_pay_back_off_exponentially_and_probe_again() -> None:
-    spec = _speculation(2)
-    rows = np.array([0, 1])
-    gaps, gap = [], 0
-    for _ in range(160):  # row 0's drafts are never accepted, row 1 gets 3 of 4
-        drafts = _choose(spec, rows)
-        assert drafts[1] == 4
+def _table(*texts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    table = np.zeros((len(texts), 100), np.int32)
+    for row, text in enumerate(texts):
+        table[row, :len(text)] = text
+    return table, np.array([len(t) for t in texts])
+
+
+def _choose(spec: Speculation, rows: np.ndarray, table: np.ndarray, known: np.ndarray) -> np.ndarray:
+    n = len(rows)
+    ones = np.ones(n, np.int64)
+    return spec.choose(rows, np.ones(n, bool), ones, known[rows], np.full(n, 5), np.zeros(n, np.int64), 1000,
+                       table, known[rows])
+
+
+def test_host_side_lookup_finds_earlier_occurrences_only() -> None:
+    assert recurs(np.array([1, 2, 3, 1, 2]), 2)
+    assert not recurs(np.array([1, 2, 3, 2, 1]), 2)
+    assert not recurs(np.array([1, 2]), 2)
+    assert recurs(np.array([4, 4]), 1)  # followed by the last token itself
+
+
+def test_rows_draft_as_many_as_their_rate_pays_for_and_the_bar_rises_with_the_batch() -> None:
+    """a^j > B / (F + B): at F = 6 a row accepting 85% drafts all four alone and one in a batch of
+    16; one accepting 50% drafts two alone and none in the batch of 16."""
+    spec = _speculation(16)
+    table, known = _table(*[REPEATING] * 16)
+    spec.hits[:], spec.trials[:] = 0.85, 1.0
+    spec.hits[1] = 0.5
+    assert _choose(spec, np.array([0]), table, known).tolist() == [4]  # bar 1/7
+    assert _choose(spec, np.array([1]), table, known).tolist() == [2]
+    drafts = _choose(spec, np.arange(16), table, known)  # bar 16/22 = 0.727: 0.85^2 = 0.7225 is below it
+    assert drafts[0] == 1 and drafts[1] == 0
+    assert spec.counts.num_rows_off_batch == 1  # row 1 would draft alone: the batch made it too dear
+
+
+def test_unmeasured_cost_or_a_gpu_like_one_lets_every_row_draft() -> None:
+    for free_tokens in (None, 500.0):
+        spec = _speculation(16, free_tokens=free_tokens)
+        spec.hits[:], spec.trials[:] = 0.5, 1.0
+        table, known = _table(*[REPEATING] * 16)
+        assert (_choose(spec, np.arange(16), table, known) >= 3).all()
+
+
+def test_a_row_with_nothing_to_copy_drafts_none() -> None:
+    spec = _speculation(2, prompt_lookup_min=2, prompt_lookup_max=3)
+    table, known = _table(REPEATING, FRESH)
+    assert _choose(spec, np.array([0, 1]), table, known).tolist() == [4, 0]
+    assert spec.counts.num_rows_off_no_match == 1
+
+
+def test_a_backed_off_ngram_row_drafts_again_within_a_few_steps_of_copying() -> None:
+    spec = _speculation(1)
+    rows = np.array([0])
+    table, known = _table(FRESH[:20])
+    table[0, 19] = table[0, 3]  # one token matches: enough to draft, not a copy
+    for _ in range(6):  # its drafts are rejected
+        drafts = _choose(spec, rows, table, known)
         if drafts[0]:
-            gaps.append(gap)
+            spec.scheduled(rows, drafts)
+            spec.verified(rows, drafts, np.array([0]))
+    assert _choose(spec, rows, table, known).tolist() == [0]
+    assert spec.counts.num_rows_off_backoff > 0
+    # The text starts copying an earlier passage: three tokens in, the row drafts again.
+    steps = 0
+    while not _choose(spec, rows, table, known)[0]:
+        table[0, known[0]] = table[0, 4 + steps]
+        known[0] += 1
+        steps += 1
+    assert steps <= 3 and spec.counts.num_revivals == 1
+
+
+def test_a_backed_off_draft_model_row_probes_with_one_draft_after_a_growing_cooldown() -> None:
+    spec = _speculation(1, method="draft_model", model="draft")
+    rows = np.array([0])
+    table, known = _table(FRESH)
+    gaps, gap = [], 0
+    for _ in range(120):
+        drafts = _choose(spec, rows, table, known)
+        if drafts[0]:
+            gaps.append((gap, int(drafts[0])))
             gap = 0
+            spec.scheduled(rows, drafts)
+            spec.verified(rows, drafts, np.array([0]))
         else:
             gap += 1
-        spec.scheduled(rows, drafts)
-        spec.verified(rows, drafts, np.array([0, 3]))  # a row without drafts counts nothing
-    # hopeful at first (a mean of K / 2), then 3, 15, 63 decode steps apart
-    assert gaps[:5] == [0, 0, 3, 15, 63]
-    spec.verified(np.array([0]), np.array([4]), np.array([4]))  # its text turned repetitive
-    assert _choose(spec, rows)[0] == 4
-    spec.misses[0], spec.accepted[0] = 40, 0.0
-    spec.verified(np.array([0]), np.array([4]), np.array([0]))
-    assert spec.cooldown[0] == MAX_COOLDOWN
+    # hopeful at first (all four, then fewer as its rate falls), then single probes 3, 15, 31 steps apart
+    probes = [g for g, n in gaps if n == 1]
+    assert gaps[0] == (0, 4) and {3, 15} <= set(probes) and probes[-2:] == [MAX_COOLDOWN, MAX_COOLDOWN]
 
 
-def test_the_bar_rises_with_the_batch() -> None:
-    """One accepted draft of four per verification pays in a batch of 2 rows, not in one of 16."""
-    k = 4
-    for batch, pays in ((2, True), (16, False)):
-        assert (1.0 >= k * batch / (FREE_TOKENS + batch)) == pays
-        spec = _speculation(batch, k, disable_by_batch_size=64)
-        spec.accepted[:] = 1.0
-        rows = np.arange(batch)
-        assert (_choose(spec, rows) == k).all()  # a verification tells
-        spec.verified(rows, np.full(batch, k), np.ones(batch, np.int64))
-        assert (_choose(spec, rows) == k).all() == pays
-
-
-def test_a_large_batch_and_requests_that_opt_out_get_no_drafts() -> None:
-    spec = Speculation(SpeculativeConfig("ngram", 2, disable_by_batch_size=2), max_num_seqs=4, max_model_len=100)
-    spec.assign(0, SamplingParams())
+def test_rows_that_cannot_draft_neither_draft_nor_count_toward_the_batch() -> None:
+    spec = _speculation(4, disable_by_batch_size=2)
     spec.assign(1, SamplingParams(speculative=False))
     spec.assign(2, SamplingParams(logit_bias={5: 1.0}))
     spec.assign(3, SamplingParams(regex="[ab]+"))  # a grammar row drafts: the runner checks its drafts
-    assert _choose(spec, np.array([0, 1, 2])).tolist() == [0, 0, 0]  # three decoding rows > 2
-    assert _choose(spec, np.array([0, 1])).tolist() == [2, 0]
-    assert _choose(spec, np.array([2, 3])).tolist() == [0, 2]
+    table, known = _table(*[REPEATING] * 4)
+    # Rows 0 and 3 can draft: two, not more than disable_by_batch_size.
+    assert _choose(spec, np.arange(4), table, known).tolist() == [4, 0, 0, 4]
+    assert spec.counts.num_rows_off_logit_bias == 1
+    spec.assign(1, SamplingParams())
+    assert _choose(spec, np.arange(4), table, known).tolist() == [0, 0, 0, 0]  # three now: over the limit
+    assert spec.counts.num_rows_off_batch == 3

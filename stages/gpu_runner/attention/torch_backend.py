@@ -33,6 +33,7 @@ from stages.gpu_runner.attention.cpu_attention import (
 from stages.gpu_runner.attention.sinks import sink_attention
 from stages.gpu_runner.attention.torch_metadata import (
     AttentionMetadata, DecodeBatch, PrefillChunk, VerifyBatch, decode_batch, row_kinds, step_attention_metadata,
+    verify_order,
 )
 from stages.gpu_runner.inputs.step_layout import StepLayout, concat_ranges
 
@@ -120,9 +121,9 @@ def paged_attention(
     if meta.decode is not None:
         decoded = _decode_attention(query[meta.decode.token_idx], flat_cache, meta.decode, scale, sinks)
         out.index_copy_(0, meta.decode.token_idx, decoded)
-    if meta.verify is not None:
-        verified = _verify_attention(query[meta.verify.token_idx], flat_cache, meta.verify, scale, sinks)
-        out.index_copy_(0, meta.verify.token_idx, verified)
+    for batch in meta.verify:
+        verified = _verify_attention(query[batch.token_idx], flat_cache, batch, scale, sinks)
+        out.index_copy_(0, batch.token_idx, verified)
     for chunk in meta.prefills:
         out[chunk.token_start:chunk.token_end] = _prefill_attention(
             query[chunk.token_start:chunk.token_end], flat_cache, chunk, scale, sinks)
@@ -139,10 +140,10 @@ class TorchBackend:
 
     def host_arrays(self, layout: StepLayout) -> list[np.ndarray]:
         is_decode, is_verify = row_kinds(layout)
-        verify_token_idx = concat_ranges(layout.query_start[:-1][is_verify], layout.scheduled[is_verify])
+        order = verify_order(layout, is_verify)
+        verify_token_idx = concat_ranges(layout.query_start[:-1][order], layout.scheduled[order])
         return [layout.query_start[:-1][is_decode], layout.rows[is_decode], layout.context[is_decode],
-                np.flatnonzero(is_decode), verify_token_idx, layout.rows[is_verify], layout.computed[is_verify],
-                np.flatnonzero(is_verify)]
+                np.flatnonzero(is_decode), verify_token_idx, layout.rows[order], layout.computed[order], order]
 
     def step_metadata(self, layout: StepLayout, arrays: list[torch.Tensor], slot_mapping: torch.Tensor,
                       batch: InputBatch, shift: torch.Tensor | None = None) -> AttentionMetadata:

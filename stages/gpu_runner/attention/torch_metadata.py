@@ -2,7 +2,8 @@
 
 Built once per step from host-known numbers (nothing waits on the device) and shared by every
 layer. Rows with one query token (decodes, one-token prefill chunks) form one `DecodeBatch`, padded
-to the longest context among them and masked; rows verifying drafts form one `VerifyBatch`; longer
+to the longest context among them and masked; rows verifying drafts form one `VerifyBatch` per
+number of drafts (rows verify different numbers in one step); longer
 prefill chunks are one `PrefillChunk` each, over the row's cached prefix plus itself.
 
 Sliding-window layers read the metadata's variant for their window, built on the step's first
@@ -72,7 +73,7 @@ class AttentionMetadata:
     block_size: int
     max_context: int  # the step's longest context: a window at least this long is full attention
     windowed: dict[int, AttentionMetadata] = field(default_factory=dict)
-    verify: VerifyBatch | None = None
+    verify: list[VerifyBatch] = field(default_factory=list)  # one per number of query tokens
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         """The metadata of layers that attend `window` keys per query (None: the whole context)."""
@@ -156,10 +157,9 @@ def _windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
                                decode.token_idx, window)
     prefills = [chunk if window >= len(chunk.key_slots) else
                 prefill_chunk(chunk.key_slots, chunk.token_start, chunk.token_end, window) for chunk in meta.prefills]
-    verify = meta.verify
-    if verify is not None and window < verify.max_context:
-        verify = verify_batch(meta.block_table, verify.rows, verify.start, verify.num_queries, verify.max_context,
-                               meta.block_size, verify.token_idx, window)
+    verify = [batch if window >= batch.max_context else
+              verify_batch(meta.block_table, batch.rows, batch.start, batch.num_queries, batch.max_context,
+                           meta.block_size, batch.token_idx, window) for batch in meta.verify]
     return AttentionMetadata(slot_mapping=meta.slot_mapping, decode=decode, prefills=prefills,
                              block_table=meta.block_table, block_size=meta.block_size, max_context=meta.max_context,
                              verify=verify)
@@ -173,6 +173,13 @@ def row_kinds(layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
     return is_decode, layout.drafts > 0
 
 
+def verify_order(layout: StepLayout, is_verify: np.ndarray) -> np.ndarray:
+    """The verifying rows' layout indices, by number of query tokens (stable): each group of rows
+    verifying as many drafts is one contiguous slice of the verify arrays."""
+    verifying = np.flatnonzero(is_verify)
+    return verifying[np.argsort(layout.scheduled[verifying], kind="stable")]
+
+
 def step_attention_metadata(layout: StepLayout, arrays: list[torch.Tensor], slot_mapping: torch.Tensor,
                             block_table: torch.Tensor, block_size: int,
                             shift: torch.Tensor | None = None) -> AttentionMetadata:
@@ -182,20 +189,26 @@ def step_attention_metadata(layout: StepLayout, arrays: list[torch.Tensor], slot
         verify_index = arrays
     is_decode, is_verify = row_kinds(layout)
     context = layout.context
-    decode = verify = None
+    decode = None
     if is_decode.any():
         if shift is not None:
             decode_context = decode_context - shift[decode_index]
         decode = decode_batch(block_table, decode_rows, decode_context, int(context[is_decode].max()), block_size,
                                None if is_decode.all() else decode_token_idx)
+    verify = []
     if is_verify.any():
-        num_queries = int(layout.scheduled[is_verify][0])
-        if np.any(layout.scheduled[is_verify] != num_queries):
-            raise ValueError("rows verifying drafts in one step must verify as many each")
         if shift is not None:
             verify_start = verify_start - shift[verify_index]
-        verify = verify_batch(block_table, verify_rows, verify_start, num_queries, int(context[is_verify].max()),
-                               block_size, verify_token_idx)
+        order = verify_order(layout, is_verify)
+        queries = layout.scheduled[order]
+        row_end = 0
+        for num_queries in np.unique(queries).tolist():
+            row_start, row_end = row_end, row_end + int((queries == num_queries).sum())
+            token_start = int(queries[:row_start].sum())
+            token_end = token_start + (row_end - row_start) * num_queries
+            verify.append(verify_batch(block_table, verify_rows[row_start:row_end], verify_start[row_start:row_end],
+                                       num_queries, int(context[order[row_start:row_end]].max()), block_size,
+                                       verify_token_idx[token_start:token_end]))
     prefills = []
     for i in np.flatnonzero(~is_decode & ~is_verify).tolist():
         row, ctx = int(layout.rows[i]), int(context[i])

@@ -146,10 +146,10 @@ def build_speculative_inputs(plan: StepPlan, batch: InputBatch, writes: TableWri
     drafts = layout.drafts
     verify = drafts > 0
     sample = plan.sample.astype(bool)
-    num_drafts = int(drafts[verify][0]) if verify.any() else 0
-    if np.any(drafts[verify] != num_drafts) or np.any(verify & ~sample) or np.any(scheduled[verify] != num_drafts + 1):
-        raise ValueError(f"step {plan.step}: every row verifying drafts must verify as many, compute them all "
-                         f"after its last token and sample")
+    num_drafts = int(drafts.max()) if verify.any() else 0
+    if np.any(verify & ~sample) or np.any(scheduled[verify] != drafts[verify] + 1):
+        raise ValueError(f"step {plan.step}: a row verifying drafts must compute them all after its last token "
+                         f"and sample")
 
     token_layout_index = np.repeat(np.arange(n), scheduled)
     positions = concat_ranges(layout.computed, scheduled)
@@ -162,12 +162,13 @@ def build_speculative_inputs(plan: StepPlan, batch: InputBatch, writes: TableWri
     backend_parts = backend.host_arrays(layout)
     parts = [writes.token_index, writes.token_ids, writes.block_index, writes.block_ids, writes.window_block_ids,
              rows, plan.lagged.astype(np.int64), token_layout_index, positions, logits_index,
-             np.flatnonzero(plain), context[plain], np.flatnonzero(verify), layout.computed[verify], *backend_parts]
+             np.flatnonzero(plain), context[plain], np.flatnonzero(verify), layout.computed[verify], drafts[verify],
+             *backend_parts]
     packed = to_device(np.concatenate(parts), device)
     cuts = np.cumsum([len(p) for p in parts])[:-1].tolist()
     (token_index, token_ids, block_index, block_ids, window_block_ids, rows_dev, lagged_dev, token_layout_dev,
      positions_dev, logits_index_dev, plain_index_dev, plain_context_dev, verify_index_dev, verify_planned_dev,
-     *backend_dev) = torch.tensor_split(packed, cuts)
+     verify_drafts_dev, *backend_dev) = torch.tensor_split(packed, cuts)
     batch.write_tables(token_index, token_ids, block_index, block_ids, window_block_ids)
 
     shift = lag.index_select(0, rows_dev) * lagged_dev
@@ -186,7 +187,8 @@ def build_speculative_inputs(plan: StepPlan, batch: InputBatch, writes: TableWri
     gather_index = token_rows * width + positions_dev
     spec = SpecInputs(
         shift=shift, num_drafts=num_drafts, plain_entries=plain_entries, plain_shift=plain_shift,
-        verify_rows=plan.rows[verify], verify_rows_dev=verify_rows_dev, verify_entries=verify_entries,
+        verify_rows=plan.rows[verify], verify_rows_dev=verify_rows_dev, verify_drafts=drafts[verify],
+        verify_drafts_dev=verify_drafts_dev, verify_entries=verify_entries,
         verify_start=verify_planned_dev - shift.index_select(0, verify_index_dev),
         verify_planned_start=layout.computed[verify])
     return StepInputs(

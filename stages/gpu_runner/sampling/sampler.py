@@ -50,20 +50,23 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
             raise ValueError(f"logits must be [{meta.num_rows}, vocab], got {tuple(logits.shape)}")
         processed = penalized_logits(logits, meta, constrain)
-
-        if meta.all_greedy:
-            token_ids = processed.argmax(dim=-1)
-        elif meta.any_greedy:
-            greedy_ids = processed.argmax(dim=-1)  # before _sample scales and filters in place
-            token_ids = torch.where(meta.greedy, greedy_ids, self._sample(processed, meta))
-        else:
-            token_ids = self._sample(processed, meta)
-        token_ids = token_ids.to(torch.int32)
+        token_ids = self.draw(processed, meta).to(torch.int32)
 
         if meta.max_num_logprobs is None:
             return SamplerOutput(token_ids, None, None)
         logprobs, logprob_token_ids = token_logprobs(logits, token_ids, meta.max_num_logprobs)
         return SamplerOutput(token_ids, logprobs, logprob_token_ids)
+
+    def draw(self, processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """int64 [n]: each row's token from its penalised logits (`penalized_logits`; overwritten):
+        the argmax on greedy rows, a draw from `sampling_probs` on the others. A seeded row's draw
+        depends only on its logits, seed and output position."""
+        if meta.all_greedy:
+            return processed.argmax(dim=-1)
+        if meta.any_greedy:
+            greedy_ids = processed.argmax(dim=-1)  # before _sample scales and filters in place
+            return torch.where(meta.greedy, greedy_ids, self._sample(processed, meta))
+        return self._sample(processed, meta)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if logits.device.type == "cpu" and cpu_ops.library() is not None:
@@ -123,14 +126,6 @@ class Sampler:
         """The race of the seeded rows alone (`probs` [num_seeded, vocab], in meta.seeded_rows' order)."""
         noise = _seeded_exponential(meta.seeds, meta.seeded_output_pos, probs.shape[1], probs.device)
         return probs.div_(noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
-
-    def uniform(self, meta: SamplingMetadata) -> torch.Tensor:
-        """float32 [n] in (0, 1), one per row; a seeded row's depends only on its seed and output
-        position (a stream apart from its noise's)."""
-        values = torch.rand(meta.num_rows, generator=self.generator, device=meta.greedy.device)
-        if meta.num_seeded:
-            values.index_copy_(0, meta.seeded_rows, _seeded_uniform(meta.seeds, meta.seeded_output_pos))
-        return values
 
 
 def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -255,14 +250,6 @@ def _seeded_exponential(seeds: torch.Tensor, output_pos: torch.Tensor, vocab: in
     bits = _shift_right(_mix64(key.unsqueeze(1) + index.unsqueeze(0)), 64 - _UNIFORM_BITS)
     uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _UNIFORM_BITS))  # in (0, 1)
     return uniform.log_().neg_()
-
-
-def _seeded_uniform(seeds: torch.Tensor, output_pos: torch.Tensor) -> torch.Tensor:
-    """float32 [m] in (0, 1) from (seed, output_pos): draw 0 of the stream whose draws 1..vocab are
-    `_seeded_exponential`'s."""
-    key = _mix64(_mix64(seeds + _GAMMA) + output_pos * _GAMMA)
-    bits = _shift_right(_mix64(key), 64 - _UNIFORM_BITS)
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _UNIFORM_BITS))
 
 
 def token_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,

@@ -2,7 +2,8 @@
 
 Its KV cache is paged like the target's, over the same block tables: block b of a row holds the
 same positions in both caches. Each step the draft runs over the step's tokens with the step's
-own attention metadata (`observe`), so its cache covers every position the target has computed;
+own attention metadata (`observe`), on the dynamic path and the static (graph) decode path alike,
+so its cache covers every position the target has computed;
 before a step that verifies drafts it decodes K tokens per verifying row from the row's last known
 token (`propose`), greedily. Drafts are thus point masses (rejection.py) and the KV it writes
 for drafts that get rejected is overwritten when those positions are computed again.
@@ -17,7 +18,6 @@ from stages.contracts.speculative import SpeculativeConfig
 from stages.gpu_runner.attention.interface import AttentionBackend
 from stages.gpu_runner.attention.kv_cache import allocate_kv_caches, kv_block_bytes
 from stages.gpu_runner.inputs.input_batch import InputBatch
-from stages.gpu_runner.inputs.step_inputs import StepInputs
 from stages.gpu_runner.layers.kernels import LayerKernels
 from stages.gpu_runner.loaders.loader import load_model
 from stages.gpu_runner.models.config import load_model_config
@@ -67,10 +67,11 @@ class DraftModelProposer:
         self.kv_caches = allocate_kv_caches(self.config, num_kv_blocks + 1, batch.block_size, self.target.dtype,
                                             self.target.device)
 
-    def observe(self, inputs: StepInputs) -> None:
-        """Write the draft's KV of the step's tokens, at the target's slots."""
-        meta = inputs.attention[0] if isinstance(inputs.attention, tuple) else inputs.attention
-        self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+    def observe(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: object) -> None:
+        """Write the draft's KV of a step's tokens at the target's slots: `attention` is the step's
+        metadata (the global group's, when the target's is a tuple of KV groups)."""
+        meta = attention[0] if isinstance(attention, tuple) else attention
+        self.model(input_ids, positions, self.kv_caches, meta)
 
     def propose(self, token_table: torch.Tensor, rows: torch.Tensor, num_known: torch.Tensor,
                 max_known: int) -> torch.Tensor:

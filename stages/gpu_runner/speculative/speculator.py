@@ -1,6 +1,6 @@
 """One speculative step in the runner: propose drafts, then sample every output entry.
 
-The plan says which rows verify K drafts; the drafts themselves are proposed here, on the device,
+The plan says which rows verify how many drafts (each at most K, rows packed without padding); the drafts themselves are proposed here, on the device,
 from the token table as the previous step left it, written into the table after each row's last
 known token, and read back as inputs. After the forward, the entries of rows without drafts are
 sampled as in any step and the verifying rows go through rejection.py. Each verifying row's
@@ -24,7 +24,7 @@ from stages.gpu_runner.sampling.metadata import SamplingMetadata
 from stages.gpu_runner.sampling.sampler import Sampler, SamplerOutput, token_logprobs
 from stages.gpu_runner.speculative.ngram import NgramProposer
 from stages.gpu_runner.speculative.proposer import Proposer
-from stages.gpu_runner.speculative.rejection import verify
+from stages.gpu_runner.speculative.rejection import unpack, verify
 from stages.gpu_runner.speculative.spec_inputs import SpecInputs
 from stages.gpu_runner.speculative.suffix import SuffixProposer
 
@@ -69,6 +69,8 @@ class Speculator:
         self._drafts = self._host_drafts = None
         if not spec.num_drafts:
             return
+        if spec.num_drafts > self.k:
+            raise ValueError(f"a row verifies {spec.num_drafts} drafts, more than num_speculative_tokens {self.k}")
         batch, width = self.batch, self.batch.max_model_len
         known = spec.verify_start + 1
         if self.proposer is None:  # a tensor-parallel rank whose draft model runs on rank 0
@@ -78,8 +80,12 @@ class Speculator:
                                            int(spec.verify_planned_start.max()) + 1)
         if self.share is not None:
             drafts = self.share(drafts)
-        where = (spec.verify_rows_dev * width + known).unsqueeze(1) + torch.arange(self.k, device=drafts.device)
-        batch.token_table.view(-1).index_copy_(0, where.view(-1), drafts.view(-1).to(torch.int32))
+        drafts = drafts[:, :spec.num_drafts]
+        column = torch.arange(spec.num_drafts, device=drafts.device).unsqueeze(0)
+        where = (spec.verify_rows_dev * width + known).unsqueeze(1) + column
+        # A row's drafts past its own count go to the scratch row: only its first ones are computed.
+        where = torch.where(column < spec.verify_drafts_dev.unsqueeze(1), where, batch.max_num_seqs * width)
+        batch.padded_token_table.view(-1).index_copy_(0, where.view(-1), drafts.reshape(-1).to(torch.int32))
         inputs.input_ids = batch.token_table.view(-1)[inputs.gather_index]
         self._drafts = drafts
         if self.constraints is not None and self.constraints.constrains(spec.verify_rows):
@@ -102,17 +108,17 @@ class Speculator:
                 tokens.index_copy_(0, plain_index, sample_plain(logits[plain_index]).token_ids)
             if spec.num_drafts:
                 verified = self._verify(logits[verify_index], spec, sampler, eos_token_ids)
-                tokens.index_copy_(0, verify_index, verified.view(-1))
+                tokens.index_copy_(0, verify_index, verified)
         if share is not None:
             tokens = share(tokens)
         if len(spec.plain_entries):
             batch.token_table.view(-1).index_copy_(0, inputs.sampled_token_index, tokens[plain_index])
         self.lag.zero_()
         if spec.num_drafts:
-            verified = tokens[verify_index].view(-1, self.k + 1)
+            verified = unpack(tokens[verify_index], spec.verify_drafts_dev, spec.num_drafts + 1)
             self._write_verified(spec, verified)
             accepted = (verified >= 0).sum(dim=1) - 1
-            self.lag.index_copy_(0, spec.verify_rows_dev, self.k - accepted)
+            self.lag.index_copy_(0, spec.verify_rows_dev, spec.verify_drafts_dev - accepted)
         rows = _entry_rows(inputs)
         asked = batch.sampling.logprobs[rows]
         if logits is None or not len(rows) or asked.max() < 0:
@@ -121,34 +127,46 @@ class Speculator:
         return SamplerOutput(tokens, values, ids)
 
     def _verify(self, logits: torch.Tensor, spec: SpecInputs, sampler: Sampler, eos_token_ids: list[int]) -> torch.Tensor:
-        batch, k = self.batch, self.k
-        d = len(spec.verify_rows)
-        rows = np.repeat(spec.verify_rows, k + 1)
-        num_tokens = np.repeat(spec.verify_planned_start, k + 1) + 1 + np.tile(np.arange(k + 1), d)
-        meta = SamplingMetadata.for_rows(batch, rows, num_tokens, eos_token_ids)
-        planned = to_device(np.repeat(spec.verify_planned_start, k + 1), logits.device)
-        shift_meta(meta, planned - torch.repeat_interleave(spec.verify_start, k + 1))
-        if self._host_drafts is None:
-            return verify(logits, self._drafts, meta, sampler)[0]
-        # Grammar rows: each position masked with the grammar after the drafts before it. A
-        # draft the grammar rejects has probability 0 where it is verified, so it is rejected.
+        """The verifying rows' entries (int32, packed as their logits): accepted drafts, the drawn
+        token, -1 for each rejected draft. A grammar row's positions are each masked with the
+        grammar after the drafts before it: a draft the grammar rejects has probability 0 where it
+        is verified, so it is rejected, and the matcher is sent only what was accepted."""
+        counts = spec.verify_drafts + 1
+        first = np.cumsum(counts) - counts
+        rows = np.repeat(spec.verify_rows, counts)
+        planned = np.repeat(spec.verify_planned_start, counts)
+        num_tokens = planned + 1 + np.arange(counts.sum()) - np.repeat(first, counts)
+        meta = SamplingMetadata.for_rows(self.batch, rows, num_tokens, eos_token_ids)
+        start = torch.repeat_interleave(spec.verify_start, spec.verify_drafts_dev + 1, output_size=len(rows))
+        shift_meta(meta, to_device(planned, logits.device) - start)
+        if self._host_drafts is not None:
+            self._mask_grammar_rows(logits, spec, counts, first)
+        tokens, _ = verify(logits, self._drafts, meta, sampler, spec.verify_drafts_dev)
+        if self._host_drafts is not None:
+            self.constraints.sampled(spec.verify_rows, tokens)
+        return tokens[tokens_index(spec, tokens.device)]
+
+    def _mask_grammar_rows(self, logits: torch.Tensor, spec: SpecInputs, counts: np.ndarray,
+                           first: np.ndarray) -> None:
+        """Mask each verified position of the grammar rows (packed logits: row i's counts[i]
+        positions from first[i]) with the grammar after the drafts before it."""
         host, ready = self._host_drafts
         if ready is not None:
             ready.synchronize()
         grammar_index, bitmask = self.constraints.draft_bitmask(spec.verify_rows, host.numpy())
-        if grammar_index:
-            entries = (np.array(grammar_index, np.int64)[:, None] * (k + 1) + np.arange(k + 1)).reshape(-1)
-            self.constraints.mask(logits, entries, bitmask)
-        tokens = verify(logits, self._drafts, meta, sampler)[0]
-        self.constraints.sampled(spec.verify_rows, tokens)
-        return tokens
+        if not grammar_index:
+            return
+        width = host.shape[1] + 1  # bitmask rows per grammar row: one per position of all its drafts
+        entries = np.concatenate([first[i] + np.arange(counts[i]) for i in grammar_index])
+        masks = np.concatenate([g * width + np.arange(counts[i]) for g, i in enumerate(grammar_index)])
+        self.constraints.mask(logits, entries, bitmask[masks])
 
     def _write_verified(self, spec: SpecInputs, verified: torch.Tensor) -> None:
-        """Each verifying row's outputs go where the next step reads them, the -1 of its rejected
-        drafts to the scratch row."""
+        """Each verifying row's outputs ([d, num_drafts + 1]) go where the next step reads them, the
+        -1 of its rejected drafts to the scratch row."""
         batch, width = self.batch, self.batch.max_model_len
         where = (spec.verify_rows_dev * width + spec.verify_start + 1).unsqueeze(1) \
-            + torch.arange(self.k + 1, device=verified.device)
+            + torch.arange(verified.shape[1], device=verified.device)
         where = torch.where(verified >= 0, where, batch.max_num_seqs * width)
         batch.padded_token_table.view(-1).index_copy_(0, where.view(-1), verified.view(-1))
 
@@ -164,6 +182,14 @@ def _to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | Non
     return host, ready
 
 
+def tokens_index(spec: SpecInputs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of each verifying entry in the [d, num_drafts + 1] layout, packed order."""
+    counts = spec.verify_drafts + 1
+    row = np.repeat(np.arange(len(counts)), counts)
+    column = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    return to_device(row, device), to_device(column, device)
+
+
 def shift_meta(meta: SamplingMetadata, shift: torch.Tensor) -> None:
     """Move the metadata's device positions back by `shift` (int64 [n]): rows whose real history is
     that much shorter than the host's count (lagged rows of a speculative step)."""
@@ -176,5 +202,5 @@ def _entry_rows(inputs: StepInputs) -> np.ndarray:
     spec = inputs.spec
     rows = np.empty(len(spec.plain_entries) + len(spec.verify_entries), np.int64)
     rows[spec.plain_entries] = inputs.sampled_rows
-    rows[spec.verify_entries] = np.repeat(spec.verify_rows, spec.num_drafts + 1)
+    rows[spec.verify_entries] = np.repeat(spec.verify_rows, spec.verify_drafts + 1)
     return rows
