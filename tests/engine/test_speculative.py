@@ -59,7 +59,10 @@ def test_suffix_greedy_output_equals_the_engine_without_speculation(tiny_llama, 
     for _ in range(2):  # the second round also finds the first round's outputs in the cache
         assert [list(o.token_ids) for o in llm.generate(PROMPTS, GREEDY)] == reference
         accepted.append(llm.scheduler.stats().speculative.num_accepted_tokens - sum(accepted))
-    assert min(accepted) > 0
+    # The first round's drafts come from each request's own text, which this random model does not
+    # repeat: they are verified (drafted) but may all be rejected, and the rows' rates then keep
+    # further drafts off. The second round's come from the first round's outputs, and are accepted.
+    assert accepted[1] > 0
     # a row's outputs join the cache when a later plan frees it: the first round's all have
     assert len(PROMPTS) <= llm.runner.speculator.proposer.cache.num_sequences < 2 * len(PROMPTS)
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.engine.supervision import StageProcesses, _process_context
+from pipeline.engine.supervision import RUNNER_MODULE, StageProcesses, _process_context
 from shm.naming import pid_alive
 from stages.process import EXIT_PEER_DIED
 
@@ -31,7 +31,7 @@ class _Stages:
 
 @pytest.mark.timeout(120)
 def test_a_killed_stage_whose_status_comes_late_is_named_by_its_pid_before_the_stage_that_followed_it() -> None:
-    context = _process_context()
+    context = _process_context(SimpleNamespace(module=RUNNER_MODULE))  # forked from the forkserver
     runner = context.Process(target=time.sleep, args=(600,), name="pipeline-runner")
     follower = context.Process(target=os._exit, args=(EXIT_PEER_DIED,), name="pipeline-scheduler")
     runner.start()
