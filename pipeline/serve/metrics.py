@@ -64,8 +64,8 @@ STATS_TOTALS = (
      "batch, verifying drafts costs more than the row's acceptance rate pays for.", "num_rows_off_batch"),
     ("pipeline:spec_decode_num_rows_off_backoff", "Decode steps of rows that did not draft: backed off, their drafts "
      "rarely accepted.", "num_rows_off_backoff"),
-    ("pipeline:spec_decode_num_rows_off_grammar", "Decode steps of rows that did not draft: a grammar or logit_bias.",
-     "num_rows_off_grammar"),
+    ("pipeline:spec_decode_num_rows_off_logit_bias", "Decode steps of rows that did not draft: their logit_bias (grammar rows draft, checked against the grammar).",
+     "num_rows_off_logit_bias"),
     ("pipeline:spec_decode_num_rows_off_no_match", "Decode steps of rows that did not draft: their last tokens have no "
      "earlier occurrence to copy (n-gram).", "num_rows_off_no_match"),
     ("pipeline:spec_decode_num_revivals", "Backed-off rows seen copying again on the host and drafting at once.",

@@ -40,10 +40,10 @@ class SpeculativeCounts:
     num_verifications: int = 0
     # Decoding steps of rows that could have drafted and did not, by reason: the step's batch made
     # drafts dearer than the row's rate of acceptance pays for; the rate is too low at any batch
-    # (backed off); a grammar or logit_bias; no earlier occurrence of its last tokens (n-gram).
+    # (backed off); its logit_bias (grammar rows draft); no earlier occurrence of its last tokens (n-gram).
     num_rows_off_batch: int = 0
     num_rows_off_backoff: int = 0
-    num_rows_off_grammar: int = 0
+    num_rows_off_logit_bias: int = 0
     num_rows_off_no_match: int = 0
     num_revivals: int = 0  # backed-off rows seen copying on the host and drafting again
 

@@ -52,7 +52,7 @@ from stages.gpu_runner.sampling.constraints import RowConstraints
 from stages.gpu_runner.sampling.metadata import SamplingMetadata
 from stages.gpu_runner.sampling.sampler import Sampler, SamplerOutput
 from stages.gpu_runner.speculative.speculator import Speculator, shift_meta
-from stages.gpu_runner.speculative.verify_cost import measure_free_tokens
+from stages.gpu_runner.speculative.verify_cost import start_up_free_tokens
 from stages.messages import encode_plan
 
 if TYPE_CHECKING:
@@ -139,11 +139,9 @@ class ModelRunner:
         if config.speculative is not None:
             self.speculator = make_speculator(config, self, draft)
             if tp is None and not num_window_blocks:
-                self.verify_free_tokens = measure_free_tokens(
+                self.verify_free_tokens = start_up_free_tokens(
                     self._cost_step, min(self.max_num_seqs, COST_ROWS), config.speculative.num_speculative_tokens,
                     self.device)
-        self.constraints = RowConstraints(self.max_num_seqs, self.vocab_size, self.eos_token_ids, self.tokenizer_path,
-                                          self.device)
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.bind(self.kv_caches, self.block_size)

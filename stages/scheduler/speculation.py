@@ -8,11 +8,9 @@ the step's tokens arrive, `num_computed` is rolled back by the drafts that were 
 plan made in between is `lagged` for that row and the runner corrects its positions itself.
 
 A row may draft only when nothing makes its output depend on host-side state a draft would
-bypass: the request allows it (`SamplingParams.speculative`), has no grammar or logit_bias, has
-its min_tokens behind it, and its drafts fit in max_model_len. (The runner can check a grammar
-row's drafts against its grammar, sampling/constraints.py, but with rows verifying different
-numbers of drafts the masked verification does not yet give the undrafted text, so grammar rows
-do not draft.) A step with more rows that could draft
+bypass: the request allows it (`SamplingParams.speculative`), has no logit_bias, has its
+min_tokens behind it, and its drafts fit in max_model_len (a grammar row drafts: the runner checks
+its drafts against its grammar, sampling/constraints.py). A step with more rows that could draft
 than the config's `disable_by_batch_size` (if it sets one) verifies none.
 
 Drafts must also pay for themselves, on the device in use. A step of N tokens costs about
@@ -47,7 +45,7 @@ MIN_COPY = 3  # tokens that must recur together before a backed-off n-gram row d
 
 def allows_speculation(params: SamplingParams) -> bool:
     """Whether a request's drafts may be verified at all (the rest is decided per step)."""
-    return params.speculative and not params.is_guided and not params.logit_bias
+    return params.speculative and not params.logit_bias
 
 
 def recurs(tokens: np.ndarray, n: int) -> bool:
@@ -77,7 +75,7 @@ class Speculation:
         self.lookup = config.prompt_lookup_min if config.method == "ngram" else 0
         self.copy_length = max(MIN_COPY, self.lookup + 1)
         self.allowed = np.zeros(max_num_seqs, np.bool_)
-        self.guided = np.zeros(max_num_seqs, np.bool_)  # would draft, but a grammar or logit_bias forbids it
+        self.guided = np.zeros(max_num_seqs, np.bool_)  # would draft, but its logit_bias forbids it
         self.drafts_in_flight = np.zeros(max_num_seqs, np.int64)  # drafts of steps not yet processed
         self.hits = np.zeros(max_num_seqs)  # running sums: accepted drafts, and drafts read
         self.trials = np.zeros(max_num_seqs)
@@ -102,7 +100,7 @@ class Speculation:
         [max_num_seqs, L] holds each row's first num_known (of `rows`) tokens."""
         decoding = is_decode & (num_new == 1)
         counts = self.counts
-        counts.num_rows_off_grammar += int((decoding & self.guided[rows]).sum())
+        counts.num_rows_off_logit_bias += int((decoding & self.guided[rows]).sum())
         capable = decoding & self.allowed[rows] & (num_outputs >= min_tokens)
         batch = int(capable.sum())
         if self.max_batch is not None and batch > self.max_batch:

@@ -77,8 +77,6 @@ def reference(tiny_llama: Path) -> list[list[int]]:
     return [list(o.token_ids) for o in small_llm(tiny_llama).generate(PROMPTS, params)]
 
 
-@pytest.mark.skip(reason="grammar rows do not draft (stages/scheduler/speculation.py allows_speculation): with "
-                         "per-row draft counts the masked verification does not yet equal the undrafted text")
 @pytest.mark.parametrize("config, async_scheduling", [(NGRAM, True), (SUFFIX, True), (SUFFIX, False)],
                          ids=["ngram-async", "suffix-async", "suffix-sync"])
 def test_greedy_structured_output_with_drafts_equals_the_engine_without(tiny_llama, reference, config,

@@ -139,10 +139,10 @@ def test_speculative_counts_rise_and_an_engine_restart_adds_its_fresh_counts():
 
 def test_rows_not_drafting_are_counted_by_reason():
     metrics = Metrics("tiny")
-    reasons = ("batch", "backoff", "grammar", "no_match")
-    metrics.set_stats(StatsReply(num_rows_off_batch=4, num_rows_off_backoff=3, num_rows_off_grammar=2,
+    reasons = ("batch", "backoff", "logit_bias", "no_match")
+    metrics.set_stats(StatsReply(num_rows_off_batch=4, num_rows_off_backoff=3, num_rows_off_logit_bias=2,
                                  num_rows_off_no_match=1, num_revivals=5))
-    metrics.set_stats(StatsReply(num_rows_off_batch=6, num_rows_off_backoff=3, num_rows_off_grammar=2,
+    metrics.set_stats(StatsReply(num_rows_off_batch=6, num_rows_off_backoff=3, num_rows_off_logit_bias=2,
                                  num_rows_off_no_match=9, num_revivals=5))
     assert [value(metrics, f"pipeline:spec_decode_num_rows_off_{r}_total") for r in reasons] == [6, 3, 2, 9]
     assert value(metrics, "pipeline:spec_decode_num_revivals_total") == 5

@@ -115,11 +115,12 @@ def test_a_backed_off_draft_model_row_probes_with_one_draft_after_a_growing_cool
 def test_rows_that_cannot_draft_neither_draft_nor_count_toward_the_batch() -> None:
     spec = _speculation(4, disable_by_batch_size=2)
     spec.assign(1, SamplingParams(speculative=False))
-    spec.assign(2, SamplingParams(regex="[ab]+"))
+    spec.assign(2, SamplingParams(logit_bias={5: 1.0}))
+    spec.assign(3, SamplingParams(regex="[ab]+"))  # a grammar row drafts: the runner checks its drafts
     table, known = _table(*[REPEATING] * 4)
     # Rows 0 and 3 can draft: two, not more than disable_by_batch_size.
     assert _choose(spec, np.arange(4), table, known).tolist() == [4, 0, 0, 4]
-    assert spec.counts.num_rows_off_grammar == 1
+    assert spec.counts.num_rows_off_logit_bias == 1
     spec.assign(1, SamplingParams())
     assert _choose(spec, np.arange(4), table, known).tolist() == [0, 0, 0, 0]  # three now: over the limit
     assert spec.counts.num_rows_off_batch == 3

@@ -11,11 +11,15 @@ proposer and the sampling of each verified position are not in it.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
 import torch
 
+# Set, F is not measured: "none" takes drafts as free (the scheduler's not-measured case), a number
+# is F itself. For runs whose draft decisions must not depend on the machine's timing (tests).
+FIXED_VARIABLE = "PIPELINE_VERIFY_FREE_TOKENS"
 MAX_FREE_TOKENS = 1e6  # what a step whose cost did not grow measurably with its tokens reports
 REPEATS = 3
 
@@ -46,3 +50,19 @@ def measure_free_tokens(step: Callable[[int], None], rows: int, k: int, device: 
     if c0 <= 0:
         return None
     return min(c0 / c1, MAX_FREE_TOKENS)
+
+
+def start_up_free_tokens(step: Callable[[int], None], rows: int, k: int, device: torch.device) -> float | None:
+    """F for the scheduler: PIPELINE_VERIFY_FREE_TOKENS where it is set, else measured."""
+    fixed = os.environ.get(FIXED_VARIABLE)
+    if fixed is None:
+        return measure_free_tokens(step, rows, k, device)
+    if fixed.strip().lower() == "none":
+        return None
+    try:
+        value = float(fixed)
+    except ValueError:
+        raise ValueError(f"{FIXED_VARIABLE} must be 'none' or a number of tokens, not {fixed!r}") from None
+    if not value >= 0:
+        raise ValueError(f"{FIXED_VARIABLE} must be 'none' or a number of tokens >= 0, not {fixed!r}")
+    return value
