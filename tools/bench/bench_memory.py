@@ -25,6 +25,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from servers import descendants
+
 from pipeline.client import Client
 from pipeline.errors import DaemonNotRunning, PipelineError
 
@@ -40,29 +42,6 @@ class ProcessMemory:
     rss_mib: float
     pss_anon_mib: float  # private or copy-on-write memory: heaps, tensors, Python objects
     torch: bool  # torch's shared libraries are mapped
-
-
-def _children() -> dict[int, list[int]]:
-    """Every process's children, by parent pid, as /proc shows them now."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                parent = int(stat.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue  # it exited meanwhile
-        children.setdefault(parent, []).append(int(entry))
-    return children
-
-
-def process_tree(root: int) -> list[int]:
-    """`root` and all its descendants, parents before children."""
-    children, tree = _children(), [root]
-    for pid in tree:
-        tree.extend(sorted(children.get(pid, [])))
-    return tree
 
 
 def _title(pid: int) -> str:
@@ -92,7 +71,7 @@ def process_memory(pid: int) -> ProcessMemory:
 def tree_memory(root: int) -> list[ProcessMemory]:
     """Each process of the tree under `root` (those that exit while being read are left out)."""
     rows = []
-    for pid in process_tree(root):
+    for pid in descendants(root):
         try:
             rows.append(process_memory(pid))
         except (OSError, KeyError):

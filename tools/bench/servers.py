@@ -60,21 +60,19 @@ def stop_server(process: subprocess.Popen) -> None:
 
 
 def descendants(pid: int) -> list[int]:
-    """`pid` and every process below it (children of children included) that is alive now."""
+    """`pid` and every process below it (children of children included) that is alive now,
+    parents before children."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
+                parent = int((entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # it exited meanwhile
             children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        todo.extend(children.get(current, []))
+    found = [pid]
+    for current in found:
+        found.extend(sorted(children.get(current, [])))
     return found
 
 
