@@ -69,7 +69,8 @@ class LLM:
             tp = None
             if self.config.tensor_parallel_size > 1:
                 check_tensor_parallel(load_model_config(self.config.model), self.config.tensor_parallel_size,
-                                      resolve_device(self.config.device))
+                                      resolve_device(self.config.device),
+                                      expert_parallel=self.config.enable_expert_parallel)
                 self._ranks = WorkerRanks(self.config)
                 tp = self._ranks.tp
             try:

@@ -87,7 +87,8 @@ class ModelRunner:
         self.config: ModelConfig = load_model_config(config.model)
         self.tp = tp
         if tp is not None:
-            check_tensor_parallel(self.config, tp.size, self.device.type, config.ranks_per_node)
+            check_tensor_parallel(self.config, tp.size, self.device.type, config.ranks_per_node,
+                                  config.enable_expert_parallel)
         # Rank 0 sends each plan to the ranks that read no plan ring before running it.
         self.plan_broadcast = None
         if tp is not None and tp.is_driver and tp.plan_group is not None:

@@ -83,7 +83,7 @@ def join_ranks(ctx: StageContext) -> TensorParallel | None:
     if config.tensor_parallel_size == 1:
         return None
     check_tensor_parallel(load_model_config(config.model), config.tensor_parallel_size, resolve_device(config.device),
-                          config.ranks_per_node)
+                          config.ranks_per_node, config.enable_expert_parallel)
     return worker.join(config, runner_rank(ctx.name), config.ranks_per_node, check=ctx.tick)
 
 

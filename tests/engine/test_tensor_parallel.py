@@ -1,6 +1,7 @@
 """The offline engine split over two tensor-parallel ranks (gloo on CPU) gives what one rank gives."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from pipeline.models.tiny_model import make_tiny_model
 from stages.gpu_runner.loaders.loader import load_model
 from stages.gpu_runner.models.config import load_model_config
 from stages.gpu_runner.parallel.group import TensorParallel
-from stages.gpu_runner.parallel.sharding import weight_bytes
+from stages.gpu_runner.parallel.sharding import check_tensor_parallel, weight_bytes
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -28,6 +29,8 @@ SHAPES = {
     "mixtral": ("mixtral", {}),
     "qwen2_moe": ("qwen2_moe", {}),
     "qwen3_moe": ("qwen3_moe", {}),
+    # gpt-oss: its sinks split with the heads, its stacked experts' interleaved gate/up units split.
+    "gpt_oss": ("gpt_oss", {}),
 }
 
 
@@ -128,7 +131,7 @@ def test_two_ranks_speculating_equal_one_without(models: dict[str, Path], method
         assert stats.speculative.num_accepted_tokens == stats.speculative.num_draft_tokens
 
 
-@pytest.mark.parametrize("shape", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("shape", ["mixtral", "qwen2_moe", "gpt_oss"])
 def test_expert_parallel_two_ranks_equal_one(models: dict[str, Path], shape: str) -> None:
     expected = run(models[shape])
     assert run(models[shape], tensor_parallel_size=2, enable_expert_parallel=True) == expected
@@ -147,3 +150,21 @@ def test_expert_parallel_ranks_hold_whole_experts_each_its_own_half(models: dict
     with pytest.raises(ValueError, match="expert parallelism over 3 ranks does not divide the model's 8 experts"):
         load_model(model, device=torch.device("cpu"), dtype=torch.float32, max_positions=64,
                    tp=TensorParallel(0, 3, None, None), expert_parallel=True)
+
+
+def test_expert_parallel_sizes_that_do_not_fit_are_refused_naming_the_numbers(models: dict[str, Path]) -> None:
+    mixtral = load_model_config(models["mixtral"])  # 4 heads, 2 KV heads, 8 experts
+    with pytest.raises(ValueError, match="expert parallelism over 4 ranks does not divide the model's 6 experts"):
+        check_tensor_parallel(dataclasses.replace(mixtral, num_experts=6), 4, "cpu", expert_parallel=True)
+    # Whole experts on each rank: their intermediate size need not divide, as it must when split.
+    odd = dataclasses.replace(load_model_config(models["qwen3_moe"]), moe_intermediate_size=66)
+    check_tensor_parallel(odd, 4, "cpu", expert_parallel=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide the model's moe intermediate size 66"):
+        check_tensor_parallel(odd, 4, "cpu")
+    mxfp4 = dataclasses.replace(load_model_config(models["gpt_oss"]), experts_mxfp4=True, moe_intermediate_size=96)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 splits the MXFP4 experts' intermediate size 96 "
+                                         "into 48, not a multiple of its 32-value blocks"):
+        check_tensor_parallel(mxfp4, 2, "cpu")
+    check_tensor_parallel(mxfp4, 2, "cpu", expert_parallel=True)
+    with pytest.raises(ValueError, match="enable_expert_parallel places experts on ranks; LlamaForCausalLM has none"):
+        LLM(models["llama"], device="cpu", num_kv_blocks=16, tensor_parallel_size=2, enable_expert_parallel=True)

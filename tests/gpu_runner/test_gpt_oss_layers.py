@@ -54,7 +54,7 @@ def test_experts_loaded_from_the_stacked_interleaved_layout_equal_transformers()
                "down_proj": torch.randn(E, I, H, generator=gen), "down_proj_bias": torch.randn(E, H, generator=gen)}
     for name, tensor in tensors.items():
         getattr(reference, name).data.copy_(tensor)
-    experts = ClampedSwigluExperts(E, H, I, alpha=reference.alpha, limit=reference.limit)
+    experts = ClampedSwigluExperts(range(E), H, I, E, alpha=reference.alpha, limit=reference.limit)
     for name in STACKED:
         experts.load_stacked(name, tensors[name])
     x = torch.randn(40, H, generator=gen) * 2  # large enough that the clamp at 1.5 binds

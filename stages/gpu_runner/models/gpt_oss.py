@@ -5,8 +5,9 @@ Per layer: x -> x + attn(norm(x)) -> x + moe(norm(x)).
   denominator; even layers attend a sliding window, odd ones everything (config.layer_types);
 - moe: a router with a bias picks the top k of its logits and weights them by their softmax;
   the experts are clamped SwiGLUs with biases (layers/fused_moe/clamped.py).
-Experts stored as MXFP4 (`*_blocks` and `*_scales`) are dequantized at load. Tensor parallelism is
-refused: the checkpoint's stacked, interleaved experts have no sharding rule.
+Experts stored as MXFP4 (`*_blocks` and `*_scales`) are dequantized at load. Under tensor
+parallelism each rank holds its heads (and their sinks) and its slice of every expert's
+intermediate units, or with expert parallelism whole experts (parallel/sharding.py).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from stages.gpu_runner.layers.quantization.mxfp4 import MXFP4_TENSORS, dequantiz
 from stages.gpu_runner.models.base import CausalLM
 from stages.gpu_runner.models.config import ModelConfig
 from stages.gpu_runner.models.llama import LlamaDecoderLayer
+from stages.gpu_runner.parallel.group import TensorParallel
+from stages.gpu_runner.parallel.sharding import local_experts
 
 _STACKED_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(" + "|".join(STACKED) + ")(_blocks|_scales)?")
 
@@ -31,16 +34,20 @@ _STACKED_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(" + "|".join
 class GptOssMoE(nn.Module):
     """moe(x) = Σ_{e in top_k(router(x))} softmax(top-k logits)_e · expert_e(x)."""
 
-    def __init__(self, shard: ModelConfig) -> None:
+    def __init__(self, shard: ModelConfig, tp: TensorParallel | None) -> None:
         super().__init__()
         self.router = nn.Linear(shard.hidden_size, shard.num_experts, bias=True)
         self.top = TopK.of(shard)
-        self.experts = ClampedSwigluExperts(shard.num_experts, shard.hidden_size, shard.moe_intermediate_size,
+        held = local_experts(shard, 0, 1) if tp is None else local_experts(shard, tp.rank, tp.size)
+        self.experts = ClampedSwigluExperts(held, shard.hidden_size, shard.moe_intermediate_size, shard.num_experts,
                                             shard.swiglu_alpha, shard.swiglu_limit)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Under `tp` each rank's partial sum (its slice of every expert, or its whole experts) is all-reduced."""
         weights, ids = select_experts(self.router(x), self.top)
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     @staticmethod
     def expected_tensors(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -59,12 +66,12 @@ class GptOssMoE(nn.Module):
 class GptOssDecoderLayer(LlamaDecoderLayer):
     """x -> x + attn(norm(x)) -> x + moe(norm(x)); the forward is the Llama layer's."""
 
-    def __init__(self, shard: ModelConfig, window: int | None, kv_group: int) -> None:
+    def __init__(self, shard: ModelConfig, tp: TensorParallel | None, window: int | None, kv_group: int) -> None:
         nn.Module.__init__(self)
         self.input_layernorm = RMSNorm(shard.hidden_size, shard.rms_norm_eps)
-        self.self_attn = Attention(shard, None, window=window, kv_group=kv_group, sinks=True)
+        self.self_attn = Attention(shard, tp, window=window, kv_group=kv_group, sinks=True)
         self.post_attention_layernorm = RMSNorm(shard.hidden_size, shard.rms_norm_eps)
-        self.mlp = GptOssMoE(shard)
+        self.mlp = GptOssMoE(shard, tp)
 
     @staticmethod
     def expected_tensors(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -79,14 +86,11 @@ class GptOssForCausalLM(CausalLM):
         if config.experts_mxfp4 and (config.hidden_size % 32 or config.moe_intermediate_size % 32):
             raise ValueError(f"MXFP4 experts need hidden_size {config.hidden_size} and intermediate_size "
                              f"{config.moe_intermediate_size} to be multiples of 32")
-        if tp is not None and tp.size > 1:
-            raise ValueError("gpt-oss is not served under tensor parallelism (its stacked experts have no "
-                             "sharding rule); use tensor_parallel_size 1")
         super().__init__(config, max_positions, device, tp)
         self._mxfp4_blocks: dict[str, torch.Tensor] = {}  # blocks read, waiting for their scales
 
     def make_layer(self, index: int) -> nn.Module:
-        return GptOssDecoderLayer(self.shard, self.config.layer_windows[index], self.config.kv_group(index))
+        return GptOssDecoderLayer(self.shard, self.tp, self.config.layer_windows[index], self.config.kv_group(index))
 
     @torch.no_grad()
     def load_hf_tensor(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:

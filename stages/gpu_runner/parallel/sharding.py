@@ -27,12 +27,18 @@ VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 _MOE_COLUMN = re.compile(r"(mlp|block_sparse_moe)\.(experts\.\d+\.(w1|w3|gate_proj|up_proj)"
                          r"|shared_expert\.(gate|up)_proj)\.weight")
 _MOE_STACKED = re.compile(r"mlp\.experts\.(gate_proj|up_proj|down_proj)\.weight")  # GGUF: [experts, rows, cols]
+# gpt-oss's experts, every expert's in one tensor (gate and up interleaved column by column, MXFP4 as
+# blocks and scales): [experts, H, 2I], [experts, 2I] and [experts, I, H]; blocks [experts, rows, groups, 16].
+_GPT_OSS_STACKED = re.compile(r"mlp\.experts\.(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)"
+                              r"(_blocks|_scales)?")
 _MOE_ROW = re.compile(r"(mlp|block_sparse_moe)\.(experts\.\d+\.(w2|down_proj)|shared_expert\.down_proj)\.weight")
 
 
-def check_tensor_parallel(config: ModelConfig, size: int, device_type: str, local_ranks: int | None = None) -> None:
+def check_tensor_parallel(config: ModelConfig, size: int, device_type: str, local_ranks: int | None = None,
+                          expert_parallel: bool = False) -> None:
     """ValueError naming both numbers when `size` ranks (`local_ranks` of them on this machine:
-    all unless given) cannot share this model."""
+    all unless given) cannot share this model; with `expert_parallel` the ranks hold whole experts,
+    so it is the experts, not their intermediate size, that `size` must divide."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {size}")
     if config.num_heads % size:
@@ -41,13 +47,26 @@ def check_tensor_parallel(config: ModelConfig, size: int, device_type: str, loca
     kv = config.num_kv_heads
     if kv % size and size % kv:
         raise ValueError(f"tensor_parallel_size {size} and the model's {kv} KV heads: one must divide the other")
-    if config.intermediate_size % size:
+    dense_mlps = not config.num_experts or not all(config.sparse_layers)
+    if config.intermediate_size % size and dense_mlps:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's intermediate size "
                          f"{config.intermediate_size}")
-    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+    if expert_parallel and size > 1:
+        if not config.num_experts:
+            raise ValueError(f"enable_expert_parallel places experts on ranks; {config.architecture} has none "
+                             f"(it is not a mixture of experts)")
+        if config.num_experts % size:
+            raise ValueError(f"expert parallelism over {size} ranks does not divide the model's "
+                             f"{config.num_experts} experts")
+    split = ("shared_expert_intermediate_size",) + (() if expert_parallel else ("moe_intermediate_size",))
+    for name in split:
         if getattr(config, name) % size:
             raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name.replace('_', ' ')} "
                              f"{getattr(config, name)}")
+    if config.experts_mxfp4 and not expert_parallel and config.moe_intermediate_size // size % 32:
+        raise ValueError(f"tensor_parallel_size {size} splits the MXFP4 experts' intermediate size "
+                         f"{config.moe_intermediate_size} into {config.moe_intermediate_size // size}, not a multiple "
+                         f"of its 32-value blocks; use enable_expert_parallel or a smaller size")
     local_ranks = size if local_ranks is None else local_ranks
     if device_type == "cuda" and local_ranks > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size {size} puts {local_ranks} ranks on this machine, one per CUDA "
@@ -97,12 +116,15 @@ def shard_tensor(name: str, read: Callable[[object], torch.Tensor], shape: tuple
         if part.shape[0] < per_rank:  # the last rank's padded tail: never looked up, cut from the gathered logits
             part = torch.cat([part, part.new_zeros(per_rank - part.shape[0], *part.shape[1:])])
         return part
-    if config.expert_parallel and (_MOE_STACKED.fullmatch(suffix) or _EXPERT_INDEX.match(suffix)):
+    gpt_oss = _GPT_OSS_STACKED.fullmatch(suffix)
+    if config.expert_parallel and (gpt_oss or _MOE_STACKED.fullmatch(suffix) or _EXPERT_INDEX.match(suffix)):
         held = local_experts(config, rank, size)
-        if _MOE_STACKED.fullmatch(suffix):
+        if gpt_oss or _MOE_STACKED.fullmatch(suffix):
             return read(slice(held.start, held.stop))
         # Another rank's expert is not read at all.
         return read(slice(None)) if int(_EXPERT_INDEX.match(suffix).group(1)) in held else torch.empty(0)
+    if gpt_oss:
+        return _gpt_oss_expert_shard(gpt_oss.group(1), gpt_oss.group(2), read, shape, rank, size)
     if stacked := _MOE_STACKED.fullmatch(suffix):
         dim = 2 if stacked.group(1) == "down_proj" else 1
         per_rank = shape[dim] // size
@@ -114,7 +136,7 @@ def shard_tensor(name: str, read: Callable[[object], torch.Tensor], shape: tuple
         full = read(slice(None))
         return full if rank == 0 else torch.zeros_like(full)
     head_dim = config.head_dim
-    if suffix.startswith(("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")) or _MOE_COLUMN.fullmatch(suffix):
+    if suffix.startswith(("self_attn.q_proj.", "self_attn.sinks", "mlp.gate_proj.", "mlp.up_proj.")) or _MOE_COLUMN.fullmatch(suffix):
         per_rank = shape[0] // size
         return read(slice(rank * per_rank, (rank + 1) * per_rank))
     if suffix.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
@@ -125,6 +147,22 @@ def shard_tensor(name: str, read: Callable[[object], torch.Tensor], shape: tuple
         head = rank * kv // size  # the KV head this rank's query heads read
         return read(slice(head * head_dim, (head + 1) * head_dim))
     return read(slice(None))  # norms: replicated
+
+
+def _gpt_oss_expert_shard(name: str, stored: str | None, read: Callable[[object], torch.Tensor],
+                          shape: tuple[int, ...], rank: int, size: int) -> torch.Tensor:
+    """This rank's slice of every gpt-oss expert's intermediate units: gate/up's interleaved pairs
+    are contiguous columns (rows when stored as MXFP4 blocks), down's rows (its blocks' groups);
+    down's bias is added once, by rank 0, after the all-reduce."""
+    if name == "down_proj_bias":
+        full = read(slice(None))
+        return full if rank == 0 else torch.zeros_like(full)
+    if name.startswith("gate_up_proj"):
+        dim = 1 if stored or name == "gate_up_proj_bias" else 2
+    else:
+        dim = 2 if stored else 1
+    per_rank = shape[dim] // size
+    return read((slice(None),) * dim + (slice(rank * per_rank, (rank + 1) * per_rank),))
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

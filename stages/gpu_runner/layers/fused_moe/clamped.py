@@ -10,11 +10,12 @@ then up rows, as the other families' experts hold them.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from stages.gpu_runner.layers.fused_moe.experts import FusedExperts, fused_experts
+from stages.gpu_runner.layers.fused_moe.experts import FusedExperts
 
 # The checkpoint's stacked expert tensors (their names under `mlp.experts.`).
 STACKED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -27,22 +28,16 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
 
 
 class ClampedSwigluExperts(FusedExperts):
-    """w13 [E, 2I, H] (gate rows, then up rows) and b13 [E, 2I]; w2 [E, H, I] and b2 [E, H]."""
+    """Experts `held` (all, or an expert-parallel rank's range): w13 [E, 2I, H] (gate rows, then up
+    rows) and b13 [E, 2I]; w2 [E, H, I] and b2 [E, H]; the clamped SwiGLU as the activation."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float,
+    def __init__(self, held: range, hidden_size: int, intermediate_size: int, num_experts: int, alpha: float,
                  limit: float) -> None:
-        super().__init__(range(num_experts), hidden_size, intermediate_size, num_experts)
-        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size), requires_grad=False)
-        self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        super().__init__(held, hidden_size, intermediate_size, num_experts)
+        self.b13 = nn.Parameter(torch.empty(len(held), 2 * intermediate_size), requires_grad=False)
+        self.b2 = nn.Parameter(torch.empty(len(held), hidden_size), requires_grad=False)
         self.alpha, self.limit = alpha, limit
-
-    def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        """Expert `e` over its tokens x [n, H] -> [n, H]."""
-        gate, up = F.linear(x, self.w13[e], self.b13[e]).chunk(2, dim=-1)
-        return F.linear(clamped_swiglu(gate, up, self.alpha, self.limit), self.w2[e], self.b2[e])
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, self.w13, self.w2, weights, ids, self.expert)
+        self.activation = functools.partial(clamped_swiglu, alpha=alpha, limit=limit)
 
     @torch.no_grad()
     def load_stacked(self, name: str, tensor: torch.Tensor) -> None:
