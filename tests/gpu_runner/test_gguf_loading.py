@@ -28,7 +28,10 @@ _BLOCK_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "sel
                 "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                 # A mixture's router and its experts, stacked one tensor per projection.
                 "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps",
-                "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps"}
+                "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps",
+                # Qwen2-MoE's shared expert and its gate.
+                "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 
 
 @pytest.fixture(autouse=True)

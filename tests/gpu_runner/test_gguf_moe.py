@@ -1,6 +1,7 @@
 """Mixtures of experts from GGUF files laid out as llama.cpp lays them out (Mixtral as a "llama"
-file with an expert count, qwen3moe; each projection's experts stacked in one tensor) give the
-greedy tokens of their safetensors checkpoints."""
+file with an expert count, qwen2moe with its shared expert's ffn_*_shexp and its gate
+ffn_gate_inp_shexp, qwen3moe; each projection's experts stacked in one tensor) give the greedy
+tokens of their safetensors checkpoints."""
 from __future__ import annotations
 
 import json
@@ -36,9 +37,10 @@ def stacked(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("arch, gguf_arch", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe")])
+@pytest.mark.parametrize("arch, gguf_arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe"), ("qwen3_moe", "qwen3moe")])
 def test_a_moe_gguf_file_serves_the_tokens_of_its_safetensors_checkpoint(arch, gguf_arch, tiny_checkpoint, tmp_path):
-    source = tiny_checkpoint(arch)
+    # llama.cpp's qwen2moe has experts in every layer: one layer, so the tiny model's dense layer 1 is not there.
+    source = tiny_checkpoint(arch, num_layers=1) if arch == "qwen2_moe" else tiny_checkpoint(arch)
     config = json.loads((source / "config.json").read_text())
 
     def experts(writer: gguf.GGUFWriter) -> None:
@@ -46,6 +48,8 @@ def test_a_moe_gguf_file_serves_the_tokens_of_its_safetensors_checkpoint(arch, g
         writer.add_expert_used_count(config["num_experts_per_tok"])
         if "moe_intermediate_size" in config:
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if "shared_expert_intermediate_size" in config:
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
     path = write_gguf(source, tmp_path / f"{arch}.gguf", gguf_arch, tensors=stacked(source), metadata=experts)
     served = Path(resolve_model(path))
