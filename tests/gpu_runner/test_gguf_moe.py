@@ -37,7 +37,8 @@ def stacked(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("arch, gguf_arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe"), ("qwen3_moe", "qwen3moe")])
+@pytest.mark.parametrize("arch, gguf_arch",
+                         [("mixtral", "llama"), ("qwen2_moe", "qwen2moe"), ("qwen3_moe", "qwen3moe")])
 def test_a_moe_gguf_file_serves_the_tokens_of_its_safetensors_checkpoint(arch, gguf_arch, tiny_checkpoint, tmp_path):
     # llama.cpp's qwen2moe has experts in every layer: one layer, so the tiny model's dense layer 1 is not there.
     source = tiny_checkpoint(arch, num_layers=1) if arch == "qwen2_moe" else tiny_checkpoint(arch)

@@ -136,7 +136,8 @@ def shard_tensor(name: str, read: Callable[[object], torch.Tensor], shape: tuple
         full = read(slice(None))
         return full if rank == 0 else torch.zeros_like(full)
     head_dim = config.head_dim
-    if suffix.startswith(("self_attn.q_proj.", "self_attn.sinks", "mlp.gate_proj.", "mlp.up_proj.")) or _MOE_COLUMN.fullmatch(suffix):
+    column = ("self_attn.q_proj.", "self_attn.sinks", "mlp.gate_proj.", "mlp.up_proj.")  # sinks: one per head
+    if suffix.startswith(column) or _MOE_COLUMN.fullmatch(suffix):
         per_rank = shape[0] // size
         return read(slice(rank * per_rank, (rank + 1) * per_rank))
     if suffix.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):

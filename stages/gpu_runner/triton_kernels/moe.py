@@ -1,8 +1,8 @@
 """The fused MoE on the GPU as vLLM's `fused_moe` does it: the (token, choice) slots sorted by expert
 and each expert's run padded to the block size, then one grouped GEMM launch for gate/up over all
 experts, the activation in torch, and one for down (scaled by the routing weights); biases are
-added per slot's expert and the k weighted outputs of a token are summed last. Matches layers/fused_moe/experts.fused_experts up to the order
-of the float32 sums.
+added per slot's expert and the k weighted outputs of a token are summed last. Matches
+layers/fused_moe/experts.fused_experts up to the order of the float32 sums.
 """
 from __future__ import annotations
 
