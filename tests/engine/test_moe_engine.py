@@ -79,7 +79,7 @@ def test_moe_engine_equals_transformers_with_chunks_prefix_hits_and_preemption(m
     assert llm.scheduler.block_manager.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", sorted(MOE))
 def test_moe_with_speculative_decoding_equals_transformers(moe_model, expected, arch):
     """The mixture drafts for itself (every draft accepted) and verifies several tokens per row a step."""
     model = moe_model(arch)

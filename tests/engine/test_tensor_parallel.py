@@ -131,7 +131,7 @@ def test_two_ranks_speculating_equal_one_without(models: dict[str, Path], method
         assert stats.speculative.num_accepted_tokens == stats.speculative.num_draft_tokens
 
 
-@pytest.mark.parametrize("shape", ["mixtral", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("shape", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
 def test_expert_parallel_two_ranks_equal_one(models: dict[str, Path], shape: str) -> None:
     expected = run(models[shape])
     assert run(models[shape], tensor_parallel_size=2, enable_expert_parallel=True) == expected

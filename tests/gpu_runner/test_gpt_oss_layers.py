@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from stages.gpu_runner.layers.quantization.mxfp4 import dequantize_mxfp4
 from stages.gpu_runner.loaders.loader import load_model
 from stages.gpu_runner.layers.rotary import yarn_attention_factor, yarn_inv_freq
 from stages.gpu_runner.models.config import ModelLoadError, YarnScaling, load_model_config
+from stages.gpu_runner.parallel.group import TensorParallel
 
 E, H, I, K = 8, 16, 12, 2
 
@@ -128,8 +130,9 @@ def test_mxfp4_dequantizes_as_transformers_does() -> None:
     assert torch.equal(dequantize_mxfp4(blocks, scales), want) and want.shape == (3, 64, 24)
 
 
-def test_an_mxfp4_checkpoint_loads_as_its_dequantized_dense_twin(tiny_checkpoint, tmp_path) -> None:
-    """The same experts stored as MXFP4 blocks and scales, and dense (dequantized by transformers)."""
+@pytest.fixture
+def mxfp4_twins(tiny_checkpoint, tmp_path) -> tuple[Path, Path]:
+    """The same experts stored dense (dequantized by transformers) and as MXFP4 blocks and scales."""
     source = tiny_checkpoint("gpt_oss")
     dense_dir, mxfp4_dir = tmp_path / "dense", tmp_path / "mxfp4"
     for out in (dense_dir, mxfp4_dir):
@@ -148,12 +151,23 @@ def test_an_mxfp4_checkpoint_loads_as_its_dequantized_dense_twin(tiny_checkpoint
     cfg = json.loads((source / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (mxfp4_dir / "config.json").write_text(json.dumps(cfg))
-    models = [load_model(d, device=torch.device("cpu"), dtype=torch.float32, max_positions=64)
-              for d in (dense_dir, mxfp4_dir)]
+    return dense_dir, mxfp4_dir
+
+
+# (rank, expert-parallel) of two ranks; None: the whole model.
+@pytest.mark.parametrize("shard", [None, (0, False), (1, False), (1, True)], ids=["whole", "tp0", "tp1", "ep1"])
+def test_an_mxfp4_checkpoint_loads_as_its_dequantized_dense_twin(mxfp4_twins, shard) -> None:
+    """Whole, and each rank's shard: its slice of the interleaved gate/up units and of down's
+    blocks' groups under tensor parallelism, whole experts under expert parallelism."""
+    options = {} if shard is None else dict(tp=TensorParallel(shard[0], 2, None, None), expert_parallel=shard[1])
+    models = [load_model(d, device=torch.device("cpu"), dtype=torch.float32, max_positions=64, **options)
+              for d in mxfp4_twins]
     assert models[1].config.experts_mxfp4
     want, got = (dict(m.named_parameters()) for m in models)
     assert want.keys() == got.keys() and all(torch.equal(want[n], got[n]) for n in want)
     assert not torch.equal(want["layers.0.mlp.experts.w13"], models[0].layers[1].mlp.experts.w13)
+    experts = models[1].layers[0].mlp.experts
+    assert experts.w13.shape[0] == (4 if shard and shard[1] else 8)
 
 
 def test_auto_attends_sinks_with_the_torch_backend() -> None:
