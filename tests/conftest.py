@@ -26,7 +26,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """The CPU operators are built (once per machine and source, about a minute) before any test's
     time limit runs, so the first test to use them is not timed with the compiler. When tests that
     compare with transformers on the real checkpoints are collected, the references they need start
-    at once, in a worker at the lowest priority (real_models.py)."""
+    at once, in a worker at the lowest priority (real_models.py). A session that only collects
+    (--collect-only) runs no test and needs neither."""
+    if session.config.option.collectonly:
+        return
     if session.items and os.environ.get("PIPELINE_CPU_KERNELS", "1") != "0":
         from stages.gpu_runner import cpu_ops
 

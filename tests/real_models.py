@@ -5,8 +5,12 @@ A test that asks for one is skipped, with the pip command to run, when its packa
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.metadata
 import importlib.util
+import json
 import os
+import platform
 from pathlib import Path
 
 import pytest
@@ -80,13 +84,18 @@ def share_gguf_readers() -> None:
 
 # ---- transformers' reference, computed in a worker process at the lowest priority
 #
-# Loading Gemma through transformers' GGUF loader takes half a minute of one core, and the
-# references take as long again. When a session collects the real-model tests, the worker starts
-# on them at once (see conftest.py) and works while the rest of the suite waits on its daemons.
+# Loading Gemma through transformers' GGUF loader takes minutes of one core, and the references
+# take long again. When a session collects the real-model tests, the worker starts on them at once
+# (see conftest.py) and works while the rest of the suite waits on its daemons. Each result is kept
+# in the cache folder under a key of everything it depends on (this file's text: the reference code,
+# prompts and corpus; the arguments; the GGUF file's size and time; the versions of transformers,
+# torch, gguf and tokenizers; the machine's CPU), so a later session on the same machine reads what
+# transformers computed instead of computing it again. PIPELINE_TEST_REFERENCE_CACHE=0 recomputes.
 
 SMOLLM2_TEXTS = ["The history of the printing press", "def fibonacci(n):", "Bonjour, je m'appelle"]
 SMOLLM2_TOKENS = 24
 GEMMA3_WINDOW = 512
+GEMMA3_PAST_WINDOW = 64  # the long prompt's tokens past the window (its 48 new tokens go further)
 GEMMA3_TOKENS = [48, 16, 16]  # the short prompts decode beside the long one's prefill and first tokens
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 CHAT_TOKENS = 24
@@ -120,9 +129,10 @@ def smollm2_prompts() -> list[list[int]]:
 
 
 def gemma3_prompts() -> list[list[int]]:
-    """About twice the window, and two short ones."""
+    """One past the window (the window's own tests on a tiny Gemma 3 cross it many times, in
+    tests/engine/test_sliding_window_engine.py), and two short ones."""
     tokenizer = served_tokenizer(gemma3_gguf())
-    texts = [text_of_tokens(tokenizer, 2 * GEMMA3_WINDOW - 24), "The capital of France is",
+    texts = [text_of_tokens(tokenizer, GEMMA3_WINDOW + GEMMA3_PAST_WINDOW), "The capital of France is",
              "Once upon a time, in a small village,"]
     return [tokenizer.encode(text).ids for text in texts]
 
@@ -173,23 +183,66 @@ def _start_worker() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecations, in the test log
 
 
-def start_references(*kinds: str) -> dict[str, object]:
-    """Ask the worker for the references of `kinds` not asked for yet; name -> its AsyncResult."""
+class _Kept:
+    """A reference read from the cache, answering like the worker's AsyncResult."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def get(self, timeout: float | None = None) -> object:
+        return self.value
+
+
+def _cache_key(function: object, args: tuple) -> str:
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    for package in ("transformers", "torch", "gguf", "tokenizers", "numpy"):
+        digest.update(f"{package}=={importlib.metadata.version(package)};".encode())
+    for arg in args:
+        if isinstance(arg, str) and arg.endswith(".gguf"):
+            stat = Path(arg).stat()
+            digest.update(f"{stat.st_size}:{stat.st_mtime_ns};".encode())
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+        flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    digest.update(f"{platform.machine()};{os.cpu_count()};{flags};{function.__name__};{args!r}".encode())
+    return digest.hexdigest()[:32]
+
+
+def _reference(function: object, *args: object) -> object:
+    """`function(*args)` from the cache, else asked of the worker (and kept once it is done)."""
     global _pool
+    from pipeline.models.checkpoints import cache_dir
+
+    path = cache_dir() / "test-references" / f"{function.__name__}-{_cache_key(function, args)}.json"
+    if os.environ.get("PIPELINE_TEST_REFERENCE_CACHE", "1") != "0" and path.is_file():
+        return _Kept(json.loads(path.read_text()))
     if _pool is None:
         import multiprocessing
 
         _pool = multiprocessing.get_context("spawn").Pool(1, initializer=_start_worker)
+
+    def keep(value: object) -> None:
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # a reader never sees half a file
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(value))
+            os.replace(partial, path)
+        except OSError:
+            partial.unlink(missing_ok=True)  # not kept: the next session computes it again
+
+    return _pool.apply_async(function, args, callback=keep)
+
+
+def start_references(*kinds: str) -> dict[str, object]:
+    """Ask for the references of `kinds` not asked for yet; name -> its AsyncResult (or cached value)."""
     if SERVING in kinds and "gemma3" not in _references:
         prompts = smollm2_prompts()
-        _references["smollm2"] = _pool.apply_async(reference_greedy, (str(smollm2_gguf()), prompts,
-                                                                      [SMOLLM2_TOKENS] * len(prompts)))
-        _references["chat"] = _pool.apply_async(reference_chat, (str(smollm2_gguf()), CHAT, CHAT_TOKENS))
-        _references["gemma3"] = _pool.apply_async(reference_greedy, (str(gemma3_gguf()), gemma3_prompts(),
-                                                                     GEMMA3_TOKENS))
+        _references["smollm2"] = _reference(reference_greedy, str(smollm2_gguf()), prompts,
+                                            [SMOLLM2_TOKENS] * len(prompts))
+        _references["chat"] = _reference(reference_chat, str(smollm2_gguf()), CHAT, CHAT_TOKENS)
+        _references["gemma3"] = _reference(reference_greedy, str(gemma3_gguf()), gemma3_prompts(), GEMMA3_TOKENS)
     if TOKENIZERS in kinds and "tokenizer:gemma3" not in _references:
         for name, gguf in (("smollm2", smollm2_gguf()), ("gemma3", gemma3_gguf())):
-            _references[f"tokenizer:{name}"] = _pool.apply_async(reference_tokenizer, (str(gguf), TOKENIZER_CORPUS))
+            _references[f"tokenizer:{name}"] = _reference(reference_tokenizer, str(gguf), TOKENIZER_CORPUS)
     return _references
 
 
