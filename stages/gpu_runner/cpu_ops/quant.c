@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__) || defined(__SSE__)
 #include <immintrin.h>
 #endif
 
@@ -142,7 +142,7 @@ static inline void nibbles(const uint8_t *qs, __m512 *w) {
 }
 
 /* A 32-value block into w[0] (values 0-15) and w[1] (16-31), the same roundings as the scalar code. */
-static inline void block32(const uint8_t *b, int qtype, __m512 *w) {
+static inline __attribute__((always_inline)) void block32(const uint8_t *b, int qtype, __m512 *w) {
     const __m512 d = _mm512_set1_ps(f16(b));
     switch (qtype) {
     case Q8_0:
@@ -173,24 +173,55 @@ static inline void block32(const uint8_t *b, int qtype, __m512 *w) {
     }
 }
 
+/* out[j * out_stride] = x[j] . the row, for j < m (m a constant where this is inlined: the
+ * accumulators stay in registers, and each call site below is compiled for its block type). */
+static inline __attribute__((always_inline)) void dot_rows32(const uint8_t *row, const int qtype, const int bytes,
+                                                             int64_t cols, const float *x, const int m, float *out,
+                                                             int64_t out_stride) {
+    __m512 acc[8];
+    for (int j = 0; j < m; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < cols / 32; k++) {
+        __m512 w[2];
+        block32(row + k * bytes, qtype, w);
+        for (int j = 0; j < m; j++) {
+            const float *xj = x + j * cols + k * 32;
+            acc[j] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xj), acc[j]);
+            acc[j] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xj + 16), acc[j]);
+        }
+    }
+    for (int j = 0; j < m; j++) out[j * out_stride] = _mm512_reduce_add_ps(acc[j]);
+}
+
+#define DOT_ROWS32_OF(QTYPE, BYTES)                                                                 \
+    static void dot_rows32_##QTYPE(const uint8_t *row, int64_t cols, const float *x, int64_t n, float *out, \
+                                   int64_t out_stride) {                                            \
+        int64_t j0 = 0;                                                                             \
+        for (; j0 + 8 <= n; j0 += 8) dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 8, out + j0 * out_stride, out_stride); \
+        switch (n - j0) {                                                                           \
+        case 1: dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 1, out + j0 * out_stride, out_stride); break; \
+        case 2: dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 2, out + j0 * out_stride, out_stride); break; \
+        case 3: dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 3, out + j0 * out_stride, out_stride); break; \
+        case 4: dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 4, out + j0 * out_stride, out_stride); break; \
+        case 5: dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 5, out + j0 * out_stride, out_stride); break; \
+        case 6: dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 6, out + j0 * out_stride, out_stride); break; \
+        case 7: dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 7, out + j0 * out_stride, out_stride); break; \
+        }                                                                                           \
+    }
+DOT_ROWS32_OF(Q8_0, 34)
+DOT_ROWS32_OF(Q4_0, 18)
+DOT_ROWS32_OF(Q4_1, 20)
+DOT_ROWS32_OF(Q5_0, 22)
+DOT_ROWS32_OF(Q5_1, 24)
+
 /* out[j * out_stride] = x[j] . the row, for j < n: each block decoded once, into registers. */
 static void dot_row32(const uint8_t *row, int qtype, int64_t cols, const float *x, int64_t n, float *out,
                       int64_t out_stride) {
-    const int bytes = qtype == Q8_0 ? 34 : qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q5_0 ? 22 : 24;
-    __m512 acc[8];
-    for (int64_t j0 = 0; j0 < n; j0 += 8) {
-        const int64_t m = n - j0 < 8 ? n - j0 : 8;
-        for (int64_t j = 0; j < m; j++) acc[j] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < cols / 32; k++) {
-            __m512 w[2];
-            block32(row + k * bytes, qtype, w);
-            for (int64_t j = 0; j < m; j++) {
-                const float *xj = x + (j0 + j) * cols + k * 32;
-                acc[j] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xj), acc[j]);
-                acc[j] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xj + 16), acc[j]);
-            }
-        }
-        for (int64_t j = 0; j < m; j++) out[(j0 + j) * out_stride] = _mm512_reduce_add_ps(acc[j]);
+    switch (qtype) {
+    case Q8_0: dot_rows32_Q8_0(row, cols, x, n, out, out_stride); return;
+    case Q4_0: dot_rows32_Q4_0(row, cols, x, n, out, out_stride); return;
+    case Q4_1: dot_rows32_Q4_1(row, cols, x, n, out, out_stride); return;
+    case Q5_0: dot_rows32_Q5_0(row, cols, x, n, out, out_stride); return;
+    default: dot_rows32_Q5_1(row, cols, x, n, out, out_stride); return;
     }
 }
 /* The 256-value types into w (Q4_K, Q5_K, Q6_K), 16 values a vector, the scalar code's roundings. */
@@ -313,6 +344,20 @@ void quant_dequantize_rows(const uint8_t *blocks, int qtype, int64_t row_bytes, 
         quant_decode_row(blocks + (ids != NULL ? ids[i] : first + i) * row_bytes, qtype, cols, out + i * cols);
 }
 
+/* How far ahead of the row being multiplied its thread asks for the blocks (bytes): the hardware
+ * prefetcher alone leaves a decode step well short of the memory's bandwidth (measured on a 262,144-row
+ * Q8_0 head, one thread: 30 ms without, 22 ms with 4 KiB ahead, against 17 ms to merely read it). */
+#define PREFETCH_AHEAD 4096
+
+static inline void prefetch_row(const uint8_t *row, int64_t row_bytes) {
+#if defined(__SSE__) || defined(__AVX2__) || defined(__AVX512F__)
+    for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + at, _MM_HINT_T0);
+#else
+    (void)row;
+    (void)row_bytes;
+#endif
+}
+
 /* out [n, rows] = x [n, cols] times the weight [rows, cols] transposed. */
 void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t rows, int64_t cols, const float *x,
                   int64_t n, float *out) {
@@ -322,6 +367,7 @@ void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t r
         if (w == NULL) abort(); /* cols floats: a few KiB */
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
+            prefetch_row(blocks + r * row_bytes, row_bytes);
 #if defined(__AVX512F__)
             if (block_values(qtype) == 32) {
                 dot_row32(blocks + r * row_bytes, qtype, cols, x, n, out + r, rows);
