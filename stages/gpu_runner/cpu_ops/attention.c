@@ -5,7 +5,7 @@
  * scores all its query heads against each key once (a key's KV heads are contiguous in its
  * slot), then a softmax and the weighted sum of values, all in float32. Tasks are shared by the
  * process's OpenMP threads (torch's own: this library links libgomp by soname, which torch has
- * loaded).
+ * loaded); a single row, one stream's decode, runs on the calling thread without waking the team.
  *
  * Layouts (C-contiguous; element type float32 or bfloat16, one for all four tensors):
  * query and out [rows, queries, heads, head_dim]; keys and values [slots, kv_heads, head_dim];
@@ -123,7 +123,7 @@ void paged_attention(const void *query, const void *keys, const void *values, co
                      const uint8_t *mask, void *out, int64_t rows, int64_t queries, int64_t num_keys,
                      int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int bf16) {
     const int64_t width = queries * heads;  /* query vectors per row */
-#pragma omp parallel
+#pragma omp parallel if (rows > 1)
     {
         float *q = malloc(sizeof(float) * width * head_dim);
         float *acc = malloc(sizeof(float) * width * head_dim);

@@ -173,23 +173,42 @@ static inline __attribute__((always_inline)) void block32(const uint8_t *b, int 
     }
 }
 
+/* Block k of the row times x[j]'s block k, for j < m, added into acc[j][chain] and acc[j][chain + 1]. */
+static inline __attribute__((always_inline)) void block_dot32(const uint8_t *row, const int qtype, const int bytes,
+                                                              int64_t cols, const float *x, const int m, int64_t k,
+                                                              const int chain, __m512 acc[8][4]) {
+    __m512 w[2];
+    block32(row + k * bytes, qtype, w);
+    for (int j = 0; j < m; j++) {
+        const float *xj = x + j * cols + k * 32;
+        acc[j][chain] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xj), acc[j][chain]);
+        acc[j][chain + 1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xj + 16), acc[j][chain + 1]);
+    }
+}
+
 /* out[j * out_stride] = x[j] . the row, for j < m (m a constant where this is inlined: the
- * accumulators stay in registers, and each call site below is compiled for its block type). */
+ * accumulators stay in registers, and each call site below is compiled for its block type). One
+ * row's sum would be a single chain of dependent FMAs, bound by their latency rather than by
+ * reading the blocks: each row sums into 2 chains, 4 where m <= 2 (odd blocks into the other pair). */
 static inline __attribute__((always_inline)) void dot_rows32(const uint8_t *row, const int qtype, const int bytes,
                                                              int64_t cols, const float *x, const int m, float *out,
                                                              int64_t out_stride) {
-    __m512 acc[8];
-    for (int j = 0; j < m; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < cols / 32; k++) {
-        __m512 w[2];
-        block32(row + k * bytes, qtype, w);
-        for (int j = 0; j < m; j++) {
-            const float *xj = x + j * cols + k * 32;
-            acc[j] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xj), acc[j]);
-            acc[j] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xj + 16), acc[j]);
-        }
+    const int chains = m <= 2 ? 4 : 2;
+    __m512 acc[8][4];
+    for (int j = 0; j < m; j++)
+        for (int c = 0; c < chains; c++) acc[j][c] = _mm512_setzero_ps();
+    const int64_t blocks = cols / 32;
+    int64_t k = 0;
+    for (; k + 1 < blocks; k += 2) {
+        block_dot32(row, qtype, bytes, cols, x, m, k, 0, acc);
+        block_dot32(row, qtype, bytes, cols, x, m, k + 1, chains - 2, acc);
     }
-    for (int j = 0; j < m; j++) out[j * out_stride] = _mm512_reduce_add_ps(acc[j]);
+    if (k < blocks) block_dot32(row, qtype, bytes, cols, x, m, k, 0, acc);
+    for (int j = 0; j < m; j++) {
+        __m512 sum = _mm512_add_ps(acc[j][0], acc[j][1]);
+        if (chains == 4) sum = _mm512_add_ps(sum, _mm512_add_ps(acc[j][2], acc[j][3]));
+        out[j * out_stride] = _mm512_reduce_add_ps(sum);
+    }
 }
 
 #define DOT_ROWS32_OF(QTYPE, BYTES)                                                                 \
@@ -339,7 +358,7 @@ static float dot(const float *a, const float *b, int64_t n) {
 /* out [n, cols] = rows ids[i] (or first + i where ids is NULL) of the weight, decoded. */
 void quant_dequantize_rows(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t cols, const int64_t *ids,
                            int64_t first, int64_t n, float *out) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > 1)
     for (int64_t i = 0; i < n; i++)
         quant_decode_row(blocks + (ids != NULL ? ids[i] : first + i) * row_bytes, qtype, cols, out + i * cols);
 }
