@@ -32,12 +32,14 @@ from stages.gpu_runner.cpu_ops import quant
 from stages.gpu_runner.layers.quantization.base import QuantizedWeight
 from stages.gpu_runner.layers.quantization.gguf import GGUFMethod
 
-# (block type, rows, cols, how many such weights one forward step multiplies)
+# (block type, rows, cols, how many such weights one forward step multiplies), as the model holds
+# them: q/k/v and gate/up merged into one weight where the file stores them in one block type.
 SHAPES = {
-    "smollm2": [(QType.Q4_1, 1536, 576, 30 * 2), (QType.Q4_1, 576, 1536, 30), (QType.Q4_1, 576, 576, 30 * 2),
-                (QType.Q4_1, 192, 576, 30 * 2), (QType.Q8_0, 49152, 576, 1)],
-    "gemma3": [(QType.Q5_0, 2048, 640, 18 * 2), (QType.Q6_K, 640, 2048, 18), (QType.Q5_0, 1024, 640, 18),
-               (QType.Q4_K, 640, 1024, 18), (QType.Q5_0, 256, 640, 18 * 2), (QType.Q8_0, 262144, 640, 1)],
+    "smollm2": [(QType.Q4_1, 3072, 576, 30), (QType.Q4_1, 576, 1536, 30), (QType.Q4_1, 960, 576, 30),
+                (QType.Q4_1, 576, 576, 30), (QType.Q8_0, 49152, 576, 1)],
+    "gemma3": [(QType.Q5_0, 4096, 640, 18), (QType.Q6_K, 640, 2048, 9), (QType.Q4_K, 640, 2048, 9),
+               (QType.Q5_0, 1536, 640, 9), (QType.Q5_0, 1024, 640, 9), (QType.Q5_0, 256, 640, 9),
+               (QType.Q8_0, 256, 640, 9), (QType.Q4_K, 640, 1024, 18), (QType.Q8_0, 262144, 640, 1)],
 }
 
 

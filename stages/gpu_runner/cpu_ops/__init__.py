@@ -114,8 +114,12 @@ def elementwise_ready(*tensors: torch.Tensor) -> bool:
     """Whether rms_norm, silu_and_mul and rotary take these tensors: CPU tensors of one
     SUPPORTED dtype, the kernels built."""
     dtype = tensors[0].dtype
-    return (dtype in SUPPORTED and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
-            and library() is not None)
+    if dtype not in SUPPORTED:
+        return False
+    for tensor in tensors:  # a plain loop: every norm and rotary of a decode step asks
+        if not tensor.is_cpu or tensor.dtype != dtype:
+            return False
+    return library() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool,

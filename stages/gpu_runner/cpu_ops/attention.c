@@ -5,7 +5,7 @@
  * scores all its query heads against each key once (a key's KV heads are contiguous in its
  * slot), then a softmax and the weighted sum of values, all in float32. Tasks are shared by the
  * process's OpenMP threads (torch's own: this library links libgomp by soname, which torch has
- * loaded).
+ * loaded); a single row, one stream's decode, runs on the calling thread without waking the team.
  *
  * Layouts (C-contiguous; element type float32 or bfloat16, one for all four tensors):
  * query and out [rows, queries, heads, head_dim]; keys and values [slots, kv_heads, head_dim];
@@ -57,10 +57,17 @@ static inline int seen(const uint8_t *mask, int64_t queries, int64_t num_keys, i
     return any;
 }
 
+/* Key or value j's slot as float32: read in place, or widened from bfloat16 into `vector`. */
+static inline const float *slot_row(const void *base, int64_t slot, int64_t slot_width, int bf16, float *vector) {
+    if (!bf16) return (const float *)base + slot * slot_width;
+    load_row(base, slot * slot_width, bf16, vector, slot_width);
+    return vector;
+}
+
 /* One row: `width` = queries * heads query vectors q [width, head_dim] (already scaled), query
- * i's heads at rows i * heads.. of q. Each key is read once for all KV heads (its slot's bytes are
- * contiguous). Scratch: scores [width, num_keys], vector [kv_heads * head_dim]; the result goes
- * to acc [width, head_dim]. */
+ * i's heads at rows i * heads.. of q; head h reads KV head h / group. Each key is read once for
+ * all KV heads (its slot's bytes are contiguous). Scratch: scores [width, num_keys], vector
+ * [kv_heads * head_dim] (bfloat16 slots widened); the result goes to acc [width, head_dim]. */
 static void attend(const float *q, int64_t width, int64_t heads, const void *keys, const void *values, int bf16,
                    const int64_t *slots, const uint8_t *mask, int64_t queries, int64_t num_keys,
                    int64_t kv_heads, int64_t head_dim, float *scores, float *vector, float *acc) {
@@ -68,10 +75,15 @@ static void attend(const float *q, int64_t width, int64_t heads, const void *key
     const int64_t slot_bytes = slot_width * (bf16 ? 2 : 4);
     for (int64_t j = 0; j < num_keys; j++) {
         fetch_ahead(keys, slots, j, num_keys, slot_bytes);
-        if (seen(mask, queries, num_keys, j)) load_row(keys, slots[j] * slot_width, bf16, vector, slot_width);
-        for (int64_t m = 0; m < width; m++)
-            scores[m * num_keys + j] = mask[(m / heads) * num_keys + j]
-                ? dot(q + m * head_dim, vector + (m % heads) / group * head_dim, head_dim) : -INFINITY;
+        const float *key = seen(mask, queries, num_keys, j) ? slot_row(keys, slots[j], slot_width, bf16, vector) : NULL;
+        for (int64_t i = 0; i < queries; i++) {
+            const int visible = key != NULL && mask[i * num_keys + j];
+            for (int64_t kv = 0; kv < kv_heads; kv++)
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t m = i * heads + kv * group + g;
+                    scores[m * num_keys + j] = visible ? dot(q + m * head_dim, key + kv * head_dim, head_dim) : -INFINITY;
+                }
+        }
     }
     for (int64_t m = 0; m < width; m++) {
         float *s = scores + m * num_keys, top = -INFINITY, total = 0.0f;
@@ -94,13 +106,16 @@ static void attend(const float *q, int64_t width, int64_t heads, const void *key
     for (int64_t j = 0; j < num_keys; j++) {
         fetch_ahead(values, slots, j, num_keys, slot_bytes);
         if (!seen(mask, queries, num_keys, j)) continue;
-        load_row(values, slots[j] * slot_width, bf16, vector, slot_width);
-        for (int64_t m = 0; m < width; m++) {
-            const float p = scores[m * num_keys + j], *vm = vector + (m % heads) / group * head_dim;
-            float *am = acc + m * head_dim;
+        const float *value = slot_row(values, slots[j], slot_width, bf16, vector);
+        for (int64_t i = 0; i < queries; i++)
+            for (int64_t kv = 0; kv < kv_heads; kv++)
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t m = i * heads + kv * group + g;
+                    const float p = scores[m * num_keys + j], *vm = value + kv * head_dim;
+                    float *am = acc + m * head_dim;
 #pragma omp simd
-            for (int64_t e = 0; e < head_dim; e++) am[e] += p * vm[e];
-        }
+                    for (int64_t e = 0; e < head_dim; e++) am[e] += p * vm[e];
+                }
     }
 }
 
@@ -108,7 +123,7 @@ void paged_attention(const void *query, const void *keys, const void *values, co
                      const uint8_t *mask, void *out, int64_t rows, int64_t queries, int64_t num_keys,
                      int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int bf16) {
     const int64_t width = queries * heads;  /* query vectors per row */
-#pragma omp parallel
+#pragma omp parallel if (rows > 1)
     {
         float *q = malloc(sizeof(float) * width * head_dim);
         float *acc = malloc(sizeof(float) * width * head_dim);

@@ -3,12 +3,11 @@
  *
  * quant_dequantize_rows decodes chosen rows to float32 (the embedding's gathered rows, a prefill's
  * tiles); quant_matmul is the decode step's fused dequantize-and-dot: out[j, r] = x[j] . W[r],
- * output rows shared by the OpenMP threads. With AVX-512, a 32-value block (Q4_0, Q4_1, Q5_0, Q5_1,
- * Q8_0) is decoded into two registers and multiplied there with up to 8 activation rows at a time;
- * a 256-value block (Q4_K, Q5_K, Q6_K) is decoded 16 values a vector into a cache-resident float32
- * row, then dotted with every activation row (AVX-512 or AVX2 dot). Without AVX-512 the decoding is
- * the scalar code (which the compiler may vectorize). Activations stay float32: no 8-bit
- * quantization of them (llama.cpp's integer dots), so the only rounding is the dot's.
+ * output rows shared by the OpenMP threads. With AVX-512 every block is decoded 16 values a
+ * register and multiplied there with up to 8 (32-value types) or 4 (Q4_K, Q5_K, Q6_K) activation
+ * rows at a time; without it a row is decoded by the scalar code, then dotted (AVX2 or scalar).
+ * Activations stay float32: 8-bit activations with integer dots (llama.cpp's) measured no faster
+ * here, the step being bound by reading the blocks, and the only rounding is the dot's.
  *
  * Every decoded value is the float32 that loaders/gguf_quants.py gives, bit for bit: the same
  * operations in the same order, each rounded (-ffp-contract=off; nothing here is an FMA except the
@@ -20,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__) || defined(__SSE__)
 #include <immintrin.h>
 #endif
 
@@ -142,7 +141,7 @@ static inline void nibbles(const uint8_t *qs, __m512 *w) {
 }
 
 /* A 32-value block into w[0] (values 0-15) and w[1] (16-31), the same roundings as the scalar code. */
-static inline void block32(const uint8_t *b, int qtype, __m512 *w) {
+static inline __attribute__((always_inline)) void block32(const uint8_t *b, int qtype, __m512 *w) {
     const __m512 d = _mm512_set1_ps(f16(b));
     switch (qtype) {
     case Q8_0:
@@ -173,24 +172,74 @@ static inline void block32(const uint8_t *b, int qtype, __m512 *w) {
     }
 }
 
+/* Block k of the row times x[j]'s block k, for j < m, added into acc[j][chain] and acc[j][chain + 1]. */
+static inline __attribute__((always_inline)) void block_dot32(const uint8_t *row, const int qtype, const int bytes,
+                                                              int64_t cols, const float *x, const int m, int64_t k,
+                                                              const int chain, __m512 acc[8][4]) {
+    __m512 w[2];
+    block32(row + k * bytes, qtype, w);
+    for (int j = 0; j < m; j++) {
+        const float *xj = x + j * cols + k * 32;
+        acc[j][chain] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xj), acc[j][chain]);
+        acc[j][chain + 1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xj + 16), acc[j][chain + 1]);
+    }
+}
+
+/* out[j * out_stride] = x[j] . the row, for j < m (m a constant where this is inlined: the
+ * accumulators stay in registers, and each call site below is compiled for its block type). One
+ * row's sum would be a single chain of dependent FMAs, bound by their latency rather than by
+ * reading the blocks: each row sums into 2 chains, 4 where m <= 2 (odd blocks into the other pair). */
+static inline __attribute__((always_inline)) void dot_rows32(const uint8_t *row, const int qtype, const int bytes,
+                                                             int64_t cols, const float *x, const int m, float *out,
+                                                             int64_t out_stride) {
+    const int chains = m <= 2 ? 4 : 2;
+    __m512 acc[8][4];
+    for (int j = 0; j < m; j++)
+        for (int c = 0; c < chains; c++) acc[j][c] = _mm512_setzero_ps();
+    const int64_t blocks = cols / 32;
+    int64_t k = 0;
+    for (; k + 1 < blocks; k += 2) {
+        block_dot32(row, qtype, bytes, cols, x, m, k, 0, acc);
+        block_dot32(row, qtype, bytes, cols, x, m, k + 1, chains - 2, acc);
+    }
+    if (k < blocks) block_dot32(row, qtype, bytes, cols, x, m, k, 0, acc);
+    for (int j = 0; j < m; j++) {
+        __m512 sum = _mm512_add_ps(acc[j][0], acc[j][1]);
+        if (chains == 4) sum = _mm512_add_ps(sum, _mm512_add_ps(acc[j][2], acc[j][3]));
+        out[j * out_stride] = _mm512_reduce_add_ps(sum);
+    }
+}
+
+#define DOT_ROWS32_OF(QTYPE, BYTES)                                                                 \
+    static void dot_rows32_##QTYPE(const uint8_t *row, int64_t cols, const float *x, int64_t n, float *out, \
+                                   int64_t out_stride) {                                            \
+        int64_t j0 = 0;                                                                             \
+        for (; j0 + 8 <= n; j0 += 8) dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 8, out + j0 * out_stride, out_stride); \
+        switch (n - j0) {                                                                           \
+        case 1: dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 1, out + j0 * out_stride, out_stride); break; \
+        case 2: dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 2, out + j0 * out_stride, out_stride); break; \
+        case 3: dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 3, out + j0 * out_stride, out_stride); break; \
+        case 4: dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 4, out + j0 * out_stride, out_stride); break; \
+        case 5: dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 5, out + j0 * out_stride, out_stride); break; \
+        case 6: dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 6, out + j0 * out_stride, out_stride); break; \
+        case 7: dot_rows32(row, QTYPE, BYTES, cols, x + j0 * cols, 7, out + j0 * out_stride, out_stride); break; \
+        }                                                                                           \
+    }
+DOT_ROWS32_OF(Q8_0, 34)
+DOT_ROWS32_OF(Q4_0, 18)
+DOT_ROWS32_OF(Q4_1, 20)
+DOT_ROWS32_OF(Q5_0, 22)
+DOT_ROWS32_OF(Q5_1, 24)
+
 /* out[j * out_stride] = x[j] . the row, for j < n: each block decoded once, into registers. */
 static void dot_row32(const uint8_t *row, int qtype, int64_t cols, const float *x, int64_t n, float *out,
                       int64_t out_stride) {
-    const int bytes = qtype == Q8_0 ? 34 : qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q5_0 ? 22 : 24;
-    __m512 acc[8];
-    for (int64_t j0 = 0; j0 < n; j0 += 8) {
-        const int64_t m = n - j0 < 8 ? n - j0 : 8;
-        for (int64_t j = 0; j < m; j++) acc[j] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < cols / 32; k++) {
-            __m512 w[2];
-            block32(row + k * bytes, qtype, w);
-            for (int64_t j = 0; j < m; j++) {
-                const float *xj = x + (j0 + j) * cols + k * 32;
-                acc[j] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xj), acc[j]);
-                acc[j] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xj + 16), acc[j]);
-            }
-        }
-        for (int64_t j = 0; j < m; j++) out[(j0 + j) * out_stride] = _mm512_reduce_add_ps(acc[j]);
+    switch (qtype) {
+    case Q8_0: dot_rows32_Q8_0(row, cols, x, n, out, out_stride); return;
+    case Q4_0: dot_rows32_Q4_0(row, cols, x, n, out, out_stride); return;
+    case Q4_1: dot_rows32_Q4_1(row, cols, x, n, out, out_stride); return;
+    case Q5_0: dot_rows32_Q5_0(row, cols, x, n, out, out_stride); return;
+    default: dot_rows32_Q5_1(row, cols, x, n, out, out_stride); return;
     }
 }
 /* The 256-value types into w (Q4_K, Q5_K, Q6_K), 16 values a vector, the scalar code's roundings. */
@@ -200,7 +249,20 @@ static inline __m128i shifted(const uint8_t *at, int shift, int mask) {
     return _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)at), shift), _mm_set1_epi8((char)mask));
 }
 
-static void block256(const uint8_t *b, int qtype, float *w) {
+/* 16 decoded values of a 256-value block, at `at` in the row: stored into w (x NULL), or dotted
+ * with x[j] for j < m into acc[j][chain] (the decoded values never leave the registers). */
+static inline __attribute__((always_inline)) void emit16(__m512 v, float *w, int64_t at, const float *x,
+                                                         int64_t cols, const int m, const int chain, __m512 acc[][2]) {
+    if (x == NULL) _mm512_storeu_ps(w + at, v);
+    else
+        for (int j = 0; j < m; j++) acc[j][chain] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + j * cols + at), acc[j][chain]);
+}
+
+/* Block k of a row of 256-value blocks: decoded into w + k * 256 (x NULL), or dotted with x[j]'s
+ * values k * 256.. for j < m (see emit16). */
+static inline __attribute__((always_inline)) void block256_emit(const uint8_t *b, const int qtype, float *w,
+                                                                int64_t k, const float *x, int64_t cols, const int m,
+                                                                __m512 acc[][2]) {
     if (qtype == Q6_K) {
         const int8_t *scales = (const int8_t *)(b + 192);
         const float d = f16(b + 208);
@@ -211,7 +273,8 @@ static void block256(const uint8_t *b, int qtype, float *w) {
                     const __m128i high = _mm_slli_epi16(shifted(b + 128 + half * 32 + g * 16, part * 2, 3), 4);
                     const __m512 q = _mm512_sub_ps(widen(_mm_or_si128(low, high)), _mm512_set1_ps(32.0f));
                     const float scale = d * (float)scales[half * 8 + part * 2 + g];
-                    _mm512_storeu_ps(w + half * 128 + part * 32 + g * 16, _mm512_mul_ps(q, _mm512_set1_ps(scale)));
+                    emit16(_mm512_mul_ps(q, _mm512_set1_ps(scale)), w, k * 256 + half * 128 + part * 32 + g * 16, x, cols, m, g,
+                           acc);
                 }
         return;
     }
@@ -223,8 +286,44 @@ static void block256(const uint8_t *b, int qtype, float *w) {
             __m128i q = shifted(qs + (j / 2) * 32 + g * 16, (j % 2) * 4, 0xf);
             if (qtype == Q5_K) q = _mm_or_si128(q, _mm_slli_epi16(shifted(b + 16 + g * 16, j, 1), 4));
             const __m512 v = _mm512_mul_ps(widen(q), _mm512_set1_ps(scale[j]));
-            _mm512_storeu_ps(w + j * 32 + g * 16, _mm512_sub_ps(v, _mm512_set1_ps(min[j])));
+            emit16(_mm512_sub_ps(v, _mm512_set1_ps(min[j])), w, k * 256 + j * 32 + g * 16, x, cols, m, g, acc);
         }
+}
+static void block256(const uint8_t *b, int qtype, float *w) { block256_emit(b, qtype, w, 0, NULL, 0, 0, NULL); }
+
+/* out[j * out_stride] = x[j] . the row of 256-value blocks, for j < m (a constant where inlined). */
+static inline __attribute__((always_inline)) void dot_rows256(const uint8_t *row, const int qtype, const int bytes,
+                                                              int64_t cols, const float *x, const int m, float *out,
+                                                              int64_t out_stride) {
+    __m512 acc[4][2];
+    for (int j = 0; j < m; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < cols / 256; k++) block256_emit(row + k * bytes, qtype, NULL, k, x, cols, m, acc);
+    for (int j = 0; j < m; j++) out[j * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]));
+}
+
+#define DOT_ROWS256_OF(QTYPE, BYTES)                                                                  \
+    static void dot_rows256_##QTYPE(const uint8_t *row, int64_t cols, const float *x, int64_t n, float *out, \
+                                    int64_t out_stride) {                                             \
+        int64_t j0 = 0;                                                                               \
+        for (; j0 + 4 <= n; j0 += 4) dot_rows256(row, QTYPE, BYTES, cols, x + j0 * cols, 4, out + j0 * out_stride, out_stride); \
+        switch (n - j0) {                                                                             \
+        case 1: dot_rows256(row, QTYPE, BYTES, cols, x + j0 * cols, 1, out + j0 * out_stride, out_stride); break; \
+        case 2: dot_rows256(row, QTYPE, BYTES, cols, x + j0 * cols, 2, out + j0 * out_stride, out_stride); break; \
+        case 3: dot_rows256(row, QTYPE, BYTES, cols, x + j0 * cols, 3, out + j0 * out_stride, out_stride); break; \
+        }                                                                                             \
+    }
+DOT_ROWS256_OF(Q4_K, 144)
+DOT_ROWS256_OF(Q5_K, 176)
+DOT_ROWS256_OF(Q6_K, 210)
+
+/* out[j * out_stride] = x[j] . the row of 256-value blocks, for j < n, each block decoded in registers. */
+static void dot_row256(const uint8_t *row, int qtype, int64_t cols, const float *x, int64_t n, float *out,
+                       int64_t out_stride) {
+    switch (qtype) {
+    case Q4_K: dot_rows256_Q4_K(row, cols, x, n, out, out_stride); return;
+    case Q5_K: dot_rows256_Q5_K(row, cols, x, n, out, out_stride); return;
+    default: dot_rows256_Q6_K(row, cols, x, n, out, out_stride); return;
+    }
 }
 #endif
 
@@ -246,8 +345,7 @@ static int block_bytes(int qtype) {
     }
 }
 
-/* Bytes of one block of `qtype`, 0 for a type these kernels do not decode. */
-int quant_block_bytes(int qtype) { return block_bytes(qtype); }
+int quant_block_bytes(int qtype) { return block_bytes(qtype); } /* 0: a type not decoded here */
 
 /* One row of `cols` values decoded into w (quant_gemm.c's tiles use it too). */
 void quant_decode_row(const uint8_t *row, int qtype, int64_t cols, float *w) {
@@ -308,9 +406,23 @@ static float dot(const float *a, const float *b, int64_t n) {
 /* out [n, cols] = rows ids[i] (or first + i where ids is NULL) of the weight, decoded. */
 void quant_dequantize_rows(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t cols, const int64_t *ids,
                            int64_t first, int64_t n, float *out) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > 1)
     for (int64_t i = 0; i < n; i++)
         quant_decode_row(blocks + (ids != NULL ? ids[i] : first + i) * row_bytes, qtype, cols, out + i * cols);
+}
+
+/* How far ahead of the row being multiplied its thread asks for the blocks (bytes): the hardware
+ * prefetcher alone leaves a decode step well short of the memory's bandwidth (measured on a 262,144-row
+ * Q8_0 head, one thread: 30 ms without, 22 ms with 4 KiB ahead, against 17 ms to merely read it). */
+#define PREFETCH_AHEAD 4096
+
+static inline void prefetch_row(const uint8_t *row, int64_t row_bytes) {
+#if defined(__SSE__) || defined(__AVX2__) || defined(__AVX512F__)
+    for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + at, _MM_HINT_T0);
+#else
+    (void)row;
+    (void)row_bytes;
+#endif
 }
 
 /* out [n, rows] = x [n, cols] times the weight [rows, cols] transposed. */
@@ -322,11 +434,13 @@ void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t r
         if (w == NULL) abort(); /* cols floats: a few KiB */
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
+            prefetch_row(blocks + r * row_bytes, row_bytes);
 #if defined(__AVX512F__)
-            if (block_values(qtype) == 32) {
+            if (block_values(qtype) == 32)
                 dot_row32(blocks + r * row_bytes, qtype, cols, x, n, out + r, rows);
-                continue;
-            }
+            else
+                dot_row256(blocks + r * row_bytes, qtype, cols, x, n, out + r, rows);
+            continue;
 #endif
             quant_decode_row(blocks + r * row_bytes, qtype, cols, w);
             for (int64_t j = 0; j < n; j++) out[j * rows + r] = dot(w, x + j * cols, cols);

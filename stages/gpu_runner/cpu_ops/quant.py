@@ -4,6 +4,8 @@ rows made into Q8_0 or Q4_0 blocks (quantize at load). `blocks` is a uint8 [rows
 of one ggml block type (`qtype`, its GGMLQuantizationType number); activations and results are float32."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from stages.gpu_runner.cpu_ops import library, operators
@@ -30,6 +32,18 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int) -> torc
     """x [n, cols] times the weight [rows, cols] transposed: float32 [n, rows], each weight row
     decoded once for all n rows (the fused kernel: for a few rows)."""
     return operators().quant_matmul(x.to(torch.float32), blocks, int(qtype), cols)
+
+
+def matmul_float32(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """matmul for a float32 x [n, cols] and an int qtype, with nothing converted on the way: the
+    decode step calls it for every layer of every token."""
+    return _quant_matmul()(x, blocks, qtype, cols)
+
+
+@functools.cache
+def _quant_matmul():
+    """The operator itself, looked up once (a RuntimeError, not cached, where it is not built)."""
+    return operators().quant_matmul
 
 
 def matmul_tiled(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int, tile_rows: int = 0) -> torch.Tensor:

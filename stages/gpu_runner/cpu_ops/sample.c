@@ -27,7 +27,7 @@ static inline float block_weight(const float *l, int64_t start, int64_t end, flo
 /* logits [rows, vocab]; inverse_temperature and points (in [0, 1)) [rows]; tokens [rows] out. */
 void sample_logits(const float *logits, const float *inverse_temperature, const double *points, int64_t *tokens,
                    int64_t rows, int64_t vocab) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t row = 0; row < rows; row++) {
         const float *l = logits + row * vocab, scale = inverse_temperature[row];
         float top = -INFINITY;

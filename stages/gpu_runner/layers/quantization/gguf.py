@@ -30,19 +30,22 @@ TILE_VALUES = 1 << 20
 class GGUFMethod(LinearMethod):
     def apply(self, weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows, cols = weight.shape
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             raise ValueError(f"GGUF blocks are multiplied on the CPU only, not {x.device}")
-        flat = x.reshape(-1, cols)
-        if flat.shape[0] <= FUSED_ROWS:
-            out = quant.matmul(flat, weight.blocks, weight.qtype, cols)
-        elif flat.shape[0] <= TILED_ROWS:
-            out = quant.matmul_tiled(flat, weight.blocks, weight.qtype, cols)
+        flat = x if x.dim() == 2 else x.reshape(-1, cols)
+        num_rows = flat.shape[0]
+        if num_rows <= FUSED_ROWS and x.dtype == torch.float32 and flat.dim() == 2:
+            # A decode step's path, in as few Python steps as it can be: every layer of every token takes it.
+            out = quant.matmul_float32(flat, weight.blocks, weight.qtype, cols)
+        elif num_rows <= FUSED_ROWS:
+            out = quant.matmul(flat, weight.blocks, weight.qtype, cols).to(x.dtype)
+        elif num_rows <= TILED_ROWS:
+            out = quant.matmul_tiled(flat, weight.blocks, weight.qtype, cols).to(x.dtype)
         else:
-            out = self._torch_tiles(flat.to(torch.float32), weight)
-        out = out.to(x.dtype)
+            out = self._torch_tiles(flat.to(torch.float32), weight).to(x.dtype)
         if bias is not None:
             out = out + bias
-        return out.view(*x.shape[:-1], rows)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], rows)
 
     @staticmethod
     def _torch_tiles(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
