@@ -120,7 +120,10 @@ class Speculation:
         if not self.lookup:  # probes: a backed-off row verifies one draft once its cooldown is over
             cooling = backed_off & (self.cooldown[rows] > 0)
             self.cooldown[rows[cooling]] -= 1
-            drafts = np.where(backed_off & ~cooling, 1, drafts)
+            # and once its last probe was verified: under async scheduling the plan after a probe is
+            # made before the probe's result, which would otherwise find the cooldown still over
+            waiting = backed_off & (self.drafts_in_flight[rows] > 0)
+            drafts = np.where(backed_off & ~cooling & ~waiting, 1, drafts)
         counts.num_rows_off_backoff += int((backed_off & (drafts == 0)).sum())
         drafts = np.where(capable, np.minimum(drafts, self.max_model_len - 1 - num_computed - 1), 0).clip(0)
         if self.lookup:

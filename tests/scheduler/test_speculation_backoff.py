@@ -124,3 +124,26 @@ def test_rows_that_cannot_draft_neither_draft_nor_count_toward_the_batch() -> No
     spec.assign(1, SamplingParams())
     assert _choose(spec, np.arange(4), table, known).tolist() == [0, 0, 0, 0]  # three now: over the limit
     assert spec.counts.num_rows_off_batch == 3
+
+
+def test_under_async_scheduling_a_probe_is_verified_once() -> None:
+    """The plan after a probe is made before the probe's result: it must not probe again."""
+    spec = _speculation(1, method="draft_model", model="draft")
+    rows = np.array([0])
+    table, known = _table(FRESH)
+    in_flight: list[np.ndarray] = []  # the previous step's drafts, verified after the next is planned
+    drafted = []
+    for _ in range(120):
+        drafts = _choose(spec, rows, table, known)
+        spec.scheduled(rows, drafts)
+        if in_flight:
+            spec.verified(rows, in_flight.pop(), np.array([0]))
+        in_flight.append(drafts)
+        drafted.append(int(drafts[0]))
+    backed_off = drafted.index(0)  # hopeful drafts first (4, 4, then fewer), then probes alone
+    probes = [step for step, n in enumerate(drafted) if n and step > backed_off]
+    assert all(drafted[step] == 1 and drafted[step + 1] == 0 for step in probes[:-1])
+    # each probe waits for the previous one's result, then for its cooldown (ever longer, at most MAX_COOLDOWN)
+    gaps = np.diff(probes).tolist()
+    assert len(probes) >= 4 and gaps == sorted(gaps) and gaps[-1] == MAX_COOLDOWN + 2
+    assert spec.counts.num_verifications == sum(1 for n in drafted[:-1] if n)  # the last step is in flight
