@@ -394,6 +394,8 @@ class Scheduler:
         row, rows_t = request.row, self._rows
         if not request.is_finished:
             request.output_token_ids = rows_t.token_ids[row, request.num_prompt_tokens:rows_t.num_known[row]].copy()
+        if self.spec is not None:
+            self.spec.release(row, rows_t.token_ids[row, :rows_t.num_known[row]], request.num_prompt_tokens)
         self.kv.free(request)
         rows_t.clear(row)
         self._row_request[row] = None

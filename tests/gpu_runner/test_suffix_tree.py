@@ -8,7 +8,7 @@ import torch
 
 from stages.contracts.speculative import SpeculativeConfig, SpeculativeConfigError
 from stages.gpu_runner.speculative.suffix import SuffixProposer
-from stages.gpu_runner.speculative.suffix_tree import SuffixCache, SuffixTree, Trie
+from stages.suffix_tree import SuffixCache, SuffixTree, Trie
 
 
 def counts_of(trie: Trie, tokens: list[int]) -> int:

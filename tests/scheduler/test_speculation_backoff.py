@@ -147,3 +147,35 @@ def test_under_async_scheduling_a_probe_is_verified_once() -> None:
     gaps = np.diff(probes).tolist()
     assert len(probes) >= 4 and gaps == sorted(gaps) and gaps[-1] == MAX_COOLDOWN + 2
     assert spec.counts.num_verifications == sum(1 for n in drafted[:-1] if n)  # the last step is in flight
+
+
+def _choose_ahead(spec: Speculation, table: np.ndarray, known: int, ahead: int, num_prompt: int = 0) -> int:
+    """Drafts of row 0 with `ahead` tokens of the step in flight not known yet."""
+    one = np.ones(1, np.int64)
+    return int(spec.choose(np.array([0]), np.ones(1, bool), one, np.array([known - 1 + ahead]),
+                           np.array([known - num_prompt]), np.zeros(1, np.int64), 1000, table,
+                           np.array([known]))[0])
+
+
+def test_a_suffix_row_drafts_what_its_tries_propose_and_none_without_a_match() -> None:
+    spec = _speculation(1, method="suffix", free_tokens=None)
+    table, known = _table(FRESH)
+    assert _choose_ahead(spec, table, int(known[0]), 0) == 0
+    assert spec.counts.num_rows_off_no_match == 1
+    # "7 8" occurred before, followed by 9 1 2 7 8: a match of two tokens proposes two drafts
+    table, _ = _table(np.array([7, 8, 9, 1, 2, 7, 8]))
+    assert _choose_ahead(spec, table, 7, 0) == 2
+    # with tokens in flight the tries are read that far ahead: what is left of the copy after them
+    assert [_choose_ahead(spec, table, 7, ahead) for ahead in (4, 5)] == [1, 0]
+    assert spec.counts.num_rows_off_no_match == 2
+
+
+def test_a_suffix_row_finds_what_earlier_requests_wrote() -> None:
+    spec = _speculation(1, method="suffix", free_tokens=None)
+    answer = np.arange(200, 230)
+    spec.release(0, np.concatenate([FRESH[:5], answer]), num_prompt=5)  # a request leaves with its answer
+    spec.assign(0, SamplingParams())
+    text = np.concatenate([FRESH[10:15], answer[:6]])  # a new one starts the same answer
+    table, _ = _table(text)
+    assert _choose_ahead(spec, table, len(text), 0, num_prompt=5) == 4
+    assert spec.counts.num_rows_off_no_match == 0
