@@ -72,7 +72,8 @@ class Scheduler:
         self._first_admitted: deque[list[tuple[int, int]]] = deque()  # per step in flight: (req_id, ns)
         self._next_step = 0
         self.spec = None if config.speculative is None else \
-            Speculation(config.speculative, self.max_num_seqs, self.max_model_len, limits.verify_free_tokens)
+            Speculation(config.speculative, self.max_num_seqs, self.max_model_len, limits.verify_free_tokens,
+                        limits.draft_step_tokens)
         self.num_preemptions = 0
         self.num_tokens_generated = 0
         self.prefix = PrefixCacheCounts()

@@ -18,6 +18,10 @@ c0 + c1 * N: reading the weights (c0) does not grow with the tokens, the arithme
 token) does. The runner measures both at start-up (ModelLimits.verify_free_tokens = c0 / c1,
 F below). With B rows that can draft in the step, a draft token adds c1 to a step that yields
 about B tokens in c0 + c1 * B, so it pays when the chance it is accepted exceeds B / (F + B).
+A draft model also decodes each draft: one decode step per draft position over the rows that
+draft, costing (e0 + e1 * B) c1 as the runner measured it (ModelLimits.draft_step_tokens), a
+row's share e0 / B + e1. Its drafts pay when their chance exceeds (B + e0 + e1 * B) / (F + B),
+never where that is 1 or more (a draft model as slow as the target).
 Each row keeps a running estimate of the chance that one of its drafts is accepted, a (accepted
 drafts over drafts read up to the first rejection); its j-th draft is accepted with chance a^j,
 so the row drafts the k <= K drafts with a^k above the bar, and rows verify different numbers.
@@ -71,14 +75,16 @@ def recurs(tokens: np.ndarray, n: int) -> bool:
 class Speculation:
     """Per-row speculation state of one scheduler, as arrays indexed by row, and its counts. The
     scheduler tells it what each step scheduled (`scheduled`) and what each verified (`verified`).
-    `free_tokens`: the runner's measured c0 / c1 (None: not measured, drafts are taken as free)."""
+    `free_tokens`: the runner's measured c0 / c1 (None: not measured, drafts are taken as free);
+    `draft_step`: a draft model's decode step over n rows, (e0, e1) in c1."""
 
     def __init__(self, config: SpeculativeConfig, max_num_seqs: int, max_model_len: int,
-                 free_tokens: float | None = None) -> None:
+                 free_tokens: float | None = None, draft_step: tuple[float, float] = (0.0, 0.0)) -> None:
         self.k = config.num_speculative_tokens
         self.max_batch = config.disable_by_batch_size
         self.max_model_len = max_model_len
         self.free_tokens = free_tokens
+        self.draft_step = draft_step
         # n-gram drafts are copies of the row's own text: whether it has any is known on the host.
         self.lookup = config.prompt_lookup_min if config.method == "ngram" else 0
         self.copy_length = max(MIN_COPY, self.lookup + 1)
@@ -127,7 +133,7 @@ class Speculation:
             return np.zeros(len(rows), np.int64)
         if not batch:
             return np.zeros(len(rows), np.int64)
-        self.bar = 0.0 if self.free_tokens is None else batch / (self.free_tokens + batch)
+        self.bar = self._bar(batch)
         num_prompt = num_known - num_outputs
         if self.judged:
             self._revive(rows, capable, token_ids, num_known, num_prompt)
@@ -137,7 +143,8 @@ class Speculation:
         off = capable & (drafts == 0)
         counts.num_rows_off_batch += int((off & (alone > 0)).sum())
         backed_off = off & (alone == 0)
-        if not self.judged:  # probes: a backed-off row verifies one draft once its cooldown is over
+        # probes: a backed-off row verifies one draft once its cooldown is over (where one can pay at all)
+        if not self.judged and self._alone_bar < 1:
             cooling = backed_off & (self.cooldown[rows] > 0)
             self.cooldown[rows[cooling]] -= 1
             # and once its last probe was verified: under async scheduling the plan after a probe is
@@ -161,10 +168,17 @@ class Speculation:
         fits = np.cumsum(drafts) <= max(budget, 0)
         return np.where(fits, drafts, 0)
 
+    def _bar(self, batch: int) -> float:
+        """The chance of acceptance a draft needs to pay in a step of `batch` rows that can draft."""
+        if self.free_tokens is None:
+            return 0.0
+        fixed, per_row = self.draft_step
+        return (batch + fixed + per_row * batch) / (self.free_tokens + batch)
+
     @property
     def _alone_bar(self) -> float:
         """The bar of a row drafting alone: below it, a row backs off whatever the batch."""
-        return 0.0 if self.free_tokens is None else 1 / (self.free_tokens + 1)
+        return self._bar(1)
 
     def _revive(self, rows: np.ndarray, capable: np.ndarray, token_ids: np.ndarray, num_known: np.ndarray,
                 num_prompt: np.ndarray) -> None:

@@ -179,3 +179,25 @@ def test_a_suffix_row_finds_what_earlier_requests_wrote() -> None:
     table, _ = _table(text)
     assert _choose_ahead(spec, table, len(text), 0, num_prompt=5) == 4
     assert spec.counts.num_rows_off_no_match == 0
+
+
+def test_a_draft_models_decoding_counts_in_what_its_drafts_cost() -> None:
+    """F = 20. A draft step over n rows costing 8 + 0.5 n target tokens: alone, a row drafts while
+    a^j > (1 + 8 + 0.5) / 21 = 0.452 (two drafts at a = 0.7, not four); at 16 rows the bar is
+    (16 + 8 + 8) / 36 = 0.889 and no row drafts; a draft as dear as the target never drafts, nor probes."""
+    free = _speculation(16, method="draft_model", model="draft", free_tokens=20.0)
+    dear = Speculation(SpeculativeConfig("draft_model", 4, model="draft"), max_num_seqs=16, max_model_len=100,
+                       free_tokens=20.0, draft_step=(8.0, 0.5))
+    for spec in (free, dear):
+        for row in range(16):
+            spec.assign(row, SamplingParams())
+        spec.hits[:], spec.trials[:] = 0.7, 1.0
+    table, known = _table(*[FRESH] * 16)
+    assert _choose(free, np.array([0]), table, known).tolist() == [4]
+    assert _choose(dear, np.array([0]), table, known).tolist() == [2]
+    assert (_choose(free, np.arange(16), table, known) == 2).all()
+    assert (_choose(dear, np.arange(16), table, known) == 0).all() and dear.counts.num_rows_off_batch == 16
+    same = _speculation(1, method="draft_model", model="draft", free_tokens=20.0)
+    same.draft_step = (20.0, 1.0)  # the target drafting for itself
+    assert sum(int(_choose(same, np.array([0]), table, known)[0]) for _ in range(100)) == 0
+    assert same.counts.num_rows_off_backoff == 100

@@ -40,9 +40,9 @@ class SuffixProposer:
         return self.drafter.cache
 
     def propose(self, token_table: torch.Tensor, rows: torch.Tensor, num_known: torch.Tensor,
-                max_known: int) -> torch.Tensor:
-        """int64 [d, K] drafts for `rows` (int64 [d]) whose first num_known[i] tokens are known;
-        max_known is a host-known upper bound of num_known."""
+                max_known: int, num_drafts: int) -> torch.Tensor:
+        """int64 [d, num_drafts] drafts (num_drafts <= K) for `rows` (int64 [d]) whose first
+        num_known[i] tokens are known; max_known is a host-known upper bound of num_known."""
         width = min(max_known, token_table.shape[1])
         row_list = rows.tolist()
         known = num_known.clamp(1, width).tolist()
@@ -50,11 +50,11 @@ class SuffixProposer:
             table, table_rows = token_table.numpy(), row_list
         else:
             table, table_rows = token_table.index_select(0, rows)[:, :width].cpu().numpy(), range(len(row_list))
-        drafts = np.empty((len(row_list), self.k), np.int64)
+        drafts = np.empty((len(row_list), num_drafts), np.int64)
         for i, (row, table_row, n) in enumerate(zip(row_list, table_rows, known)):
             tree = self.drafter.grow(row, table[table_row, :n], int(self.num_prompt_tokens[row]))
-            found = self.drafter.draft(tree, self.k)
-            drafts[i] = found + [found[-1] if found else tree.tokens[-1]] * (self.k - len(found))
+            found = self.drafter.draft(tree, num_drafts)
+            drafts[i] = found + [found[-1] if found else tree.tokens[-1]] * (num_drafts - len(found))
         return torch.from_numpy(drafts).to(rows.device)
 
     def release(self, rows: np.ndarray) -> None:
