@@ -73,7 +73,7 @@ def test_a_row_with_nothing_to_copy_drafts_none() -> None:
 
 
 def test_a_backed_off_ngram_row_drafts_again_within_a_few_steps_of_copying() -> None:
-    spec = _speculation(1)
+    spec = _speculation(1, prompt_lookup_min=1)
     rows = np.array([0])
     table, known = _table(FRESH[:20])
     table[0, 19] = table[0, 3]  # one token matches: enough to draft, not a copy

