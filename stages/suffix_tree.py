@@ -30,6 +30,9 @@ from collections.abc import Sequence
 from stages.contracts.speculative import SpeculativeConfig
 
 
+CONFIDENT_COUNT = 4  # occurrences of a match that lift max_spec_factor's bound on its drafts
+
+
 class Node:
     __slots__ = ("count", "children", "best")
 
@@ -224,8 +227,11 @@ class SuffixDrafter:
 
 def _after(node: Node, length: int, max_tokens: int, min_prob: float, spec_factor: float,
            ahead: int) -> tuple[list[int], float]:
-    """The drafts below `node` (a match of `length` tokens) that follow its first `ahead` tokens."""
-    tokens, score = node.continuation(ahead + _budget(length + ahead, max_tokens, spec_factor), min_prob)
+    """The drafts below `node` (a match of `length` tokens) that follow its first `ahead` tokens.
+    A match seen CONFIDENT_COUNT times is trusted as far as its continuation's probability goes,
+    however short: the same words answered the same way again and again (an agent's loop)."""
+    budget = max_tokens if node.count >= CONFIDENT_COUNT else _budget(length + ahead, max_tokens, spec_factor)
+    tokens, score = node.continuation(ahead + budget, min_prob)
     return tokens[ahead:], score
 
 

@@ -141,3 +141,12 @@ def test_a_bad_suffix_config_is_refused_naming_the_key(values, named):
     with pytest.raises(SpeculativeConfigError, match="only read by method 'suffix'"):
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
                                      "suffix_decoding_max_tree_depth": 8})
+
+
+def test_a_short_match_seen_often_is_trusted_as_far_as_its_probability_goes():
+    cache = SuffixCache(depth=16, max_tokens=1000)
+    for _ in range(3):
+        cache.add([7, 1, 2, 3, 4, 5])
+    assert cache.propose([9, 7], max_tokens=4, min_prob=0.5, spec_factor=1.0)[0] == [1]  # seen 3 times
+    cache.add([7, 1, 2, 3, 4, 5])
+    assert cache.propose([9, 7], max_tokens=4, min_prob=0.5, spec_factor=1.0)[0] == [1, 2, 3, 4]
