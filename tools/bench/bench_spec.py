@@ -26,12 +26,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 from pipeline import LLM, SamplingParams
 from pipeline.models.checkpoints import default_model_file, resolve_model
 from pipeline.serve.openai.chat import ChatTemplate
+from pipeline.serve.openai.errors import OpenAIError
 from pipeline.serve.openai.schemas import ChatMessage
 from stages.contracts.speculative import METHODS as SPEC_METHODS
 
@@ -115,14 +118,29 @@ def model_path(name: str) -> str:
     return name
 
 
-def render(template: ChatTemplate, task: str, i: int) -> str:
+def render(template: ChatTemplate | None, task: str, i: int) -> str:
+    """The prompt of task `task`'s i-th request, through the chat template (None: a model without
+    one, as Gemma-3-270M: the messages as plain text)."""
     if task == "agent":
         question = f"What is the weather in {AGENT_CITIES[i % len(AGENT_CITIES)]} right now, in celsius?"
-        return template.render([ChatMessage("system", AGENT_SYSTEM), ChatMessage("user", question)])
-    return template.render([ChatMessage("user", TASKS[task](i))])
+        messages = [ChatMessage("system", AGENT_SYSTEM), ChatMessage("user", question)]
+    else:
+        messages = [ChatMessage("user", TASKS[task](i))]
+    if template is None:
+        return "".join(f"{m.role.capitalize()}: {m.content}\n\n" for m in messages) + "Assistant:"
+    return template.render(messages)
 
 
-def run_workload(llm: LLM, template: ChatTemplate, workload: str, max_tokens: int) -> dict:
+def chat_template(model: str) -> ChatTemplate | None:
+    template = ChatTemplate.from_checkpoint(model)
+    try:
+        template.render([ChatMessage("user", "hello")])
+    except OpenAIError:
+        return None
+    return template
+
+
+def run_workload(llm: LLM, template: ChatTemplate | None, workload: str, max_tokens: int) -> dict:
     """Seconds, output tokens, their ids, and the speculative counts of one workload on `llm`."""
     tasks, num_prompts, at_a_time = WORKLOADS[workload]
     before = llm.scheduler.stats().speculative
@@ -178,7 +196,7 @@ def main() -> None:
 def run_model(model: str, names: list[str], configs: dict[str, dict | None], args: argparse.Namespace,
               first: bool) -> list[dict]:
     """The table's rows of one model: every workload on each method, against speculation off."""
-    template = ChatTemplate.from_checkpoint(model)
+    template = chat_template(model)
     rows = []
     for workload in args.workloads:
         baseline: dict | None = None
@@ -199,8 +217,8 @@ def run_model(model: str, names: list[str], configs: dict[str, dict | None], arg
             row["speedup"] = row["tok_s"] / baseline["tok_s"]
             row["same_tokens"] = result["tokens"] == baseline["tokens"]
             rows.append(row)
-            if not args.json:
-                _print_row(row, first=first and len(rows) == 1)
+            # as each row is measured (with --json on stderr: the JSON comes at the end)
+            _print_row(row, first=first and len(rows) == 1, file=sys.stderr if args.json else sys.stdout)
     return rows
 
 
@@ -217,16 +235,16 @@ def engine(model: str, name: str, config: dict | None, args: argparse.Namespace)
     return _ENGINES[name]
 
 
-def _print_row(row: dict, first: bool) -> None:
+def _print_row(row: dict, first: bool, file: TextIO) -> None:
     if first:
         print(f"{'model':<28} {'workload':<9} {'streams':>7} {'method':<12} {'tok/s':>8} {'speedup':>8} "
-              f"{'accept':>7} {'mean len':>8} {'same':>5} {'off:batch/backoff/nomatch':>26} {'F':>6}")
+              f"{'accept':>7} {'mean len':>8} {'same':>5} {'off:batch/backoff/nomatch':>26} {'F':>6}", file=file)
     off = f"{row['rows_off_batch']}/{row['rows_off_backoff']}/{row['rows_off_no_match']}"
     free = "-" if row["verify_free_tokens"] is None else f"{row['verify_free_tokens']:.1f}"
     print(f"{row['model'][:28]:<28} {row['workload']:<9} {row['streams']:>7} {row['method']:<12} "
           f"{row['tok_s']:>8.1f} {row['speedup']:>7.2f}x "
           f"{row['acceptance']:>7.2f} {row['mean_accepted_length']:>8.2f} {str(row['same_tokens']):>5} {off:>26} {free:>6}",
-          flush=True)
+          file=file, flush=True)
 
 
 if __name__ == "__main__":
