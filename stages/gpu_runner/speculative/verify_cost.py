@@ -46,7 +46,9 @@ def measure(step: Step, rows: int, k: int, device: torch.device, draft_step: Ste
     the same way. F is None when the timings contradict the model (more than (1 + k) times the cost
     for (1 + k) times the tokens: a busy machine's noise), which the scheduler reads as not measured."""
     small, large = rows, rows * (1 + k)
-    c0, c1 = _fit(step, small, large, device)
+    # the two models' timings interleaved: a machine whose load changes meanwhile weighs both alike
+    fits = _fit([step] if draft_step is None else [step, draft_step], small, large, device)
+    c0, c1 = fits[0]
     if c1 <= 0:
         return StepCosts(MAX_FREE_TOKENS)
     if c0 <= 0:
@@ -54,7 +56,7 @@ def measure(step: Step, rows: int, k: int, device: torch.device, draft_step: Ste
     free = min(c0 / c1, MAX_FREE_TOKENS)
     if draft_step is None:
         return StepCosts(free)
-    e0, e1 = _fit(draft_step, small, large, device)
+    e0, e1 = fits[1]
     if e0 < 0:  # noise: the whole of the smaller step is taken as fixed
         e0, e1 = e0 + e1 * small, 0.0
     return StepCosts(free, (e0 / c1, max(e1, 0.0) / c1))
@@ -76,10 +78,11 @@ def start_up_costs(step: Step, rows: int, k: int, device: torch.device, draft_st
     return StepCosts(value)
 
 
-def _fit(step: Step, small: int, large: int, device: torch.device) -> tuple[float, float]:
-    """(c0, c1) of a step costing c0 + c1 * n, from timing it at n = small and n = large."""
+def _fit(steps: list[Step], small: int, large: int, device: torch.device) -> list[tuple[float, float]]:
+    """(c0, c1) of each step costing c0 + c1 * n, from timing it at n = small and n = large: the
+    fastest of REPEATS runs each, the steps taking turns."""
 
-    def timed(n: int) -> float:
+    def timed(step: Step, n: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -88,8 +91,15 @@ def _fit(step: Step, small: int, large: int, device: torch.device) -> tuple[floa
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    timed(small), timed(large)
-    t_small = min(timed(small) for _ in range(REPEATS))
-    t_large = min(timed(large) for _ in range(REPEATS))
-    c1 = (t_large - t_small) / (large - small)
-    return t_small - c1 * small, c1
+    for step in steps:  # warm-up
+        timed(step, small), timed(step, large)
+    best = [[float("inf"), float("inf")] for _ in steps]
+    for _ in range(REPEATS):
+        for i, step in enumerate(steps):
+            best[i][0] = min(best[i][0], timed(step, small))
+            best[i][1] = min(best[i][1], timed(step, large))
+    fits = []
+    for t_small, t_large in best:
+        c1 = (t_large - t_small) / (large - small)
+        fits.append((t_small - c1 * small, c1))
+    return fits
