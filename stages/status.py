@@ -56,7 +56,8 @@ ERROR_BYTES = 1024
 _EOS = 8  # a count, then MAX_EOS_IDS ids
 _WINDOW, _LOCAL_WINDOW, _NUM_WINDOW_BLOCKS = 13, 14, 15
 _VERIFY_FREE_TOKENS_MILLI = 16  # ModelLimits.verify_free_tokens * 1000 (0: not measured)
-_STAGES = 17
+_DRAFT_STEP_MILLI = 17  # ModelLimits.draft_step_tokens * 1000, two slots
+_STAGES = 19
 _STAGE_SLOTS = 8
 _PID, _HEARTBEAT, _READY, _PROFILE_ANSWERED, _PROFILE_OUTCOME, _FRONTEND_TAKEN = range(6)
 _ERRORS_OFFSET = (_STAGES + MAX_STAGES * _STAGE_SLOTS) * 8
@@ -137,6 +138,8 @@ class LimitsArea:
         slots[_NUM_WINDOW_BLOCKS] = limits.num_window_blocks
         free = limits.verify_free_tokens
         slots[_VERIFY_FREE_TOKENS_MILLI] = 0 if free is None else max(1, round(free * 1000))
+        for index, tokens in enumerate(limits.draft_step_tokens):
+            slots[_DRAFT_STEP_MILLI + index] = round(tokens * 1000)
         slots[_EOS] = len(eos)
         for index, token_id in enumerate(eos):
             slots[_EOS + 1 + index] = token_id
@@ -152,6 +155,7 @@ class LimitsArea:
         return ModelLimits(slots[_NUM_KV_BLOCKS], slots[_MAX_MODEL_LEN], slots[_VOCAB_SIZE], eos,
                            slots[_NUM_HOST_BLOCKS], slots[_WINDOW], slots[_LOCAL_WINDOW], slots[_NUM_WINDOW_BLOCKS],
                            verify_free_tokens=free / 1000 if free else None,
+                           draft_step_tokens=(slots[_DRAFT_STEP_MILLI] / 1000, slots[_DRAFT_STEP_MILLI + 1] / 1000),
                            runs_in=_read_text(self._mm, _RUNS_IN_OFFSET),
                            cpu_kernels=_read_text(self._mm, _CPU_KERNELS_OFFSET))
 

@@ -14,7 +14,8 @@ from stages.contracts.config import EngineConfig, ModelLimits
 from stages.contracts.outputs import OutputEvent
 from stages.contracts.params import SamplingParams
 from stages.grammar import check_guided
-from stages.gpu_runner.build import build_runner, cpu_kernels, model_limits, serving_max_model_len, window_limits
+from stages.gpu_runner.build import (build_runner, cost_limits, cpu_kernels, model_limits, serving_max_model_len,
+                                     window_limits)
 from stages.gpu_runner.models.config import load_model_config, resolve_device
 from stages.gpu_runner.parallel.sharding import check_tensor_parallel
 from stages.scheduler.build import build_scheduler
@@ -86,8 +87,7 @@ class LLM:
             max_model_len = serving_max_model_len(runner.max_model_len, runner.num_kv_blocks,
                                                   self.config.block_size, self.config.max_model_len)
             limits = ModelLimits(runner.num_kv_blocks, max_model_len, runner.vocab_size, list(runner.eos_token_ids),
-                                 verify_free_tokens=getattr(runner, "verify_free_tokens", None),
-                                 **window_limits(runner), cpu_kernels=cpu_kernels(runner))
+                                 **cost_limits(runner), **window_limits(runner), cpu_kernels=cpu_kernels(runner))
         self.runner = runner
         self.limits = limits
         self.vocab_size: int = limits.vocab_size

@@ -220,3 +220,6 @@ class ModelLimits:
     # c0 / c1 of a step of N tokens costing c0 + c1 * N, as the runner measured it at start-up with
     # speculative decoding on: how many extra tokens cost as much as the step itself (None: not measured).
     verify_free_tokens: float | None = None
+    # A draft model's decode step over n rows costs as much as e0 + e1 * n of the target's tokens
+    # verified: (e0, e1), measured with verify_free_tokens ((0, 0): no draft model, or not measured).
+    draft_step_tokens: tuple[float, float] = (0.0, 0.0)

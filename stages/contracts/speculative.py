@@ -21,6 +21,9 @@ from dataclasses import asdict, dataclass
 
 METHODS = ("ngram", "draft_model", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
+# n-gram's shortest match: one token matches by chance too often (tools/bench/bench_spec.py, grounded
+# tasks: the same speed as 1, more of the drafts accepted)
+PROMPT_LOOKUP_MIN = 2
 _SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_tokens",
                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
@@ -35,7 +38,7 @@ class SpeculativeConfigError(ValueError):
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = PROMPT_LOOKUP_MIN
     prompt_lookup_max: int = 3
     model: str = ""  # the draft checkpoint (draft_model only)
     disable_by_batch_size: int | None = None
@@ -58,7 +61,7 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in values:
             raise SpeculativeConfigError("speculative_config.num_speculative_tokens is required")
         k = _int(values, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
-        lookup_min = _int(values, "prompt_lookup_min", 1, 64, 1)
+        lookup_min = _int(values, "prompt_lookup_min", 1, 64, PROMPT_LOOKUP_MIN)
         lookup_max = _int(values, "prompt_lookup_max", 1, 64, max(3, lookup_min))
         if lookup_min > lookup_max:
             raise SpeculativeConfigError(f"speculative_config.prompt_lookup_min {lookup_min} exceeds "

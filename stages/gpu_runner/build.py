@@ -38,8 +38,15 @@ def model_limits(runner: ModelRunner | SimulatedDeviceRunner, config: EngineConf
                                             config.max_model_len),
         vocab_size=runner.vocab_size, eos_token_ids=runner.eos_token_ids,
         num_host_blocks=0 if worker is None else worker.num_host_blocks, **window_limits(runner),
-        runs_in=getattr(runner, "runs_in", ""), verify_free_tokens=getattr(runner, "verify_free_tokens", None),
-        cpu_kernels=cpu_kernels(runner))
+        runs_in=getattr(runner, "runs_in", ""), **cost_limits(runner), cpu_kernels=cpu_kernels(runner))
+
+
+def cost_limits(runner: object) -> dict[str, object]:
+    """The ModelLimits fields of what drafts cost on the runner's device (none measured: free)."""
+    costs = getattr(runner, "step_costs", None)
+    if costs is None:
+        return {}
+    return {"verify_free_tokens": costs.free_tokens, "draft_step_tokens": costs.draft_step}
 
 
 def cpu_kernels(runner: object) -> str:

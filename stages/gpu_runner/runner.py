@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,7 +53,7 @@ from stages.gpu_runner.sampling.constraints import RowConstraints
 from stages.gpu_runner.sampling.metadata import SamplingMetadata
 from stages.gpu_runner.sampling.sampler import Sampler, SamplerOutput
 from stages.gpu_runner.speculative.speculator import Speculator, shift_meta
-from stages.gpu_runner.speculative.verify_cost import start_up_free_tokens
+from stages.gpu_runner.speculative.verify_cost import StepCosts, start_up_costs
 from stages.messages import encode_plan
 
 if TYPE_CHECKING:
@@ -135,14 +136,15 @@ class ModelRunner:
         self.constraints = RowConstraints(self.max_num_seqs, self.vocab_size, self.eos_token_ids, self.tokenizer_path,
                                           self.device)
         self.speculator: Speculator | None = None
-        # c0 / c1 of a step's cost (speculative/verify_cost.py), for the scheduler to weigh drafts by.
-        self.verify_free_tokens: float | None = None
+        # What drafts cost on this device (speculative/verify_cost.py), for the scheduler to weigh them by.
+        self.step_costs = StepCosts(None)
         if config.speculative is not None:
             self.speculator = make_speculator(config, self, draft)
-            if tp is None and not num_window_blocks:
-                self.verify_free_tokens = start_up_free_tokens(
-                    self._cost_step, min(self.max_num_seqs, COST_ROWS), config.speculative.num_speculative_tokens,
-                    self.device)
+            if tp is None:
+                draft_step = None if draft is None else partial(self._cost_step, model=draft.model,
+                                                                 kv_caches=draft.kv_caches)
+                self.step_costs = start_up_costs(self._cost_step, min(self.max_num_seqs, COST_ROWS),
+                                                 config.speculative.num_speculative_tokens, self.device, draft_step)
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.bind(self.kv_caches, self.block_size)
@@ -286,17 +288,28 @@ class ModelRunner:
         static.token_table.view(-1).index_copy_(0, static.sampled_index[:num_rows], greedy)
         return logits, greedy
 
+    @property
+    def verify_free_tokens(self) -> float | None:
+        """F = c0 / c1 of a step's cost (None: not measured)."""
+        return self.step_costs.free_tokens
+
     @torch.inference_mode()
-    def _cost_step(self, num_tokens: int) -> None:
-        """The model and its logits over `num_tokens` single-token rows that write only the scratch
-        block and attend to one key: what a step costs for its tokens (verify_cost.py)."""
+    def _cost_step(self, num_tokens: int, model: torch.nn.Module | None = None,
+                   kv_caches: list[torch.Tensor] | None = None) -> None:
+        """The model (the target, or a draft model with its KV) and its logits over `num_tokens`
+        single-token rows that write only the scratch block and attend to one key: what a step
+        costs for its tokens (verify_cost.py)."""
+        model = self.model if model is None else model
         batch, device = self.batch, self.device
         ones = torch.ones(num_tokens, dtype=torch.int64, device=device)
         slots = torch.full((num_tokens,), self.num_kv_blocks * self.block_size, dtype=torch.int64, device=device)
-        meta = self.attention_backend.decode_metadata(ones * batch.scratch_row, ones, 1, slots,
-                                                      batch.padded_block_table)
-        hidden = self.model(ones, ones - 1, self._kv_storage, meta)
-        self.model.compute_logits(hidden)
+        backend = self.attention_backend
+        meta = backend.decode_metadata(ones * batch.scratch_row, ones, 1, slots, batch.padded_block_table)
+        if kv_caches is None and self.num_window_blocks:  # the local layers' group: its own scratch block
+            local_slots = torch.full_like(slots, self.num_window_blocks * self.block_size)
+            meta = (meta, backend.decode_metadata(ones * 0, ones, 1, local_slots, batch.window_block_table))
+        hidden = model(ones, ones - 1, self._kv_storage if kv_caches is None else kv_caches, meta)
+        model.compute_logits(hidden)
 
     def _sample(self, logits: torch.Tensor | None, rows: np.ndarray, num_tokens: np.ndarray,
                 shift: torch.Tensor | None = None) -> SamplerOutput | None:

@@ -72,7 +72,8 @@ class Scheduler:
         self._first_admitted: deque[list[tuple[int, int]]] = deque()  # per step in flight: (req_id, ns)
         self._next_step = 0
         self.spec = None if config.speculative is None else \
-            Speculation(config.speculative, self.max_num_seqs, self.max_model_len, limits.verify_free_tokens)
+            Speculation(config.speculative, self.max_num_seqs, self.max_model_len, limits.verify_free_tokens,
+                        limits.draft_step_tokens)
         self.num_preemptions = 0
         self.num_tokens_generated = 0
         self.prefix = PrefixCacheCounts()
@@ -394,6 +395,8 @@ class Scheduler:
         row, rows_t = request.row, self._rows
         if not request.is_finished:
             request.output_token_ids = rows_t.token_ids[row, request.num_prompt_tokens:rows_t.num_known[row]].copy()
+        if self.spec is not None:
+            self.spec.release(row, rows_t.token_ids[row, :rows_t.num_known[row]], request.num_prompt_tokens)
         self.kv.free(request)
         rows_t.clear(row)
         self._row_request[row] = None

@@ -18,15 +18,26 @@ c0 + c1 * N: reading the weights (c0) does not grow with the tokens, the arithme
 token) does. The runner measures both at start-up (ModelLimits.verify_free_tokens = c0 / c1,
 F below). With B rows that can draft in the step, a draft token adds c1 to a step that yields
 about B tokens in c0 + c1 * B, so it pays when the chance it is accepted exceeds B / (F + B).
+A draft model also decodes each draft: one decode step per draft position over the rows that
+draft, costing (e0 + e1 * B) c1 as the runner measured it (ModelLimits.draft_step_tokens), a
+row's share e0 / B + e1. Its drafts pay when their chance exceeds (B + e0 + e1 * B) / (F + B),
+never where that is 1 or more (a draft model as slow as the target).
 Each row keeps a running estimate of the chance that one of its drafts is accepted, a (accepted
 drafts over drafts read up to the first rejection); its j-th draft is accepted with chance a^j,
 so the row drafts the k <= K drafts with a^k above the bar, and rows verify different numbers.
 
-A row drafting none for its rate backs off. With n-gram drafts the host checks each step, from
-the tokens it knows, whether the row is copying again (its last tokens occurred before in its
-text), and if so lets it draft at once; a row whose last tokens have no earlier occurrence at
-all drafts none (no match). Other proposers cannot be judged on the host: a backed-off row
-verifies one draft after a cooldown that grows 4x with each miss, at most MAX_COOLDOWN steps.
+N-gram and suffix drafts are copies of text the host knows, so the host judges them. With n-gram
+drafts a row whose last tokens have no earlier occurrence at all drafts none (no match). With
+suffix drafts the scheduler keeps the runner's tries (stages/suffix_tree.py) over the tokens it
+knows and plans a row no more drafts than they propose, none where nothing good matches (no
+match); under async scheduling the tokens of the step in flight are not known yet, so the tries
+are asked for drafts that far ahead.
+
+A row drafting none for its rate backs off. Where the host judges the drafts it checks each step
+whether the row is copying again (its last tokens occurred before in its text; for suffix, its
+tries propose several drafts), and if so lets it draft at once. A draft model cannot be judged on
+the host: a backed-off row verifies one draft after a cooldown that grows 4x with each miss, at
+most MAX_COOLDOWN steps, and only once its previous probe was verified.
 SpeculativeCounts counts the decoding rows that drafted nothing, by reason.
 """
 from __future__ import annotations
@@ -36,6 +47,7 @@ import numpy as np
 from stages.contracts.params import SamplingParams
 from stages.contracts.counters import SpeculativeCounts
 from stages.contracts.speculative import SpeculativeConfig
+from stages.suffix_tree import SuffixDrafter
 
 MAX_COOLDOWN = 31  # decode steps a backed-off row of a proposer the host cannot judge waits at most
 MEAN_WEIGHT = 0.3  # of the latest verification in a row's running rate: one lucky run does not reset it
@@ -63,17 +75,22 @@ def recurs(tokens: np.ndarray, n: int) -> bool:
 class Speculation:
     """Per-row speculation state of one scheduler, as arrays indexed by row, and its counts. The
     scheduler tells it what each step scheduled (`scheduled`) and what each verified (`verified`).
-    `free_tokens`: the runner's measured c0 / c1 (None: not measured, drafts are taken as free)."""
+    `free_tokens`: the runner's measured c0 / c1 (None: not measured, drafts are taken as free);
+    `draft_step`: a draft model's decode step over n rows, (e0, e1) in c1."""
 
     def __init__(self, config: SpeculativeConfig, max_num_seqs: int, max_model_len: int,
-                 free_tokens: float | None = None) -> None:
+                 free_tokens: float | None = None, draft_step: tuple[float, float] = (0.0, 0.0)) -> None:
         self.k = config.num_speculative_tokens
         self.max_batch = config.disable_by_batch_size
         self.max_model_len = max_model_len
         self.free_tokens = free_tokens
+        self.draft_step = draft_step
         # n-gram drafts are copies of the row's own text: whether it has any is known on the host.
         self.lookup = config.prompt_lookup_min if config.method == "ngram" else 0
         self.copy_length = max(MIN_COPY, self.lookup + 1)
+        # suffix drafts: the host keeps the runner's tries over the tokens it knows.
+        self.suffix = SuffixDrafter(config) if config.method == "suffix" else None
+        self.judged = bool(self.lookup) or self.suffix is not None  # whether the host judges the drafts
         self.allowed = np.zeros(max_num_seqs, np.bool_)
         self.guided = np.zeros(max_num_seqs, np.bool_)  # would draft, but its logit_bias forbids it
         self.drafts_in_flight = np.zeros(max_num_seqs, np.int64)  # drafts of steps not yet processed
@@ -90,6 +107,14 @@ class Speculation:
         self.guided[row] = params.speculative and not self.allowed[row]
         self.drafts_in_flight[row] = self.misses[row] = self.cooldown[row] = self.revived_at[row] = 0
         self.hits[row], self.trials[row] = HOPEFUL_RATE, 1.0  # hopeful until its drafts say otherwise
+        if self.suffix is not None:
+            self.suffix.forget(row)
+
+    def release(self, row: int, tokens: np.ndarray, num_prompt: int) -> None:
+        """The row's request leaves with `tokens` (prompt, then outputs): suffix decoding caches its outputs."""
+        if self.suffix is not None:
+            self.suffix.grow(row, tokens, num_prompt)
+            self.suffix.release(row)
 
     def choose(self, rows: np.ndarray, is_decode: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
                num_outputs: np.ndarray, min_tokens: np.ndarray, budget: int, token_ids: np.ndarray,
@@ -108,45 +133,72 @@ class Speculation:
             return np.zeros(len(rows), np.int64)
         if not batch:
             return np.zeros(len(rows), np.int64)
-        self.bar = 0.0 if self.free_tokens is None else batch / (self.free_tokens + batch)
-        if self.lookup:
-            self._revive(rows, capable, token_ids, num_known)
+        self.bar = self._bar(batch)
+        num_prompt = num_known - num_outputs
+        if self.judged:
+            self._revive(rows, capable, token_ids, num_known, num_prompt)
         rate = self.hits[rows] / self.trials[rows]
         drafts = _lengths(rate, self.bar, self.k)
         alone = _lengths(rate, self._alone_bar, self.k)
         off = capable & (drafts == 0)
         counts.num_rows_off_batch += int((off & (alone > 0)).sum())
         backed_off = off & (alone == 0)
-        if not self.lookup:  # probes: a backed-off row verifies one draft once its cooldown is over
+        # probes: a backed-off row verifies one draft once its cooldown is over (where one can pay at all)
+        if not self.judged and self._alone_bar < 1:
             cooling = backed_off & (self.cooldown[rows] > 0)
             self.cooldown[rows[cooling]] -= 1
-            drafts = np.where(backed_off & ~cooling, 1, drafts)
+            # and once its last probe was verified: under async scheduling the plan after a probe is
+            # made before the probe's result, which would otherwise find the cooldown still over
+            waiting = backed_off & (self.drafts_in_flight[rows] > 0)
+            drafts = np.where(backed_off & ~cooling & ~waiting, 1, drafts)
         counts.num_rows_off_backoff += int((backed_off & (drafts == 0)).sum())
         drafts = np.where(capable, np.minimum(drafts, self.max_model_len - 1 - num_computed - 1), 0).clip(0)
-        if self.lookup:
+        if self.judged:
+            # tokens the step in flight computes past the known ones, for suffix drafts that far ahead
+            ahead = num_computed + 1 - num_known
             for i in np.flatnonzero(drafts).tolist():
-                if not recurs(token_ids[rows[i], :num_known[i]], self.lookup):
-                    drafts[i] = 0
-                    counts.num_rows_off_no_match += 1
+                row, known = rows[i], num_known[i]
+                if self.suffix is None:
+                    found = drafts[i] if recurs(token_ids[row, :known], self.lookup) else 0
+                else:
+                    tree = self.suffix.grow(row, token_ids[row, :known], num_prompt[i])
+                    found = len(self.suffix.draft(tree, drafts[i], int(ahead[i])))
+                counts.num_rows_off_no_match += int(found == 0)
+                drafts[i] = found
         fits = np.cumsum(drafts) <= max(budget, 0)
         return np.where(fits, drafts, 0)
+
+    def _bar(self, batch: int) -> float:
+        """The chance of acceptance a draft needs to pay in a step of `batch` rows that can draft."""
+        if self.free_tokens is None:
+            return 0.0
+        fixed, per_row = self.draft_step
+        return (batch + fixed + per_row * batch) / (self.free_tokens + batch)
 
     @property
     def _alone_bar(self) -> float:
         """The bar of a row drafting alone: below it, a row backs off whatever the batch."""
-        return 0.0 if self.free_tokens is None else 1 / (self.free_tokens + 1)
+        return self._bar(1)
 
-    def _revive(self, rows: np.ndarray, capable: np.ndarray, token_ids: np.ndarray, num_known: np.ndarray) -> None:
-        """Backed-off n-gram rows seen copying (their last copy_length tokens occurred before) draft
-        again at once; a row revived for nothing waits copy_length more known tokens per miss since."""
+    def _revive(self, rows: np.ndarray, capable: np.ndarray, token_ids: np.ndarray, num_known: np.ndarray,
+                num_prompt: np.ndarray) -> None:
+        """Backed-off rows seen copying draft again at once: their last copy_length tokens occurred
+        before (n-gram), their tries propose that many drafts (suffix). A row revived for nothing
+        waits copy_length more known tokens per miss since."""
         low = capable & (_lengths(self.hits[rows] / self.trials[rows], self._alone_bar, self.k) == 0)
         for i in np.flatnonzero(low).tolist():
             row, known = rows[i], int(num_known[i])
             spacing = self.copy_length * (1 + int(self.misses[row]))
-            if known - self.revived_at[row] >= spacing and recurs(token_ids[row, :known], self.copy_length):
+            if known - self.revived_at[row] >= spacing and self._copying(row, token_ids[row, :known], num_prompt[i]):
                 self.revived_at[row] = known
                 self.hits[row], self.trials[row] = HOPEFUL_RATE, 1.0
                 self.counts.num_revivals += 1
+    def _copying(self, row: int, tokens: np.ndarray, num_prompt: int) -> bool:
+        if self.suffix is None:
+            return recurs(tokens, self.copy_length)
+        want = min(self.copy_length, self.k)
+        return len(self.suffix.draft(self.suffix.grow(row, tokens, num_prompt), want)) >= want
+
     def scheduled(self, rows: np.ndarray, drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A plan of `rows` verifying `drafts` each: its num_draft_tokens (int32) and lagged rows
         (whose previous speculative step is still unprocessed)."""

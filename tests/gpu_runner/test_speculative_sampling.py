@@ -100,7 +100,7 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
     table[1, :6] = torch.tensor([3, 4, 3, 4, 3, 4])  # a period of 2 runs on past the known tokens
     table[2, :4] = torch.tensor([1, 2, 3, 4])  # no earlier occurrence: the last token repeated
     proposer = NgramProposer(3, 1, 3)
-    drafts = proposer.propose(table, torch.tensor([0, 1, 2]), torch.tensor([12, 6, 4]), 12)
+    drafts = proposer.propose(table, torch.tensor([0, 1, 2]), torch.tensor([12, 6, 4]), 12, 3)
     assert drafts.tolist() == [[2, 6, 7], [3, 4, 3], [4, 4, 4]]
 
 

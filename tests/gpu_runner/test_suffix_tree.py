@@ -8,7 +8,7 @@ import torch
 
 from stages.contracts.speculative import SpeculativeConfig, SpeculativeConfigError
 from stages.gpu_runner.speculative.suffix import SuffixProposer
-from stages.gpu_runner.speculative.suffix_tree import SuffixCache, SuffixTree, Trie
+from stages.suffix_tree import SuffixCache, SuffixTree, Trie
 
 
 def counts_of(trie: Trie, tokens: list[int]) -> int:
@@ -113,20 +113,20 @@ def test_the_proposer_reads_new_tokens_only_and_leaves_with_the_row():
     prompt_lengths = np.array([3, 0])
     proposer = SuffixProposer(suffix_config(suffix_decoding_max_spec_factor=2.0), prompt_lengths)
     rows = torch.tensor([0])
-    drafts = proposer.propose(table, rows, torch.tensor([len(text)]), len(text))
+    drafts = proposer.propose(table, rows, torch.tensor([len(text)]), len(text), 3)
     assert drafts.tolist() == [[6, 7, 1]]
     table[0, 7:9] = torch.tensor([6, 7])
-    assert proposer.propose(table, rows, torch.tensor([9]), 9).tolist() == [[1, 4, 5]]
+    assert proposer.propose(table, rows, torch.tensor([9]), 9, 3).tolist() == [[1, 4, 5]]
     assert proposer.trees[0].tokens == text + [6, 7]
     # a row with no recurring words gets its last token repeated
     table[1, :3] = torch.tensor([9, 8, 2])
-    assert proposer.propose(table, torch.tensor([1]), torch.tensor([3]), 3).tolist() == [[2, 2, 2]]
+    assert proposer.propose(table, torch.tensor([1]), torch.tensor([3]), 3, 3).tolist() == [[2, 2, 2]]
     proposer.release(np.array([0, 1], np.int32))
     assert proposer.trees == {}
     assert proposer.cache.num_tokens == 6 + 3  # row 0's outputs (after its 3 prompt tokens), row 1's
     # a new request on row 1 finds what row 0 wrote
     table[1, :2] = torch.tensor([1, 4])
-    assert proposer.propose(table, torch.tensor([1]), torch.tensor([2]), 2).tolist()[0][:2] == [5, 6]
+    assert proposer.propose(table, torch.tensor([1]), torch.tensor([2]), 2, 3).tolist()[0][:2] == [5, 6]
 
 
 @pytest.mark.parametrize("values, named", [
@@ -141,3 +141,12 @@ def test_a_bad_suffix_config_is_refused_naming_the_key(values, named):
     with pytest.raises(SpeculativeConfigError, match="only read by method 'suffix'"):
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
                                      "suffix_decoding_max_tree_depth": 8})
+
+
+def test_a_short_match_seen_often_is_trusted_as_far_as_its_probability_goes():
+    cache = SuffixCache(depth=16, max_tokens=1000)
+    for _ in range(3):
+        cache.add([7, 1, 2, 3, 4, 5])
+    assert cache.propose([9, 7], max_tokens=4, min_prob=0.5, spec_factor=1.0)[0] == [1]  # seen 3 times
+    cache.add([7, 1, 2, 3, 4, 5])
+    assert cache.propose([9, 7], max_tokens=4, min_prob=0.5, spec_factor=1.0)[0] == [1, 2, 3, 4]

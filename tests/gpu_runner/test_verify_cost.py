@@ -6,6 +6,7 @@ import torch
 
 from runner_plans import make_runner
 from stages.contracts.config import EngineConfig
+from stages.gpu_runner import runner as runner_module
 from stages.gpu_runner.build import model_limits
 from stages.gpu_runner.speculative import verify_cost
 
@@ -23,10 +24,25 @@ def test_the_cost_of_verifying_is_fitted_from_two_timed_steps(monkeypatch: pytes
             clock[0] += (c0 + c1 * n) / 1000
         return run
 
-    assert verify_cost.measure_free_tokens(step(10, 0.5), 16, 4, torch.device("cpu")) == pytest.approx(20)
-    assert verify_cost.measure_free_tokens(step(10, 0.0), 16, 4, torch.device("cpu")) == verify_cost.MAX_FREE_TOKENS
+    cpu = torch.device("cpu")
+    assert verify_cost.measure(step(10, 0.5), 16, 4, cpu).free_tokens == pytest.approx(20)
+    assert verify_cost.measure(step(10, 0.0), 16, 4, cpu).free_tokens == verify_cost.MAX_FREE_TOKENS
     # five times the tokens costing more than five times as much: noise, not a measurement
-    assert verify_cost.measure_free_tokens(step(-2, 1.0), 16, 4, torch.device("cpu")) is None
+    assert verify_cost.measure(step(-2, 1.0), 16, 4, cpu).free_tokens is None
+
+
+def test_a_draft_models_decoding_is_measured_in_the_targets_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft step over n rows costing 4 + 0.25 n (ms) beside a target's 10 + 0.5 n: (8, 0.5) target tokens."""
+    clock = [0.0]
+    monkeypatch.setattr(verify_cost.time, "perf_counter", lambda: clock[0])
+
+    def step(c0: float, c1: float):
+        def run(n: int) -> None:
+            clock[0] += (c0 + c1 * n) / 1000
+        return run
+
+    costs = verify_cost.measure(step(10, 0.5), 16, 4, torch.device("cpu"), draft_step=step(4, 0.25))
+    assert costs.free_tokens == pytest.approx(20) and costs.draft_step == pytest.approx((8, 0.5))
 
 
 def test_a_speculative_runner_measures_what_a_verified_draft_costs(tiny_checkpoint,
@@ -40,16 +56,46 @@ def test_a_speculative_runner_measures_what_a_verified_draft_costs(tiny_checkpoi
     assert make_runner(tiny_checkpoint("llama"), num_kv_blocks=16, max_num_seqs=4).verify_free_tokens is None
 
 
+def test_a_draft_model_runner_measures_its_drafts_decoding_too(tiny_checkpoint,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(verify_cost.FIXED_VARIABLE, raising=False)
+    checkpoint = tiny_checkpoint("llama")
+    spec = {"method": "draft_model", "model": str(checkpoint), "num_speculative_tokens": 3}
+    runner = make_runner(checkpoint, num_kv_blocks=16, max_num_seqs=4, speculative_config=spec)
+    if runner.verify_free_tokens is None:
+        pytest.skip("the machine was too busy for a cost fit")
+    fixed, per_row = runner.step_costs.draft_step
+    # the draft is the target itself: one decode step costs about one step of the target
+    assert fixed >= 0 and per_row >= 0 and fixed + per_row * 4 > 0
+    limits = model_limits(runner, EngineConfig(model="x", speculative_config=spec))
+    assert limits.draft_step_tokens == runner.step_costs.draft_step
+
+
 def test_a_fixed_cost_replaces_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     def never(n: int) -> None:
         raise AssertionError("measured although fixed")
 
     cpu = torch.device("cpu")
     monkeypatch.setenv(verify_cost.FIXED_VARIABLE, "none")
-    assert verify_cost.start_up_free_tokens(never, 16, 4, cpu) is None
+    assert verify_cost.start_up_costs(never, 16, 4, cpu, draft_step=never) == verify_cost.StepCosts(None)
     monkeypatch.setenv(verify_cost.FIXED_VARIABLE, "7.5")
-    assert verify_cost.start_up_free_tokens(never, 16, 4, cpu) == 7.5
+    assert verify_cost.start_up_costs(never, 16, 4, cpu, draft_step=never) == verify_cost.StepCosts(7.5)
     for bad in ("lots", "-1", "nan"):
         monkeypatch.setenv(verify_cost.FIXED_VARIABLE, bad)
         with pytest.raises(ValueError, match=verify_cost.FIXED_VARIABLE):
-            verify_cost.start_up_free_tokens(never, 16, 4, cpu)
+            verify_cost.start_up_costs(never, 16, 4, cpu)
+
+
+def test_a_model_with_local_layers_measures_its_cost_too(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3's local layers have a KV group of their own: the timed steps write its scratch block too."""
+    monkeypatch.delenv(verify_cost.FIXED_VARIABLE, raising=False)
+    timed = []
+
+    def spy(step, rows, k, device, draft_step=None):
+        timed.append(rows)
+        return verify_cost.measure(step, rows, k, device, draft_step)
+
+    monkeypatch.setattr(runner_module, "start_up_costs", spy)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    runner = make_runner(tiny_checkpoint("gemma3"), num_kv_blocks=16, max_num_seqs=4, speculative_config=spec)
+    assert runner.num_window_blocks > 0 and timed == [4]

@@ -73,7 +73,7 @@ def test_a_row_with_nothing_to_copy_drafts_none() -> None:
 
 
 def test_a_backed_off_ngram_row_drafts_again_within_a_few_steps_of_copying() -> None:
-    spec = _speculation(1)
+    spec = _speculation(1, prompt_lookup_min=1)
     rows = np.array([0])
     table, known = _table(FRESH[:20])
     table[0, 19] = table[0, 3]  # one token matches: enough to draft, not a copy
@@ -124,3 +124,80 @@ def test_rows_that_cannot_draft_neither_draft_nor_count_toward_the_batch() -> No
     spec.assign(1, SamplingParams())
     assert _choose(spec, np.arange(4), table, known).tolist() == [0, 0, 0, 0]  # three now: over the limit
     assert spec.counts.num_rows_off_batch == 3
+
+
+def test_under_async_scheduling_a_probe_is_verified_once() -> None:
+    """The plan after a probe is made before the probe's result: it must not probe again."""
+    spec = _speculation(1, method="draft_model", model="draft")
+    rows = np.array([0])
+    table, known = _table(FRESH)
+    in_flight: list[np.ndarray] = []  # the previous step's drafts, verified after the next is planned
+    drafted = []
+    for _ in range(120):
+        drafts = _choose(spec, rows, table, known)
+        spec.scheduled(rows, drafts)
+        if in_flight:
+            spec.verified(rows, in_flight.pop(), np.array([0]))
+        in_flight.append(drafts)
+        drafted.append(int(drafts[0]))
+    backed_off = drafted.index(0)  # hopeful drafts first (4, 4, then fewer), then probes alone
+    probes = [step for step, n in enumerate(drafted) if n and step > backed_off]
+    assert all(drafted[step] == 1 and drafted[step + 1] == 0 for step in probes[:-1])
+    # each probe waits for the previous one's result, then for its cooldown (ever longer, at most MAX_COOLDOWN)
+    gaps = np.diff(probes).tolist()
+    assert len(probes) >= 4 and gaps == sorted(gaps) and gaps[-1] == MAX_COOLDOWN + 2
+    assert spec.counts.num_verifications == sum(1 for n in drafted[:-1] if n)  # the last step is in flight
+
+
+def _choose_ahead(spec: Speculation, table: np.ndarray, known: int, ahead: int, num_prompt: int = 0) -> int:
+    """Drafts of row 0 with `ahead` tokens of the step in flight not known yet."""
+    one = np.ones(1, np.int64)
+    return int(spec.choose(np.array([0]), np.ones(1, bool), one, np.array([known - 1 + ahead]),
+                           np.array([known - num_prompt]), np.zeros(1, np.int64), 1000, table,
+                           np.array([known]))[0])
+
+
+def test_a_suffix_row_drafts_what_its_tries_propose_and_none_without_a_match() -> None:
+    spec = _speculation(1, method="suffix", free_tokens=None)
+    table, known = _table(FRESH)
+    assert _choose_ahead(spec, table, int(known[0]), 0) == 0
+    assert spec.counts.num_rows_off_no_match == 1
+    # "7 8" occurred before, followed by 9 1 2 7 8: a match of two tokens proposes two drafts
+    table, _ = _table(np.array([7, 8, 9, 1, 2, 7, 8]))
+    assert _choose_ahead(spec, table, 7, 0) == 2
+    # with tokens in flight the tries are read that far ahead: what is left of the copy after them
+    assert [_choose_ahead(spec, table, 7, ahead) for ahead in (4, 5)] == [1, 0]
+    assert spec.counts.num_rows_off_no_match == 2
+
+
+def test_a_suffix_row_finds_what_earlier_requests_wrote() -> None:
+    spec = _speculation(1, method="suffix", free_tokens=None)
+    answer = np.arange(200, 230)
+    spec.release(0, np.concatenate([FRESH[:5], answer]), num_prompt=5)  # a request leaves with its answer
+    spec.assign(0, SamplingParams())
+    text = np.concatenate([FRESH[10:15], answer[:6]])  # a new one starts the same answer
+    table, _ = _table(text)
+    assert _choose_ahead(spec, table, len(text), 0, num_prompt=5) == 4
+    assert spec.counts.num_rows_off_no_match == 0
+
+
+def test_a_draft_models_decoding_counts_in_what_its_drafts_cost() -> None:
+    """F = 20. A draft step over n rows costing 8 + 0.5 n target tokens: alone, a row drafts while
+    a^j > (1 + 8 + 0.5) / 21 = 0.452 (two drafts at a = 0.7, not four); at 16 rows the bar is
+    (16 + 8 + 8) / 36 = 0.889 and no row drafts; a draft as dear as the target never drafts, nor probes."""
+    free = _speculation(16, method="draft_model", model="draft", free_tokens=20.0)
+    dear = Speculation(SpeculativeConfig("draft_model", 4, model="draft"), max_num_seqs=16, max_model_len=100,
+                       free_tokens=20.0, draft_step=(8.0, 0.5))
+    for spec in (free, dear):
+        for row in range(16):
+            spec.assign(row, SamplingParams())
+        spec.hits[:], spec.trials[:] = 0.7, 1.0
+    table, known = _table(*[FRESH] * 16)
+    assert _choose(free, np.array([0]), table, known).tolist() == [4]
+    assert _choose(dear, np.array([0]), table, known).tolist() == [2]
+    assert (_choose(free, np.arange(16), table, known) == 2).all()
+    assert (_choose(dear, np.arange(16), table, known) == 0).all() and dear.counts.num_rows_off_batch == 16
+    same = _speculation(1, method="draft_model", model="draft", free_tokens=20.0)
+    same.draft_step = (20.0, 1.0)  # the target drafting for itself
+    assert sum(int(_choose(same, np.array([0]), table, known)[0]) for _ in range(100)) == 0
+    assert same.counts.num_rows_off_backoff == 100

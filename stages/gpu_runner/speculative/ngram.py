@@ -19,9 +19,9 @@ class NgramProposer:
         self.lookup_max = lookup_max
 
     def propose(self, token_table: torch.Tensor, rows: torch.Tensor, num_known: torch.Tensor,
-                max_known: int) -> torch.Tensor:
-        """int64 [d, K] drafts for `rows` (int64 [d]) whose first num_known[i] tokens are known;
-        max_known is a host-known upper bound of num_known."""
+                max_known: int, num_drafts: int) -> torch.Tensor:
+        """int64 [d, num_drafts] drafts (num_drafts <= K) for `rows` (int64 [d]) whose first
+        num_known[i] tokens are known; max_known is a host-known upper bound of num_known."""
         width = min(max_known, token_table.shape[1])
         tokens = token_table.index_select(0, rows)[:, :width].to(torch.int64)  # [d, L]
         d, device = rows.shape[0], rows.device
@@ -39,6 +39,6 @@ class NgramProposer:
             latest = torch.where(match, starts, -1).amax(dim=1)
             follow = torch.where((follow < 0) & (latest >= 0), latest + n, follow)
         period = (known - follow).clamp_min(1).unsqueeze(1)
-        draft_pos = follow.unsqueeze(1) + torch.arange(self.k, device=device) % period
+        draft_pos = follow.unsqueeze(1) + torch.arange(num_drafts, device=device) % period
         last = tokens.gather(1, (known - 1).unsqueeze(1))
         return torch.where(follow.unsqueeze(1) >= 0, tokens.gather(1, draft_pos.clamp(0, width - 1)), last)

@@ -74,13 +74,12 @@ class Speculator:
         batch, width = self.batch, self.batch.max_model_len
         known = spec.verify_start + 1
         if self.proposer is None:  # a tensor-parallel rank whose draft model runs on rank 0
-            drafts = torch.empty(len(spec.verify_rows), self.k, dtype=torch.int64, device=batch.device)
+            drafts = torch.empty(len(spec.verify_rows), spec.num_drafts, dtype=torch.int64, device=batch.device)
         else:
             drafts = self.proposer.propose(batch.token_table, spec.verify_rows_dev, known,
-                                           int(spec.verify_planned_start.max()) + 1)
+                                           int(spec.verify_planned_start.max()) + 1, spec.num_drafts)
         if self.share is not None:
             drafts = self.share(drafts)
-        drafts = drafts[:, :spec.num_drafts]
         column = torch.arange(spec.num_drafts, device=drafts.device).unsqueeze(0)
         where = (spec.verify_rows_dev * width + known).unsqueeze(1) + column
         # A row's drafts past its own count go to the scratch row: only its first ones are computed.

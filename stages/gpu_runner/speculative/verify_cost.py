@@ -6,32 +6,83 @@ token each, then over B * (1 + K) (the same rows with K drafts each), and report
 how many extra tokens cost as much as the step itself. The scheduler weighs each row's drafts
 against it (stages/scheduler/speculation.py). Where reading the weights dominates a step (a GPU,
 a quantized model) F is large and drafts are nearly free; where the arithmetic does, it is small.
-The figure covers the target's forward and logits only: a draft model's own decoding, the
-proposer and the sampling of each verified position are not in it.
+
+F covers the target's forward and logits. A draft model also decodes each draft, one step per
+draft position over the rows that draft: the runner times its steps the same way (e0 + e1 * n
+for n rows) and reports them in the target's tokens, (e0 / c1, e1 / c1), so that the scheduler
+adds what a draft costs to decode to what it costs to verify. The proposers without weights (a
+lookup, suffix tries) and the sampling of each verified position are not in it.
 """
 from __future__ import annotations
 
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 # Set, F is not measured: "none" takes drafts as free (the scheduler's not-measured case), a number
-# is F itself. For runs whose draft decisions must not depend on the machine's timing (tests).
+# is F itself; a draft model's decoding is then taken as free too. For runs whose draft decisions
+# must not depend on the machine's timing (tests).
 FIXED_VARIABLE = "PIPELINE_VERIFY_FREE_TOKENS"
 MAX_FREE_TOKENS = 1e6  # what a step whose cost did not grow measurably with its tokens reports
 REPEATS = 3
 
+Step = Callable[[int], None]  # the model over n single-token rows, logits included
 
-def measure_free_tokens(step: Callable[[int], None], rows: int, k: int, device: torch.device) -> float | None:
-    """F = c0 / c1 from timing `step(n)` (the model over n single-token rows, logits included) at
-    n = rows and n = rows * (1 + k); the fastest of REPEATS runs each, after one to warm up. None
-    when the timings contradict the model (more than (1 + k) times the cost for (1 + k) times the
-    tokens: a busy machine's noise), which the scheduler reads as not measured."""
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    """What the scheduler weighs drafts by, in units of c1 (a target token's share of a step)."""
+
+    free_tokens: float | None  # F = c0 / c1 (None: not measured, drafts are taken as free)
+    draft_step: tuple[float, float] = (0.0, 0.0)  # a draft model's decode step over n rows: (e0, e1) / c1
+
+
+def measure(step: Step, rows: int, k: int, device: torch.device, draft_step: Step | None = None) -> StepCosts:
+    """F = c0 / c1 from timing `step(n)` at n = rows and n = rows * (1 + k), the fastest of REPEATS
+    runs each after one to warm up; and, given a draft model's `draft_step`, its (e0, e1) / c1 timed
+    the same way. F is None when the timings contradict the model (more than (1 + k) times the cost
+    for (1 + k) times the tokens: a busy machine's noise), which the scheduler reads as not measured."""
     small, large = rows, rows * (1 + k)
+    # the two models' timings interleaved: a machine whose load changes meanwhile weighs both alike
+    fits = _fit([step] if draft_step is None else [step, draft_step], small, large, device)
+    c0, c1 = fits[0]
+    if c1 <= 0:
+        return StepCosts(MAX_FREE_TOKENS)
+    if c0 <= 0:
+        return StepCosts(None)
+    free = min(c0 / c1, MAX_FREE_TOKENS)
+    if draft_step is None:
+        return StepCosts(free)
+    e0, e1 = fits[1]
+    if e0 < 0:  # noise: the whole of the smaller step is taken as fixed
+        e0, e1 = e0 + e1 * small, 0.0
+    return StepCosts(free, (e0 / c1, max(e1, 0.0) / c1))
 
-    def timed(n: int) -> float:
+
+def start_up_costs(step: Step, rows: int, k: int, device: torch.device, draft_step: Step | None = None) -> StepCosts:
+    """The costs for the scheduler: F from PIPELINE_VERIFY_FREE_TOKENS where it is set, else measured."""
+    fixed = os.environ.get(FIXED_VARIABLE)
+    if fixed is None:
+        return measure(step, rows, k, device, draft_step)
+    if fixed.strip().lower() == "none":
+        return StepCosts(None)
+    try:
+        value = float(fixed)
+    except ValueError:
+        raise ValueError(f"{FIXED_VARIABLE} must be 'none' or a number of tokens, not {fixed!r}") from None
+    if not value >= 0:
+        raise ValueError(f"{FIXED_VARIABLE} must be 'none' or a number of tokens >= 0, not {fixed!r}")
+    return StepCosts(value)
+
+
+def _fit(steps: list[Step], small: int, large: int, device: torch.device) -> list[tuple[float, float]]:
+    """(c0, c1) of each step costing c0 + c1 * n, from timing it at n = small and n = large: the
+    fastest of REPEATS runs each, the steps taking turns."""
+
+    def timed(step: Step, n: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -40,29 +91,15 @@ def measure_free_tokens(step: Callable[[int], None], rows: int, k: int, device: 
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    timed(small), timed(large)
-    t_small = min(timed(small) for _ in range(REPEATS))
-    t_large = min(timed(large) for _ in range(REPEATS))
-    c1 = (t_large - t_small) / (large - small)
-    c0 = t_small - c1 * small
-    if c1 <= 0:
-        return MAX_FREE_TOKENS
-    if c0 <= 0:
-        return None
-    return min(c0 / c1, MAX_FREE_TOKENS)
-
-
-def start_up_free_tokens(step: Callable[[int], None], rows: int, k: int, device: torch.device) -> float | None:
-    """F for the scheduler: PIPELINE_VERIFY_FREE_TOKENS where it is set, else measured."""
-    fixed = os.environ.get(FIXED_VARIABLE)
-    if fixed is None:
-        return measure_free_tokens(step, rows, k, device)
-    if fixed.strip().lower() == "none":
-        return None
-    try:
-        value = float(fixed)
-    except ValueError:
-        raise ValueError(f"{FIXED_VARIABLE} must be 'none' or a number of tokens, not {fixed!r}") from None
-    if not value >= 0:
-        raise ValueError(f"{FIXED_VARIABLE} must be 'none' or a number of tokens >= 0, not {fixed!r}")
-    return value
+    for step in steps:  # warm-up
+        timed(step, small), timed(step, large)
+    best = [[float("inf"), float("inf")] for _ in steps]
+    for _ in range(REPEATS):
+        for i, step in enumerate(steps):
+            best[i][0] = min(best[i][0], timed(step, small))
+            best[i][1] = min(best[i][1], timed(step, large))
+    fits = []
+    for t_small, t_large in best:
+        c1 = (t_large - t_small) / (large - small)
+        fits.append((t_small - c1 * small, c1))
+    return fits

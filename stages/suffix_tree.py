@@ -12,12 +12,25 @@ nothing.
 
 `SuffixTree` is one text's trie (a request's prompt and outputs). `SuffixCache` holds the outputs
 of recent requests in one trie, bounded by tokens: the oldest sequence is taken out (its counts
-replayed downwards) when the total goes over the bound.
+replayed downwards) when the total goes over the bound. `SuffixDrafter` keeps one tree per row and
+the cache, and drafts from whichever of the two scores more: the runner's suffix proposer drafts
+with it, and the scheduler keeps its own over the tokens it knows, to decide on the host how many
+drafts a row verifies (none where nothing good matches).
+
+Drafts may be asked for `ahead` of the text: a continuation past tokens not known yet (under async
+scheduling the scheduler decides a step's drafts before the previous step's tokens arrive). The
+walk then goes `ahead` tokens further and returns what follows them, as if those tokens continue
+the match, which they do when the row is copying.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from stages.contracts.speculative import SpeculativeConfig
+
+
+CONFIDENT_COUNT = 4  # occurrences of a match that lift max_spec_factor's bound on its drafts
 
 
 class Node:
@@ -114,14 +127,14 @@ class SuffixTree:
         self._active = active
         self.tokens.extend(int(t) for t in tokens)
 
-    def propose(self, max_tokens: int, min_prob: float, spec_factor: float) -> tuple[list[int], float]:
+    def propose(self, max_tokens: int, min_prob: float, spec_factor: float, ahead: int = 0) -> tuple[list[int], float]:
         """Drafts continuing the text from its own earlier occurrences of its longest suffix that
         recurs, and their score. The active nodes are the text's suffixes (shortest first): the
         current occurrence is counted in them but has no continuation yet."""
-        for length in range(min(len(self._active), _max_match(self.trie.depth, max_tokens)), 0, -1):
+        for length in range(min(len(self._active), _max_match(self.trie.depth, max_tokens + ahead)), 0, -1):
             node = self._active[length - 1]
             if node.best >= 0:
-                return node.continuation(_budget(length, max_tokens, spec_factor), min_prob)
+                return _after(node, length, max_tokens, min_prob, spec_factor, ahead)
         return [], 0.0
 
 
@@ -162,12 +175,64 @@ class SuffixCache:
         return len(self._sequences)
 
     def propose(self, context: Sequence[int], max_tokens: int, min_prob: float,
-                spec_factor: float) -> tuple[list[int], float]:
+                spec_factor: float, ahead: int = 0) -> tuple[list[int], float]:
         """Drafts continuing `context` as the cached outputs went on after its longest suffix."""
-        node, length = self.trie.longest_match(context, _max_match(self.trie.depth, max_tokens))
+        node, length = self.trie.longest_match(context, _max_match(self.trie.depth, max_tokens + ahead))
         if node is None:
             return [], 0.0
-        return node.continuation(_budget(length, max_tokens, spec_factor), min_prob)
+        return _after(node, length, max_tokens, min_prob, spec_factor, ahead)
+
+
+class SuffixDrafter:
+    """One SuffixTree per row over its prompt and outputs, and the SuffixCache of the outputs of
+    rows that left; drafts from the better of the two."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.depth = config.suffix_decoding_max_tree_depth
+        self.min_prob = config.suffix_decoding_min_token_prob
+        self.spec_factor = config.suffix_decoding_max_spec_factor
+        self.cache = SuffixCache(self.depth, config.suffix_decoding_max_cached_tokens)
+        self.trees: dict[int, SuffixTree] = {}
+        self.outputs_from: dict[int, int] = {}  # row -> where its outputs start in its tree's tokens
+
+    def grow(self, row: int, tokens: Sequence[int], num_prompt: int) -> SuffixTree:
+        """The row's tree, grown to `tokens` (the row's text so far; its first num_prompt are the
+        prompt). A text shorter than the tree's is a new request's: its tree starts again."""
+        tree = self.trees.get(row)
+        if tree is None or len(tree.tokens) > len(tokens):
+            tree = self.trees[row] = SuffixTree(self.depth)
+            self.outputs_from[row] = num_prompt
+        tree.append([int(t) for t in tokens[len(tree.tokens):]])
+        return tree
+
+    def draft(self, tree: SuffixTree, max_tokens: int, ahead: int = 0) -> list[int]:
+        """Up to max_tokens drafts after `tree`'s text (and `ahead` tokens more): from its own
+        text or the cache, whichever scores more."""
+        own, own_score = tree.propose(max_tokens, self.min_prob, self.spec_factor, ahead)
+        context = tree.tokens[-(self.depth - 1):]
+        cached, cached_score = self.cache.propose(context, max_tokens, self.min_prob, self.spec_factor, ahead)
+        return cached if cached_score > own_score else own
+
+    def forget(self, row: int) -> None:
+        """Drop the row's tree without caching it (its request's outputs were cached already)."""
+        self.trees.pop(row, None)
+        self.outputs_from.pop(row, None)
+
+    def release(self, row: int) -> None:
+        """The row's request leaves (finished, aborted or preempted): its outputs join the cache."""
+        tree = self.trees.pop(row, None)
+        if tree is not None:
+            self.cache.add(tree.tokens[self.outputs_from.pop(row):])
+
+
+def _after(node: Node, length: int, max_tokens: int, min_prob: float, spec_factor: float,
+           ahead: int) -> tuple[list[int], float]:
+    """The drafts below `node` (a match of `length` tokens) that follow its first `ahead` tokens.
+    A match seen CONFIDENT_COUNT times is trusted as far as its continuation's probability goes,
+    however short: the same words answered the same way again and again (an agent's loop)."""
+    budget = max_tokens if node.count >= CONFIDENT_COUNT else _budget(length + ahead, max_tokens, spec_factor)
+    tokens, score = node.continuation(ahead + budget, min_prob)
+    return tokens[ahead:], score
 
 
 def _max_match(depth: int, max_tokens: int) -> int:
