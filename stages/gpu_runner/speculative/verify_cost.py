@@ -28,6 +28,7 @@ import torch
 FIXED_VARIABLE = "PIPELINE_VERIFY_FREE_TOKENS"
 MAX_FREE_TOKENS = 1e6  # what a step whose cost did not grow measurably with its tokens reports
 REPEATS = 3
+FITS = 3  # fits taken before contradicting timings are believed
 
 Step = Callable[[int], None]  # the model over n single-token rows, logits included
 
@@ -43,16 +44,21 @@ class StepCosts:
 def measure(step: Step, rows: int, k: int, device: torch.device, draft_step: Step | None = None) -> StepCosts:
     """F = c0 / c1 from timing `step(n)` at n = rows and n = rows * (1 + k), the fastest of REPEATS
     runs each after one to warm up; and, given a draft model's `draft_step`, its (e0, e1) / c1 timed
-    the same way. F is None when the timings contradict the model (more than (1 + k) times the cost
-    for (1 + k) times the tokens: a busy machine's noise), which the scheduler reads as not measured."""
+    the same way. Timings that contradict the model (more than (1 + k) times the cost for (1 + k)
+    times the tokens: a busy machine's noise, or a step with no fixed cost to share) are taken again,
+    FITS times in all; if every fit says so, F is 0: extra tokens cost at least their share of the
+    step, so no draft pays (never "free": drafts taken as free on a busy machine slow it down)."""
     small, large = rows, rows * (1 + k)
-    # the two models' timings interleaved: a machine whose load changes meanwhile weighs both alike
-    fits = _fit([step] if draft_step is None else [step, draft_step], small, large, device)
-    c0, c1 = fits[0]
-    if c1 <= 0:
-        return StepCosts(MAX_FREE_TOKENS)
-    if c0 <= 0:
-        return StepCosts(None)
+    for _ in range(FITS):
+        # the two models' timings interleaved: a machine whose load changes meanwhile weighs both alike
+        fits = _fit([step] if draft_step is None else [step, draft_step], small, large, device)
+        c0, c1 = fits[0]
+        if c1 <= 0:
+            return StepCosts(MAX_FREE_TOKENS)
+        if c0 > 0:
+            break
+    else:
+        return StepCosts(0.0)
     free = min(c0 / c1, MAX_FREE_TOKENS)
     if draft_step is None:
         return StepCosts(free)
