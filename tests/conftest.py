@@ -1,6 +1,6 @@
 """Fixtures for every test: a test session must leave /dev/shm as it found it; `--device` chooses
 where the engine, daemon, HTTP and recovery tests run their engines (device_choice.py); `board` is
-a status board of its own, unlinked at once."""
+a status board of its own, unlinked at once. Property tests draw the same examples every run."""
 from __future__ import annotations
 
 import os
@@ -8,9 +8,14 @@ from collections.abc import Iterator
 
 import pytest
 from device_choice import DEVICE_ENV, DEVICES
+from hypothesis import settings
 
 from shm.naming import check_instance_id, instance_of, list_entries, new_instance_id, pid_alive, unlink_instance
 from stages.status import StatusBoard
+
+# Deterministic property tests: examples derived from each test, none kept between runs.
+settings.register_profile("deterministic", derandomize=True, database=None)
+settings.load_profile("deterministic")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
