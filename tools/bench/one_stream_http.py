@@ -21,7 +21,7 @@ from pathlib import Path
 from servers import free_port, start_server, stop_server, tree_memory_mib
 
 SERVED_NAME = "one-stream"
-CONTEXT_TOKENS = 2048  # llama.cpp's --n_ctx, and pipeline's KV pool and longest request alike
+CONTEXT_TOKENS = 2048  # default of llama.cpp's --n_ctx, and pipeline's KV pool and longest request alike
 BLOCK_TOKENS = 16
 
 
@@ -66,17 +66,18 @@ def measure_server(engine: str, command: list[str], port: int, prompt: str, max_
             "tokens_min": min(tokens), **memory}
 
 
-def pipeline_server(model: Path, quantization: str, dtype: str | None, port: int, run_dir: Path) -> list[str]:
+def pipeline_server(model: Path, quantization: str, dtype: str | None, port: int, run_dir: Path,
+                    context_tokens: int = CONTEXT_TOKENS) -> list[str]:
     command = [sys.executable, "-m", "pipeline.cli", "start", "--model", str(model), "--device", "cpu",
                "--quantization", quantization, "--port", str(port), "--socket", str(run_dir / "pipeline.sock"),
-               "--served-model-name", SERVED_NAME, "--max-model-len", str(CONTEXT_TOKENS),
-               "--num-kv-blocks", str(CONTEXT_TOKENS // BLOCK_TOKENS), "--block-size", str(BLOCK_TOKENS)]
+               "--served-model-name", SERVED_NAME, "--max-model-len", str(context_tokens),
+               "--num-kv-blocks", str(context_tokens // BLOCK_TOKENS), "--block-size", str(BLOCK_TOKENS)]
     return command + ([] if dtype is None else ["--dtype", dtype])
 
 
-def llamacpp_server(python: Path, model: Path, port: int) -> list[str]:
+def llamacpp_server(python: Path, model: Path, port: int, context_tokens: int = CONTEXT_TOKENS) -> list[str]:
     return [str(python), "-m", "llama_cpp.server", "--model", str(model), "--n_threads", "2",
-            "--n_ctx", str(CONTEXT_TOKENS), "--port", str(port), "--host", "127.0.0.1", "--model_alias", SERVED_NAME]
+            "--n_ctx", str(context_tokens), "--port", str(port), "--host", "127.0.0.1", "--model_alias", SERVED_NAME]
 
 
 def llamacpp_version(python: Path) -> str:
@@ -95,19 +96,20 @@ def eos_token_id(model: Path) -> int:
 
 
 def serve_both(model: Path, settings: list[tuple[str, str | None]], llamacpp_python: Path | None, prompt: str,
-               max_tokens: int, rounds: int, run_dir: Path) -> list[dict]:
-    """One row per pipeline setting (quantization, dtype), then llama.cpp's, one server at a time."""
+               max_tokens: int, rounds: int, run_dir: Path, context_tokens: int = CONTEXT_TOKENS) -> list[dict]:
+    """One row per pipeline setting (quantization, dtype), then llama.cpp's, one server at a time, each
+    with room for `context_tokens` (llama.cpp's --n_ctx; pipeline's KV pool and longest request)."""
     rows = []
     for quantization, dtype in settings:
         port = free_port()
-        command = pipeline_server(model, quantization, dtype, port, run_dir)
+        command = pipeline_server(model, quantization, dtype, port, run_dir, context_tokens)
         row = measure_server("pipeline", command, port, prompt, max_tokens, rounds, {"ignore_eos": True}, run_dir)
         rows.append({"file": model.name, "engine": "pipeline http", "quantization": quantization,
                      "dtype": dtype or "auto", **row})
     if llamacpp_python is not None:
         port = free_port()
         no_eos = {"logit_bias": {str(eos_token_id(model)): -100.0}}
-        row = measure_server("llamacpp", llamacpp_server(llamacpp_python, model, port), port, prompt, max_tokens,
+        row = measure_server("llamacpp", llamacpp_server(llamacpp_python, model, port, context_tokens), port, prompt, max_tokens,
                              rounds, no_eos, run_dir)
         rows.append({"file": model.name, "engine": f"llama.cpp {llamacpp_version(llamacpp_python)}",
                      "quantization": "file", "dtype": "-", **row})
