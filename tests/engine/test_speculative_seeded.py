@@ -37,6 +37,9 @@ METHODS = {
                               "prompt_lookup_max": 3}, False),
     "draft_model": (lambda target: {"method": "draft_model", "model": str(target), "num_speculative_tokens": K},
                     True),
+    # suffix tries trusting any match (a 1-token match drafts up to 4 tokens), so that rows draft here
+    "suffix": (lambda target: {"method": "suffix", "num_speculative_tokens": K, "suffix_decoding_min_token_prob": 0.0,
+                               "suffix_decoding_max_spec_factor": 4.0}, False),
 }
 
 
