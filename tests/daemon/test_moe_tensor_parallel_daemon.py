@@ -4,19 +4,17 @@ expert split across the ranks (Qwen2-MoE, its shared expert and a dense layer to
 experts per rank under --enable-expert-parallel (gpt-oss, its sinks and sliding layers too)."""
 from __future__ import annotations
 
-import asyncio
 import shutil
 from pathlib import Path
 
 import pytest
 from device_choice import engine_device
-from live_daemon import REAL_BACKEND, short_dir, start_daemon, wait_for_health, wait_idle
-from test_tensor_parallel_daemon import OPTIONS, SCHEDULING, _assert_equal, _streams
+from live_daemon import REAL_BACKEND, short_dir, start_daemon
+from test_tensor_parallel_daemon import OPTIONS, SCHEDULING, kill_rank_under_streams
 
 from pipeline import LLM
 from pipeline.bench.workload import mixed_params
 from pipeline.models.tiny_model import make_tiny_model
-from shm.naming import pid_alive
 
 pytestmark = [pytest.mark.timeout(150),
               pytest.mark.skipif(not REAL_BACKEND, reason="tensor parallelism needs the real stage processes")]
@@ -36,14 +34,7 @@ def test_a_killed_rank_of_a_mixture_restarts_and_every_stream_completes_exactly(
     directory = short_dir()
     daemon = start_daemon(model, directory, OPTIONS + extra)
     try:
-        socket_path = daemon.socket_path
-        before = wait_for_health(socket_path, lambda h: h.status == "ok", 10)
-        _assert_equal(asyncio.run(_streams(socket_path, prompts, params, kill_stage="runner1")), expected)
-        after = wait_for_health(socket_path, lambda h: h.status == "ok" and h.num_restarts == before.num_restarts + 1,
-                                30)
-        assert after.last_failure == "stage 'runner1' was killed by signal 9"
-        assert not any(pid_alive(pid) for pid in before.stage_pids.values())  # rank 0 went with rank 1
-        assert wait_idle(socket_path, timeout_s=5.0).kv_blocks_used == 0
+        kill_rank_under_streams(daemon.socket_path, prompts, params, expected)
     finally:
         daemon.stop()
         assert daemon.shm_entries() == []

@@ -107,19 +107,25 @@ def test_two_ranks_serve_what_one_rank_generates(async_daemon: LiveDaemon, workl
     assert stats.prefix_cache_hit_rate > 0
 
 
-def test_a_killed_rank_restarts_every_rank_and_every_stream_completes_exactly(async_daemon: LiveDaemon,
-                                                                               workload: tuple) -> None:
-    prompts, params, expected = workload
-    socket_path = async_daemon.socket_path
+def kill_rank_under_streams(socket_path: Path, prompts: list[str], params: list[SamplingParams],
+                            expected: list[RequestOutput]) -> tuple:
+    """Rank 1 SIGKILLed under the prompts' streams: every stream equals `expected`, both ranks restart
+    once (rank 0 goes with rank 1) and the engine ends idle. The health before and after."""
     before = wait_for_health(socket_path, lambda h: h.status == "ok", 10)
     _assert_equal(asyncio.run(_streams(socket_path, prompts, params, kill_stage="runner1")), expected)
     after = wait_for_health(socket_path, lambda h: h.status == "ok" and h.num_restarts == before.num_restarts + 1,
                             30)
     assert after.last_failure == "stage 'runner1' was killed by signal 9"
-    assert after.instance != before.instance
     assert not any(pid_alive(pid) for pid in before.stage_pids.values())  # rank 0 went with rank 1
-    assert [e for e in async_daemon.shm_entries() if str(before.instance) in e] == []
     assert wait_idle(socket_path, timeout_s=5.0).kv_blocks_used == 0
+    return before, after
+
+
+def test_a_killed_rank_restarts_every_rank_and_every_stream_completes_exactly(async_daemon: LiveDaemon,
+                                                                               workload: tuple) -> None:
+    before, after = kill_rank_under_streams(async_daemon.socket_path, *workload)
+    assert after.instance != before.instance
+    assert [e for e in async_daemon.shm_entries() if str(before.instance) in e] == []
 
 
 def test_sync_scheduling_two_ranks_equal_one(model: Path, workload: tuple) -> None:

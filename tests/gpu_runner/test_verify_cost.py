@@ -13,18 +13,23 @@ from stages.gpu_runner.speculative import verify_cost
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_the_cost_of_verifying_is_fitted_from_two_timed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step of n tokens that costs 10 + 0.5 n (ms) has F = c0 / c1 = 20; one whose cost does not
-    grow with its tokens reports drafts as free; one without a fixed cost, fitted FITS times, says
-    that no draft pays (F = 0), and a contradicting fit is taken again before it is believed."""
+@pytest.fixture
+def step(monkeypatch: pytest.MonkeyPatch):
+    """step(c0, c1): a step over n rows that costs c0 + c1 * n ms on a clock of its own (verify_cost's)."""
     clock = [0.0]
     monkeypatch.setattr(verify_cost.time, "perf_counter", lambda: clock[0])
 
-    def step(c0: float, c1: float):
+    def make(c0: float, c1: float):
         def run(n: int) -> None:
             clock[0] += (c0 + c1 * n) / 1000
         return run
+    return make
 
+
+def test_the_cost_of_verifying_is_fitted_from_two_timed_steps(step) -> None:
+    """A step of n tokens that costs 10 + 0.5 n (ms) has F = c0 / c1 = 20; one whose cost does not
+    grow with its tokens reports drafts as free; one without a fixed cost, fitted FITS times, says
+    that no draft pays (F = 0), and a contradicting fit is taken again before it is believed."""
     cpu = torch.device("cpu")
     assert verify_cost.measure(step(10, 0.5), 16, 4, cpu).free_tokens == pytest.approx(20)
     assert verify_cost.measure(step(10, 0.0), 16, 4, cpu).free_tokens == verify_cost.MAX_FREE_TOKENS
@@ -41,16 +46,8 @@ def test_the_cost_of_verifying_is_fitted_from_two_timed_steps(monkeypatch: pytes
     assert verify_cost.measure(once_noisy, 16, 4, cpu).free_tokens == pytest.approx(20)
 
 
-def test_a_draft_models_decoding_is_measured_in_the_targets_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_draft_models_decoding_is_measured_in_the_targets_tokens(step) -> None:
     """A draft step over n rows costing 4 + 0.25 n (ms) beside a target's 10 + 0.5 n: (8, 0.5) target tokens."""
-    clock = [0.0]
-    monkeypatch.setattr(verify_cost.time, "perf_counter", lambda: clock[0])
-
-    def step(c0: float, c1: float):
-        def run(n: int) -> None:
-            clock[0] += (c0 + c1 * n) / 1000
-        return run
-
     costs = verify_cost.measure(step(10, 0.5), 16, 4, torch.device("cpu"), draft_step=step(4, 0.25))
     assert costs.free_tokens == pytest.approx(20) and costs.draft_step == pytest.approx((8, 0.5))
 
