@@ -296,3 +296,18 @@ def test_every_stage_process_carries_its_title(shared_backend: StageBackend) -> 
             name = comm.read().strip()
         assert title == f"pipeline: {stage.name}"
         assert name == f"pipeline: {stage.name}"[:15]  # what top and ps -o comm show
+
+
+def test_a_cpu_runner_lets_its_threads_spin_briefly(shared_backend: StageBackend) -> None:
+    """The runner's OpenMP threads sleep soon after a parallel region (RUNNER_SPIN_ENV) unless the
+    user set the variable: a spinning thread takes the CPU its preempted peer is waiting for. Read
+    from the server the runner was forked from (the runner's title overwrites its own copy)."""
+    from pipeline.engine.supervision import RUNNER_SPIN_ENV
+
+    runner = next(stage for stage in shared_backend.health() if stage.name == "runner")
+    with open(f"/proc/{runner.pid}/stat", "rb") as stat:
+        server = int(stat.read().rsplit(b")", 1)[1].split()[1])
+    with open(f"/proc/{server}/environ", "rb") as environ:
+        variables = dict(entry.split(b"=", 1) for entry in environ.read().split(b"\0") if b"=" in entry)
+    for key, value in RUNNER_SPIN_ENV.items():
+        assert variables[key.encode()] == os.environ.get(key, value).encode()

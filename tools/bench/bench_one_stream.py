@@ -140,6 +140,11 @@ def print_table(result: dict, batch: int) -> None:
         print(f"| {row['file']} | {row['engine']} | {row['quantization']} | {row['dtype']} "
               f"| {row['tpot_ms_p50']:.2f} ms "
               f"| {row['ttft_ms_p50']:.1f} ms | {row['largest_rss_mib']} MiB | {pss} |{extra}")
+    for row in result["rows"]:
+        if row.get("cpu_ms_per_token"):
+            spent = ", ".join(f"{name} {ms:.2f}" for name, ms in
+                              sorted(row["cpu_ms_per_token"].items(), key=lambda item: -item[1]) if ms >= 0.01)
+            print(f"CPU ms per token, {row['engine']} {row['quantization']} {row['file']}: {spent}")
 
 
 def main() -> None:

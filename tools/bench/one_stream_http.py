@@ -5,7 +5,8 @@ Each request is a /v1/completions stream of a ~128-token text prompt, greedy. TT
 the first streamed token, TPOT (last token's time - first token's) / (tokens - 1); the server's
 memory is read at the end: the largest resident set in its process tree (pipeline's runner;
 llama.cpp's one process) and the tree's PSS. Each round's prompt starts with its own number, so no
-round reuses a prefix another round left in either engine's cache.
+round reuses a prefix another round left in either engine's cache. The CPU time each process of the
+tree spent over the measured rounds, per streamed token, shows where a served token's time goes.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from servers import free_port, start_server, stop_server, tree_memory_mib
+from servers import free_port, start_server, stop_server, tree_cpu_s, tree_memory_mib
 
 SERVED_NAME = "one-stream"
 CONTEXT_TOKENS = 2048  # default of llama.cpp's --n_ctx, and pipeline's KV pool and longest request alike
@@ -54,16 +55,20 @@ def measure_server(engine: str, command: list[str], port: int, prompt: str, max_
     try:
         stream_once(port, prompt, max_tokens, stop_at_eos)
         ttft, tpot, tokens = [], [], []
+        cpu_before = tree_cpu_s(process.pid)
         for index in range(rounds):
             first, per_token, count = stream_once(port, f"{index + 1}. {prompt}", max_tokens, stop_at_eos)
             ttft.append(first)
             tpot.append(per_token)
             tokens.append(count)
+        cpu_after = tree_cpu_s(process.pid)
         memory = tree_memory_mib(process.pid)
     finally:
         stop_server(process)
     return {"tpot_ms_p50": round(statistics.median(tpot), 2), "ttft_ms_p50": round(statistics.median(ttft), 1),
-            "tokens_min": min(tokens), **memory}
+            "tokens_min": min(tokens), **memory,
+            "cpu_ms_per_token": {name: round(1e3 * (cpu_after[name] - cpu_before.get(name, 0.0)) / sum(tokens), 2)
+                                 for name in sorted(cpu_after)}}
 
 
 def pipeline_server(model: Path, quantization: str, dtype: str | None, port: int, run_dir: Path,

@@ -4,7 +4,7 @@ A daemon of the checkout this runs from (its working directory: `python -m pipel
 so an older checkout's daemon can be measured with this same script) serves the tiny model on the
 CPU, with the stall limit's floor at 1 s. While every core has two busy processes to share
 (tests/contention.py of this script's checkout, at normal priority), each scenario runs `--cycles`
-times in its own daemon, and the load stops between scenarios:
+times in its own daemon (the load started afresh for each cycle, stopped between them):
 
   runner, scheduler, detokenizer, tokenizer0  four fresh streams (greedy, seeded sampling, seeded
       with penalties, greedy to a stop string); the stage SIGKILLed once all run. A pass: every
@@ -12,6 +12,7 @@ times in its own daemon, and the load stops between scenarios:
       no request failed by the poison guard.
   long  one greedy stream of --long-tokens: the runner SIGKILLed at 20% of it, the forkserver at
       45% (once the stages serve again), the runner again at 70%. A pass: every token, exactly.
+      Each cycle prints its pace between the faults and the daemon's process count.
 
 A cycle that does not end within its timeout fails; the daemon, if it no longer serves, is
 started afresh for the next cycle (and counted). Per scenario: passes out of N, the failures' reasons.
@@ -160,9 +161,11 @@ async def long_cycle(socket_path: Path, daemon_pid: int, work: Workload, progres
     thresholds = [int(f * len(work.long_expected)) for f in LONG_FRACTIONS]
     kills = ["runner", "forkserver", "runner"]
     received, done = 0, 0
+    pace = Pace()
     try:
         async for delta in stream:
             received += len(delta.token_ids)
+            pace.tokens(received)
             if done < len(kills) and received >= thresholds[done]:
                 health = await client.health()
                 while health.status != "ok":  # the fault after the last lands on fresh stages
@@ -172,15 +175,55 @@ async def long_cycle(socket_path: Path, daemon_pid: int, work: Workload, progres
                 os.kill(pid, signal.SIGKILL)
                 done += 1
                 progress.append(f"{kills[done - 1]} killed at {received} tokens")
+                pace.mark(kills[done - 1])
     except Exception as exc:  # noqa: BLE001 - the cycle's outcome, reported
         return f"{received} tokens, then {exc!r}"
     finally:
         await client.close()
+        print(f"  pace: {pace}; the daemon's tree: {len(descendants(daemon_pid))} processes", file=sys.stderr, flush=True)
     got = stream.completion.token_ids if isinstance(stream.completion, Completion) else []
     if got != work.long_expected:
         same = next((i for i, (a, b) in enumerate(zip(got, work.long_expected)) if a != b), min(len(got), len(work.long_expected)))
         return f"{len(got)} of {len(work.long_expected)} tokens, the first {same} right"
     return None
+
+
+class Pace:
+    """Milliseconds per token of the long stream, segment by segment between its faults."""
+
+    def __init__(self) -> None:
+        self.segments: list[tuple[str, float, int]] = [("start", time.monotonic(), 0)]
+        self.last = (time.monotonic(), 0)
+
+    def tokens(self, received: int) -> None:
+        self.last = (time.monotonic(), received)
+
+    def mark(self, fault: str) -> None:
+        self.segments.append((fault, *self.last))
+
+    def __str__(self) -> str:
+        edges = [*self.segments, ("end", *self.last)]
+        return ", ".join(f"{name} {1000 * (t1 - t0) / max(n1 - n0, 1):.0f} ms/token over {n1 - n0}"
+                         for (name, t0, n0), (_, t1, n1) in zip(edges, edges[1:]))
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below `pid` (its children, theirs, ...)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as stat_file:
+                    stat = stat_file.read()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat[stat.rfind(b")") + 2:].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 def forkserver_pid(daemon_pid: int) -> int:
@@ -255,11 +298,11 @@ def run_scenario(name: str, work: Workload, directory: Path, cycles: int, load: 
     try:
         daemon.start()
         result.daemon_starts = 1
-        with cpu_load(load):
-            for _ in range(cycles):
-                if not serving(daemon.socket_path, SERVING_TIMEOUT_S):
-                    daemon.start()
-                    result.daemon_starts += 1
+        for _ in range(cycles):
+            if not serving(daemon.socket_path, SERVING_TIMEOUT_S):
+                daemon.start()
+                result.daemon_starts += 1
+            with cpu_load(load):  # afresh each cycle: one load lasts 600 s at most
                 progress: list[str] = ["started"]
                 if name == LONG:
                     cycle = long_cycle(daemon.socket_path, daemon.process.pid, work, progress)

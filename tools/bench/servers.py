@@ -94,3 +94,18 @@ def tree_memory_mib(pid: int) -> dict[str, float]:
     pss = sum(_kib(Path(f"/proc/{p}/smaps_rollup"), "Pss") for p in pids)
     return {"largest_rss_mib": round(max(rss, default=0) / 1024), "tree_pss_mib": round(pss / 1024),
             "processes": len(pids)}
+
+
+def tree_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) of each process in the server's tree, by its name
+    (the kernel's `comm`, which pipeline's stages set to their role), summed over same-named ones."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds: dict[str, float] = {}
+    for p in descendants(pid):
+        try:
+            name = Path(f"/proc/{p}/comm").read_text().strip()
+            fields = Path(f"/proc/{p}/stat").read_bytes().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # it exited meanwhile
+        seconds[name] = seconds.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return seconds
