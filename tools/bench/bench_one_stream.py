@@ -1,7 +1,7 @@
 """One stream at a time on the CPU: TPOT, TTFT and resident memory of a GGUF file served with each
 --quantization (auto: the default; none: dequantized at load; gguf: its blocks multiplied in place;
 q8_0/q4_0: float weights quantized at load too), in process and, with --http, through pipeline's
-OpenAI server and llama.cpp's (--llamacpp-python), one server at a time (tools/bench/one_stream_http.py).
+OpenAI server and llama.cpp's (--llamacpp-python), their rounds interleaved (tools/bench/one_stream_http.py).
 
 Each mode runs in a fresh process holding the offline engine (the runner in that process, so its
 resident memory is the process's): load, one warm-up request, then `--rounds` greedy requests of a

@@ -3,10 +3,12 @@ llama.cpp's (llama-cpp-python's `llama_cpp.server`), driven by the same streamin
 
 Each request is a /v1/completions stream of a ~128-token text prompt, greedy. TTFT is the time to
 the first streamed token, TPOT (last token's time - first token's) / (tokens - 1); the server's
-memory is read at the end: the largest resident set in its process tree (pipeline's runner;
-llama.cpp's one process) and the tree's PSS. Each round's prompt starts with its own number, so no
-round reuses a prefix another round left in either engine's cache. The CPU time each process of the
-tree spent over the measured rounds, per streamed token, shows where a served token's time goes.
+memory is read after two requests: the largest resident set in its process tree (pipeline's
+runner; llama.cpp's one process) and the tree's PSS. Each round's prompt starts with its own number, so no
+round reuses a prefix another round left in either engine's cache. The servers' rounds are
+interleaved, all of them up at once (a machine's speed drifts by tens of percent over minutes);
+each one's memory is read with it alone. The CPU time each process of a tree spent over its
+measured rounds, per streamed token, shows where a served token's time goes.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from servers import free_port, start_server, stop_server, tree_cpu_s, tree_memory_mib
@@ -48,27 +51,61 @@ def stream_once(port: int, prompt: str, max_tokens: int, stop_at_eos: dict) -> t
     return (times[0] - start) * 1e3, (times[-1] - times[0]) / (len(times) - 1) * 1e3, len(times)
 
 
-def measure_server(engine: str, command: list[str], port: int, prompt: str, max_tokens: int, rounds: int,
-                   stop_at_eos: dict, run_dir: Path) -> dict:
-    """Start the server, one warm-up request, `rounds` measured ones, its memory; then stop it."""
-    process = start_server(engine, command, dict(os.environ), port, run_dir)
+@dataclass
+class Server:
+    """One engine and setting of the table: its row's labels, how it starts, how it is told to
+    ignore the end-of-text token, and what was measured."""
+
+    label: str  # its log's and socket's name
+    row: dict
+    command: list[str]
+    port: int
+    stop_at_eos: dict
+    memory: dict = field(default_factory=dict)
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+    def result(self) -> dict:
+        return {**self.row, "tpot_ms_p50": round(statistics.median(self.tpot), 2),
+                "ttft_ms_p50": round(statistics.median(self.ttft), 1), "tokens_min": min(self.tokens), **self.memory,
+                "cpu_ms_per_token": {name: round(1e3 * seconds / sum(self.tokens), 2)
+                                     for name, seconds in sorted(self.cpu_s.items())}}
+
+
+def measure(servers: list[Server], prompt: str, max_tokens: int, rounds: int, run_dir: Path) -> None:
+    """Memory: each server alone (started, one warm-up request and one round, its tree read,
+    stopped), so that no other server shares the file's pages with it. Time: every server up at
+    once, each warmed up, then `rounds` rounds that take each server in turn, so that a machine
+    whose speed drifts meanwhile weighs them alike; each server's CPU time over its own requests."""
+    for server in servers:
+        process = start_server(server.label, server.command, dict(os.environ), server.port, run_dir)
+        try:
+            stream_once(server.port, prompt, max_tokens, server.stop_at_eos)
+            stream_once(server.port, f"0. {prompt}", max_tokens, server.stop_at_eos)
+            server.memory = tree_memory_mib(process.pid)
+        finally:
+            stop_server(process)
+    processes = []
     try:
-        stream_once(port, prompt, max_tokens, stop_at_eos)
-        ttft, tpot, tokens = [], [], []
-        cpu_before = tree_cpu_s(process.pid)
+        for server in servers:
+            processes.append(start_server(server.label, server.command, dict(os.environ), server.port, run_dir))
+            stream_once(server.port, prompt, max_tokens, server.stop_at_eos)
         for index in range(rounds):
-            first, per_token, count = stream_once(port, f"{index + 1}. {prompt}", max_tokens, stop_at_eos)
-            ttft.append(first)
-            tpot.append(per_token)
-            tokens.append(count)
-        cpu_after = tree_cpu_s(process.pid)
-        memory = tree_memory_mib(process.pid)
+            for server, process in zip(servers, processes):
+                before = tree_cpu_s(process.pid)
+                first, per_token, count = stream_once(server.port, f"{index + 1}. {prompt}", max_tokens,
+                                                      server.stop_at_eos)
+                after = tree_cpu_s(process.pid)
+                server.ttft.append(first)
+                server.tpot.append(per_token)
+                server.tokens.append(count)
+                for name, seconds in after.items():
+                    server.cpu_s[name] = server.cpu_s.get(name, 0.0) + seconds - before.get(name, 0.0)
     finally:
-        stop_server(process)
-    return {"tpot_ms_p50": round(statistics.median(tpot), 2), "ttft_ms_p50": round(statistics.median(ttft), 1),
-            "tokens_min": min(tokens), **memory,
-            "cpu_ms_per_token": {name: round(1e3 * (cpu_after[name] - cpu_before.get(name, 0.0)) / sum(tokens), 2)
-                                 for name in sorted(cpu_after)}}
+        for process in processes:
+            stop_server(process)
 
 
 def pipeline_server(model: Path, quantization: str, dtype: str | None, port: int, run_dir: Path,
@@ -102,20 +139,21 @@ def eos_token_id(model: Path) -> int:
 
 def serve_both(model: Path, settings: list[tuple[str, str | None]], llamacpp_python: Path | None, prompt: str,
                max_tokens: int, rounds: int, run_dir: Path, context_tokens: int = CONTEXT_TOKENS) -> list[dict]:
-    """One row per pipeline setting (quantization, dtype), then llama.cpp's, one server at a time, each
+    """One row per pipeline setting (quantization, dtype), then llama.cpp's (see `measure`), each
     with room for `context_tokens` (llama.cpp's --n_ctx; pipeline's KV pool and longest request)."""
-    rows = []
+    servers = []
     for quantization, dtype in settings:
-        port = free_port()
-        command = pipeline_server(model, quantization, dtype, port, run_dir, context_tokens)
-        row = measure_server("pipeline", command, port, prompt, max_tokens, rounds, {"ignore_eos": True}, run_dir)
-        rows.append({"file": model.name, "engine": "pipeline http", "quantization": quantization,
-                     "dtype": dtype or "auto", **row})
+        label, port = f"pipeline-{quantization}-{dtype or 'auto'}", free_port()
+        servers.append(Server(label, {"file": model.name, "engine": "pipeline http", "quantization": quantization,
+                                      "dtype": dtype or "auto"},
+                              pipeline_server(model, quantization, dtype, port, run_dir / label, context_tokens), port,
+                              {"ignore_eos": True}))
+        (run_dir / label).mkdir(mode=0o700, exist_ok=True)
     if llamacpp_python is not None:
         port = free_port()
-        no_eos = {"logit_bias": {str(eos_token_id(model)): -100.0}}
-        row = measure_server("llamacpp", llamacpp_server(llamacpp_python, model, port, context_tokens), port, prompt, max_tokens,
-                             rounds, no_eos, run_dir)
-        rows.append({"file": model.name, "engine": f"llama.cpp {llamacpp_version(llamacpp_python)}",
-                     "quantization": "file", "dtype": "-", **row})
-    return rows
+        servers.append(Server("llamacpp", {"file": model.name, "engine": f"llama.cpp {llamacpp_version(llamacpp_python)}",
+                                           "quantization": "file", "dtype": "-"},
+                              llamacpp_server(llamacpp_python, model, port, context_tokens), port,
+                              {"logit_bias": {str(eos_token_id(model)): -100.0}}))
+    measure(servers, prompt, max_tokens, rounds, run_dir)
+    return [server.result() for server in servers]
