@@ -56,7 +56,7 @@ def child(args: argparse.Namespace) -> dict:
     # KV for every request of the batch at once (16-token blocks), and some to spare.
     blocks = max(1, args.batch) * ((args.prompt_tokens + args.max_tokens) // 16 + 2) + 16
     model = resolve_model(args.model[0] if args.model else None)
-    llm = LLM(model, device="cpu", quantization=args.child, dtype=args.dtype,
+    llm = LLM(model, device="cpu", quantization=args.child, dtype=args.dtype[0],
               num_kv_blocks=blocks, max_model_len=min(1024, blocks * 16))
     load_s = time.perf_counter() - start
     loaded = _memory_mib()
@@ -86,7 +86,7 @@ def child(args: argparse.Namespace) -> dict:
         outputs = llm.generate(prompts, full)
         batch_tok_s = round(sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - t0), 1)
     end = _memory_mib()
-    return {"quantization": args.child, "dtype": args.dtype, "load_s": round(load_s, 2),
+    return {"quantization": args.child, "dtype": args.dtype[0], "load_s": round(load_s, 2),
             "batch": args.batch, "batch_tokens_per_s": batch_tok_s,
             "ttft_ms_p50": round(statistics.median(ttft), 1), "tpot_ms_p50": round(statistics.median(tpot), 2),
             "tokens_per_s": round(1e3 / statistics.median(tpot), 1), "rss_loaded_mib": round(loaded["VmRSS"]),
@@ -116,9 +116,9 @@ def prompt_text(model: Path, num_tokens: int) -> str:
     return tokenizer.decode(tokenizer.encode(TEXT * 8).ids[:num_tokens])
 
 
-def offline_row(args: argparse.Namespace, model: Path | None, mode: str) -> dict:
-    """One --quantization measured in process, in a child process of its own."""
-    command = [sys.executable, __file__, "--child", mode, "--dtype", args.dtype, "--rounds", str(args.rounds),
+def offline_row(args: argparse.Namespace, model: Path | None, mode: str, dtype: str) -> dict:
+    """One --quantization and --dtype measured in process, in a child process of its own."""
+    command = [sys.executable, __file__, "--child", mode, "--dtype", dtype, "--rounds", str(args.rounds),
                "--batch", str(args.batch), "--prompt-tokens", str(args.prompt_tokens),
                "--max-tokens", str(args.max_tokens)]
     if model is not None:
@@ -154,7 +154,8 @@ def main() -> None:
     parser.add_argument("--real-files", action="store_true", help="both real files (see above) instead of --model")
     parser.add_argument("--quantization", nargs="+", default=["auto", "none", "gguf"],
                         choices=["auto", "none", "gguf", "q8_0", "q4_0"])
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--dtype", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
+                        help="the dense parts' dtype; with --http, each quantization is served in each of them")
     parser.add_argument("--http", action="store_true",
                         help="serve through pipeline's OpenAI server instead of the in-process engine")
     parser.add_argument("--llamacpp-python", type=Path, default=None,
@@ -182,11 +183,11 @@ def main() -> None:
                 from pipeline.models.checkpoints import default_model_file
 
                 file = model or default_model_file()
-                settings = [(mode, None if args.dtype == "auto" else args.dtype) for mode in args.quantization]
+                settings = [(mode, None if dtype == "auto" else dtype) for mode in args.quantization for dtype in args.dtype]
                 rows += serve_both(file, settings, args.llamacpp_python, prompt_text(file, args.prompt_tokens),
                                    args.max_tokens, args.rounds, run_dir, args.context_tokens)
             else:
-                rows += [offline_row(args, model, mode) for mode in args.quantization]
+                rows += [offline_row(args, model, mode, dtype) for mode in args.quantization for dtype in args.dtype]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     result = {"load_average": os.getloadavg(), "cpus": os.cpu_count(), "rows": rows}
