@@ -145,6 +145,14 @@ class ModelRunner:
                                                                  kv_caches=draft.kv_caches)
                 self.step_costs = start_up_costs(self._cost_step, min(self.max_num_seqs, COST_ROWS),
                                                  config.speculative.num_speculative_tokens, self.device, draft_step)
+        # A draft model whose drafts can never pay is not run at all (it would decode every step to keep
+        # its KV, for drafts the scheduler never asks for): speculation is then off.
+        self.draft_runs = draft is not None and self.step_costs.draft_pays
+        if draft is not None and not self.draft_runs:
+            e0, e1 = self.step_costs.draft_step
+            log.warning("the draft model is not run: decoding a draft costs %.1f of the target's tokens, "
+                        "verifying one saves at most %.1f (F), so no draft can pay here; speculation is off",
+                        e0 + e1, self.step_costs.free_tokens)
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.bind(self.kv_caches, self.block_size)
@@ -213,7 +221,7 @@ class ModelRunner:
         if plan.num_rows:
             with self.phase("forward"):
                 hidden = self.model(inputs.input_ids, inputs.positions, self._kv_storage, inputs.attention)
-                if speculator is not None and speculator.draft is not None:
+                if self.draft_runs:
                     speculator.draft.observe(inputs.input_ids, inputs.positions, inputs.attention)
             if inputs.spec is not None and len(inputs.logits_index):
                 with self.phase("sample"):
@@ -280,7 +288,7 @@ class ModelRunner:
         meta = self.attention_backend.static_decode_metadata(static, num_rows, max_context)
         positions = static.positions[:num_rows]
         hidden = self.model(input_ids, positions, self._kv_storage, meta)
-        if self.speculator is not None and self.speculator.draft is not None:
+        if self.draft_runs:
             # Rows that verify nothing this step still extend the draft's KV (a graph records both).
             self.speculator.draft.observe(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden, out=self._decode_logits[:num_rows])
@@ -296,9 +304,9 @@ class ModelRunner:
     @torch.inference_mode()
     def _cost_step(self, num_tokens: int, model: torch.nn.Module | None = None,
                    kv_caches: list[torch.Tensor] | None = None) -> None:
-        """The model (the target, or a draft model with its KV) and its logits over `num_tokens`
-        single-token rows that write only the scratch block and attend to one key: what a step
-        costs for its tokens (verify_cost.py)."""
+        """The model (the target, or a draft model with its KV), its logits and a greedy draw over
+        `num_tokens` single-token rows that write only the scratch block and attend to one key: what
+        a step costs for its tokens (verify_cost.py)."""
         model = self.model if model is None else model
         batch, device = self.batch, self.device
         ones = torch.ones(num_tokens, dtype=torch.int64, device=device)
@@ -309,7 +317,9 @@ class ModelRunner:
             local_slots = torch.full_like(slots, self.num_window_blocks * self.block_size)
             meta = (meta, backend.decode_metadata(ones * 0, ones, 1, local_slots, batch.window_block_table))
         hidden = model(ones, ones - 1, self._kv_storage if kv_caches is None else kv_caches, meta)
-        model.compute_logits(hidden)
+        logits = model.compute_logits(hidden)
+        if logits is not None:  # a greedy draw at each position: what verifying them costs at least
+            logits.argmax(dim=-1)
 
     def _sample(self, logits: torch.Tensor | None, rows: np.ndarray, num_tokens: np.ndarray,
                 shift: torch.Tensor | None = None) -> SamplerOutput | None:

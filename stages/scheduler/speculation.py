@@ -193,6 +193,7 @@ class Speculation:
                 self.revived_at[row] = known
                 self.hits[row], self.trials[row] = HOPEFUL_RATE, 1.0
                 self.counts.num_revivals += 1
+
     def _copying(self, row: int, tokens: np.ndarray, num_prompt: int) -> bool:
         if self.suffix is None:
             return recurs(tokens, self.copy_length)

@@ -27,7 +27,7 @@ from stages.gpu_runner.cpu_ops import build as cpu_build
 from stages.gpu_runner.layers.linear import MergedColumnLinear, linear, method_for
 from stages.gpu_runner.layers.quantization.base import QuantizedWeight
 from stages.gpu_runner.layers.quantization import gguf as gguf_method
-from stages.gpu_runner.layers.quantization.gguf import FUSED_ROWS, TILED_ROWS
+from stages.gpu_runner.layers.quantization.gguf import FUSED_ROWS, FUSED_ROWS_K, TILED_ROWS
 from stages.gpu_runner.loaders.gguf_file import GGUFFile
 from stages.gpu_runner.loaders.gguf_quants import dequantize
 
@@ -83,9 +83,10 @@ def test_decoded_rows_equal_the_reference_decoder_bit_for_bit(qtype):
     assert embedded.shape == (2, 2, 512) and torch.equal(embedded, reference[ids])
 
 
-# Activation rows: 1 and FUSED_ROWS (the fused kernel), 7, 32, 33 and TILED_ROWS (quant_gemm.c: a
-# partial block of MR rows, a full one), TILED_ROWS + 1 and 300 (tiles for torch's matmul).
-ROW_COUNTS = sorted({1, FUSED_ROWS, 7, 32, 33, TILED_ROWS, TILED_ROWS + 1, 300})
+# Activation rows: 1, FUSED_ROWS_K, 7 and FUSED_ROWS (the fused kernel for 32-value types; 3 and up
+# are quant_gemm.c's for K types), 3 and 9 (a partial block of MR rows for quant_gemm.c), 32, 33 and
+# TILED_ROWS (quant_gemm.c), TILED_ROWS + 1 and 300 (tiles for torch's matmul).
+ROW_COUNTS = sorted({1, FUSED_ROWS_K, 3, 7, FUSED_ROWS, FUSED_ROWS + 1, 32, 33, TILED_ROWS, TILED_ROWS + 1, 300})
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

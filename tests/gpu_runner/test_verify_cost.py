@@ -106,3 +106,28 @@ def test_a_model_with_local_layers_measures_its_cost_too(tiny_checkpoint, monkey
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     runner = make_runner(tiny_checkpoint("gemma3"), num_kv_blocks=16, max_num_seqs=4, speculative_config=spec)
     assert runner.num_window_blocks > 0 and timed == [4]
+
+
+def test_a_draft_pays_only_where_decoding_it_costs_less_than_verifying_saves() -> None:
+    assert verify_cost.StepCosts(10.0, (3.0, 1.0)).draft_pays
+    assert not verify_cost.StepCosts(10.0, (9.0, 1.0)).draft_pays  # (1 + 9 + 1) / (10 + 1): the bar is 1
+    assert not verify_cost.StepCosts(0.0).draft_pays  # a step with no fixed cost: nothing pays
+    assert verify_cost.StepCosts(None, (50.0, 50.0)).draft_pays  # not measured: taken as free
+
+
+@pytest.mark.parametrize("costs, runs", [((2.0, (1.5, 1.0)), False), ((20.0, (1.5, 1.0)), True)])
+def test_a_draft_model_that_cannot_pay_is_not_run(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch,
+                                                  costs, runs) -> None:
+    """Measured as slow as the target (the draft is the target here), the draft model decodes nothing:
+    no step runs it to keep its KV, and the outputs are the target's alone."""
+    from runner_plans import PlannedRequest, run_requests
+
+    monkeypatch.setattr(runner_module, "start_up_costs", lambda *args, **kwargs: verify_cost.StepCosts(*costs))
+    checkpoint = tiny_checkpoint("llama")
+    spec = {"method": "draft_model", "model": str(checkpoint), "num_speculative_tokens": 3}
+    runner = make_runner(checkpoint, num_kv_blocks=16, max_num_seqs=4, speculative_config=spec)
+    observed = []
+    monkeypatch.setattr(runner.speculator.draft, "observe", lambda *args: observed.append(args))
+    outputs = run_requests(runner, [PlannedRequest([1, 2, 3, 4], 5)], token_budget=64)
+    assert runner.draft_runs is runs and bool(observed) is runs
+    assert len(outputs[0]) == 5

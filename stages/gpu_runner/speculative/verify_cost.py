@@ -7,11 +7,11 @@ how many extra tokens cost as much as the step itself. The scheduler weighs each
 against it (stages/scheduler/speculation.py). Where reading the weights dominates a step (a GPU,
 a quantized model) F is large and drafts are nearly free; where the arithmetic does, it is small.
 
-F covers the target's forward and logits. A draft model also decodes each draft, one step per
+F covers the target's forward, logits and a greedy draw at each position. A draft model also decodes each draft, one step per
 draft position over the rows that draft: the runner times its steps the same way (e0 + e1 * n
 for n rows) and reports them in the target's tokens, (e0 / c1, e1 / c1), so that the scheduler
 adds what a draft costs to decode to what it costs to verify. The proposers without weights (a
-lookup, suffix tries) and the sampling of each verified position are not in it.
+lookup, suffix tries) and what sampling costs beyond a greedy draw are not in it.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ MAX_FREE_TOKENS = 1e6  # what a step whose cost did not grow measurably with its
 REPEATS = 3
 FITS = 3  # fits taken before contradicting timings are believed
 
-Step = Callable[[int], None]  # the model over n single-token rows, logits included
+Step = Callable[[int], None]  # the model over n single-token rows, logits and a greedy draw included
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +39,13 @@ class StepCosts:
 
     free_tokens: float | None  # F = c0 / c1 (None: not measured, drafts are taken as free)
     draft_step: tuple[float, float] = (0.0, 0.0)  # a draft model's decode step over n rows: (e0, e1) / c1
+
+    @property
+    def draft_pays(self) -> bool:
+        """Whether a draft model's drafts can pay at any batch: decoding a draft for one row must cost
+        less than F (the scheduler's bar, (B + e0 + e1 * B) / (F + B), is then below 1 for some
+        acceptance; where e0 + e1 >= F it is 1 or more for every B)."""
+        return self.free_tokens is None or sum(self.draft_step) < self.free_tokens
 
 
 def measure(step: Step, rows: int, k: int, device: torch.device, draft_step: Step | None = None) -> StepCosts:

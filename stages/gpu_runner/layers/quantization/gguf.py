@@ -2,8 +2,9 @@
 
 One place picks the kernel by the number of activation rows n (tools/micro/bench_quant_matmul.py
 measures the three against the dense float32 matmul on the real models' shapes):
-  - n <= FUSED_ROWS (one or two decode streams): cpu_ops/quant.c's fused dequantize-and-dot, each
-    block decoded in registers and dotted at once: the step is bound by reading the blocks;
+  - n <= fused_rows(type) (a few decode streams, or one verifying drafts): cpu_ops/quant.c's fused
+    dequantize-and-dot, each block decoded in registers and dotted with up to 8 rows at once (4
+    for the 256-value K types): the step is bound by reading the blocks;
   - n <= TILED_ROWS (a decode batch, a short prefill): cpu_ops/quant_gemm.c, tiles of weight rows
     decoded into an L2-sized float32 buffer per thread and multiplied by a register-blocked kernel;
   - more (a long prefill): tiles of TILE_VALUES decoded by quant.c and multiplied by torch's matmul,
@@ -19,9 +20,15 @@ from stages.gpu_runner.cpu_ops import quant
 from stages.gpu_runner.layers.quantization.base import LinearMethod, QuantizedWeight
 
 # Thresholds measured on a 2-core AVX-512 machine (SmolLM2 and Gemma-3 shapes, one thread, thread CPU
-# time): the fused kernel is ahead at 1-2 rows; quant_gemm.c from 4 rows, ahead of the fused kernel
-# from there and of decoding tiles for torch's matmul up to ~128 rows; above ~192 rows torch's GEMM wins.
-FUSED_ROWS = 2
+# time, tools/micro/bench_quant_matmul.py --rows 1 2 3 4 5 6 8 12 16): the fused kernel is ahead at
+# 1-2 rows for every type, and for the 32-value types up to 8 (the heads above all, whose tiles
+# quant_gemm.c decodes for every call: Gemma-3's Q8_0 head at 5 rows 51 ms fused, 101 ms tiled; at 8,
+# 71 and 90; at 12 even), which a row verifying 4 drafts, or a few streams, needs; K types go to
+# quant_gemm.c from 3 rows (Q4_K 640x1024 at 3: 0.37 ms fused, 0.32 tiled). quant_gemm.c is ahead of
+# decoding tiles for torch's matmul up to ~128 rows; above ~192 rows torch's GEMM wins.
+FUSED_ROWS = 8  # 32-value types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+FUSED_ROWS_K = 2  # 256-value types: Q4_K, Q5_K, Q6_K
+K_TYPES = frozenset({12, 13, 14})
 TILED_ROWS = 128
 # float32 values of one decoded tile for torch's matmul (4 MiB): bounded even for a 262,144-row head.
 TILE_VALUES = 1 << 20
@@ -34,10 +41,11 @@ class GGUFMethod(LinearMethod):
             raise ValueError(f"GGUF blocks are multiplied on the CPU only, not {x.device}")
         flat = x if x.dim() == 2 else x.reshape(-1, cols)
         num_rows = flat.shape[0]
-        if num_rows <= FUSED_ROWS and x.dtype == torch.float32 and flat.dim() == 2:
+        fused = num_rows <= (FUSED_ROWS_K if weight.qtype in K_TYPES else FUSED_ROWS)
+        if fused and x.dtype == torch.float32 and flat.dim() == 2:
             # A decode step's path, in as few Python steps as it can be: every layer of every token takes it.
             out = quant.matmul_float32(flat, weight.blocks, weight.qtype, cols)
-        elif num_rows <= FUSED_ROWS:
+        elif fused:
             out = quant.matmul(flat, weight.blocks, weight.qtype, cols).to(x.dtype)
         elif num_rows <= TILED_ROWS:
             out = quant.matmul_tiled(flat, weight.blocks, weight.qtype, cols).to(x.dtype)
