@@ -47,7 +47,7 @@ from shm.segment import SharedSegment
 from stages.contracts.config import ModelLimits
 from stages.contracts.counters import SchedulerCounters, from_ints, num_counts, to_ints
 
-MAGIC = 0x32544154535F5049  # b"IP_STAT2"
+MAGIC = 0x33544154535F5049  # b"IP_STAT3"
 MAX_STAGES = 64
 MAX_EOS_IDS = 4
 ERROR_BYTES = 1024
@@ -57,7 +57,9 @@ _EOS = 8  # a count, then MAX_EOS_IDS ids
 _WINDOW, _LOCAL_WINDOW, _NUM_WINDOW_BLOCKS = 13, 14, 15
 _VERIFY_FREE_TOKENS_MILLI = 16  # ModelLimits.verify_free_tokens * 1000 (0: not measured)
 _DRAFT_STEP_MILLI = 17  # ModelLimits.draft_step_tokens * 1000, two slots
-_STAGES = 19
+_COSTS_BY_BATCH = 19  # a count, then MAX_COST_BATCHES of ModelLimits.verify_costs_by_batch, 4 slots * 1000 each
+MAX_COST_BATCHES = 4
+_STAGES = _COSTS_BY_BATCH + 1 + 4 * MAX_COST_BATCHES
 _STAGE_SLOTS = 8
 _PID, _HEARTBEAT, _READY, _PROFILE_ANSWERED, _PROFILE_OUTCOME, _FRONTEND_TAKEN = range(6)
 _ERRORS_OFFSET = (_STAGES + MAX_STAGES * _STAGE_SLOTS) * 8
@@ -140,6 +142,11 @@ class LimitsArea:
         slots[_VERIFY_FREE_TOKENS_MILLI] = 0 if free is None else max(1, round(free * 1000))
         for index, tokens in enumerate(limits.draft_step_tokens):
             slots[_DRAFT_STEP_MILLI + index] = round(tokens * 1000)
+        by_batch = limits.verify_costs_by_batch[:MAX_COST_BATCHES]
+        slots[_COSTS_BY_BATCH] = len(by_batch)
+        for index, fit in enumerate(by_batch):
+            for field, value in enumerate(fit):
+                slots[_COSTS_BY_BATCH + 1 + 4 * index + field] = round(value * 1000)
         slots[_EOS] = len(eos)
         for index, token_id in enumerate(eos):
             slots[_EOS + 1 + index] = token_id
@@ -156,6 +163,9 @@ class LimitsArea:
                            slots[_NUM_HOST_BLOCKS], slots[_WINDOW], slots[_LOCAL_WINDOW], slots[_NUM_WINDOW_BLOCKS],
                            verify_free_tokens=free / 1000 if free else None,
                            draft_step_tokens=(slots[_DRAFT_STEP_MILLI] / 1000, slots[_DRAFT_STEP_MILLI + 1] / 1000),
+                           verify_costs_by_batch=tuple(
+                               tuple(slots[_COSTS_BY_BATCH + 1 + 4 * index + field] / 1000 for field in range(4))
+                               for index in range(slots[_COSTS_BY_BATCH])),
                            runs_in=_read_text(self._mm, _RUNS_IN_OFFSET),
                            cpu_kernels=_read_text(self._mm, _CPU_KERNELS_OFFSET))
 

@@ -223,3 +223,6 @@ class ModelLimits:
     # A draft model's decode step over n rows costs as much as e0 + e1 * n of the target's tokens
     # verified: (e0, e1), measured with verify_free_tokens ((0, 0): no draft model, or not measured).
     draft_step_tokens: tuple[float, float] = (0.0, 0.0)
+    # Both fitted at a few batch sizes: (rows, F, e0, e1), fewest rows first; the scheduler interpolates
+    # between them (empty: the two above hold for every batch).
+    verify_costs_by_batch: tuple[tuple[float, float, float, float], ...] = ()

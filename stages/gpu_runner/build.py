@@ -46,7 +46,8 @@ def cost_limits(runner: object) -> dict[str, object]:
     costs = getattr(runner, "step_costs", None)
     if costs is None:
         return {}
-    return {"verify_free_tokens": costs.free_tokens, "draft_step_tokens": costs.draft_step}
+    return {"verify_free_tokens": costs.free_tokens, "draft_step_tokens": costs.draft_step,
+            "verify_costs_by_batch": costs.by_batch}
 
 
 def cpu_kernels(runner: object) -> str:

@@ -60,7 +60,6 @@ if TYPE_CHECKING:
     from stages.gpu_runner.speculative.draft_model import DraftModelProposer
 
 log = logging.getLogger(__name__)
-COST_ROWS = 16  # decode rows of the steps timed at start-up to learn what a verified draft costs
 
 
 class ModelRunner:
@@ -143,16 +142,15 @@ class ModelRunner:
             if tp is None:
                 draft_step = None if draft is None else partial(self._cost_step, model=draft.model,
                                                                  kv_caches=draft.kv_caches)
-                self.step_costs = start_up_costs(self._cost_step, min(self.max_num_seqs, COST_ROWS),
+                self.step_costs = start_up_costs(self._cost_step, self.max_num_seqs,
                                                  config.speculative.num_speculative_tokens, self.device, draft_step)
         # A draft model whose drafts can never pay is not run at all (it would decode every step to keep
         # its KV, for drafts the scheduler never asks for): speculation is then off.
         self.draft_runs = draft is not None and self.step_costs.draft_pays
         if draft is not None and not self.draft_runs:
-            e0, e1 = self.step_costs.draft_step
-            log.warning("the draft model is not run: decoding a draft costs %.1f of the target's tokens, "
-                        "verifying one saves at most %.1f (F), so no draft can pay here; speculation is off",
-                        e0 + e1, self.step_costs.free_tokens)
+            log.warning("the draft model is not run: at every batch measured, decoding a draft costs at least "
+                        "what verifying it saves (%s: rows, F, e0, e1), so no draft can pay here; speculation is off",
+                        self.step_costs.by_batch)
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.bind(self.kv_caches, self.block_size)

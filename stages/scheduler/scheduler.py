@@ -73,7 +73,7 @@ class Scheduler:
         self._next_step = 0
         self.spec = None if config.speculative is None else \
             Speculation(config.speculative, self.max_num_seqs, self.max_model_len, limits.verify_free_tokens,
-                        limits.draft_step_tokens)
+                        limits.draft_step_tokens, limits.verify_costs_by_batch)
         self.num_preemptions = 0
         self.num_tokens_generated = 0
         self.prefix = PrefixCacheCounts()

@@ -16,7 +16,8 @@ than the config's `disable_by_batch_size` (if it sets one) verifies none.
 Drafts must also pay for themselves, on the device in use. A step of N tokens costs about
 c0 + c1 * N: reading the weights (c0) does not grow with the tokens, the arithmetic (c1 per
 token) does. The runner measures both at start-up (ModelLimits.verify_free_tokens = c0 / c1,
-F below). With B rows that can draft in the step, a draft token adds c1 to a step that yields
+F below), at a few batch sizes (a CPU's step is bound by memory at one row and by arithmetic at
+many), and the scheduler takes F at the step's batch, interpolated between them. With B rows that can draft in the step, a draft token adds c1 to a step that yields
 about B tokens in c0 + c1 * B, so it pays when the chance it is accepted exceeds B / (F + B).
 A draft model also decodes each draft: one decode step per draft position over the rows that
 draft, costing (e0 + e1 * B) c1 as the runner measured it (ModelLimits.draft_step_tokens), a
@@ -76,15 +77,20 @@ class Speculation:
     """Per-row speculation state of one scheduler, as arrays indexed by row, and its counts. The
     scheduler tells it what each step scheduled (`scheduled`) and what each verified (`verified`).
     `free_tokens`: the runner's measured c0 / c1 (None: not measured, drafts are taken as free);
-    `draft_step`: a draft model's decode step over n rows, (e0, e1) in c1."""
+    `draft_step`: a draft model's decode step over n rows, (e0, e1) in c1; `by_batch`: both fitted
+    at a few batch sizes, (rows, F, e0, e1) (ModelLimits.verify_costs_by_batch), used where given."""
 
     def __init__(self, config: SpeculativeConfig, max_num_seqs: int, max_model_len: int,
-                 free_tokens: float | None = None, draft_step: tuple[float, float] = (0.0, 0.0)) -> None:
+                 free_tokens: float | None = None, draft_step: tuple[float, float] = (0.0, 0.0),
+                 by_batch: tuple[tuple[float, float, float, float], ...] = ()) -> None:
         self.k = config.num_speculative_tokens
         self.max_batch = config.disable_by_batch_size
         self.max_model_len = max_model_len
         self.free_tokens = free_tokens
         self.draft_step = draft_step
+        # (rows, F, e0, e1) fitted at a few batch sizes, fewest rows first: F, e0 and e1 at a batch in
+        # between are interpolated on log(rows), and held beyond the ends.
+        self.by_batch = np.asarray(by_batch, np.float64).reshape(-1, 4) if free_tokens is not None else np.zeros((0, 4))
         # n-gram drafts are copies of the row's own text: whether it has any is known on the host.
         self.lookup = config.prompt_lookup_min if config.method == "ngram" else 0
         self.copy_length = max(MIN_COPY, self.lookup + 1)
@@ -172,8 +178,13 @@ class Speculation:
         """The chance of acceptance a draft needs to pay in a step of `batch` rows that can draft."""
         if self.free_tokens is None:
             return 0.0
-        fixed, per_row = self.draft_step
-        return (batch + fixed + per_row * batch) / (self.free_tokens + batch)
+        if len(self.by_batch):
+            at = np.log(batch)
+            rows = np.log(self.by_batch[:, 0])
+            free, fixed, per_row = (float(np.interp(at, rows, self.by_batch[:, i])) for i in (1, 2, 3))
+        else:
+            free, (fixed, per_row) = self.free_tokens, self.draft_step
+        return (batch + fixed + per_row * batch) / (free + batch)
 
     @property
     def _alone_bar(self) -> float:

@@ -4,6 +4,7 @@ rows that start copying draft again within a few steps, and /metrics learns why 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from stages.contracts.params import SamplingParams
 from stages.contracts.speculative import SpeculativeConfig
@@ -201,3 +202,17 @@ def test_a_draft_models_decoding_counts_in_what_its_drafts_cost() -> None:
     same.draft_step = (20.0, 1.0)  # the target drafting for itself
     assert sum(int(_choose(same, np.array([0]), table, known)[0]) for _ in range(100)) == 0
     assert same.counts.num_rows_off_backoff == 100
+
+
+def test_the_bar_follows_the_cost_measured_at_the_steps_batch() -> None:
+    """F fitted at 1, 4 and 16 rows (80, 20, 6; a step bound by memory at one row, by arithmetic at
+    many): one row drafts while a^j > 1 / 81, four rows while a^j > 4 / 24, and two rows take F
+    between the fits at 1 and 4 (on log rows: 40 at 2 rows); beyond 16 rows F stays 6."""
+    spec = Speculation(SpeculativeConfig("ngram", 4), max_num_seqs=64, max_model_len=100, free_tokens=6.0,
+                       by_batch=((1, 80.0, 0.0, 0.0), (4, 20.0, 0.0, 0.0), (16, 6.0, 0.0, 0.0)))
+    assert spec._bar(1) == pytest.approx(1 / 81)
+    assert spec._bar(4) == pytest.approx(4 / 24)
+    assert spec._bar(2) == pytest.approx(2 / (50 + 2))
+    assert spec._bar(16) == pytest.approx(16 / 22) and spec._bar(64) == pytest.approx(64 / 70)
+    assert Speculation(SpeculativeConfig("ngram", 4), max_num_seqs=64, max_model_len=100,
+                       by_batch=((1, 80.0, 0.0, 0.0),))._bar(1) == 0.0  # not measured: drafts are free

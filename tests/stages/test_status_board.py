@@ -112,7 +112,8 @@ def test_the_runners_limits_and_what_the_model_runs_in_read_back_beside_the_coun
 def test_the_model_limits_read_back_the_measured_cost_of_verifying_drafts(board: StatusBoard) -> None:
     assert board.limits.read() is None
     limits = ModelLimits(num_kv_blocks=64, max_model_len=512, vocab_size=100, eos_token_ids=[1, 2], window=8,
-                         verify_free_tokens=12.345, draft_step_tokens=(3.25, 0.5))
+                         verify_free_tokens=12.345, draft_step_tokens=(3.25, 0.5),
+                         verify_costs_by_batch=((1.0, 80.5, 0.0, 0.0), (4.0, 20.25, 1.5, 0.125), (16.0, 12.345, 3.25, 0.5)))
     board.limits.publish(limits)
     assert board.limits.read() == limits
     board.limits.publish(dataclasses.replace(limits, verify_free_tokens=None))  # not measured

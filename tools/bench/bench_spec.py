@@ -216,7 +216,8 @@ def run_model(model: str, names: list[str], configs: dict[str, dict | None], arg
                    "drafted": spec.num_draft_tokens, "rows_off_batch": spec.num_rows_off_batch,
                    "rows_off_backoff": spec.num_rows_off_backoff, "rows_off_no_match": spec.num_rows_off_no_match,
                    "verify_free_tokens": llm.limits.verify_free_tokens,
-                   "draft_step_tokens": list(llm.limits.draft_step_tokens)}
+                   "draft_step_tokens": list(llm.limits.draft_step_tokens),
+                   "verify_costs_by_batch": [list(fit) for fit in llm.limits.verify_costs_by_batch]}
             if baseline is None:
                 baseline = result | {"tok_s": row["tok_s"]}
             row["speedup"] = row["tok_s"] / baseline["tok_s"]

@@ -28,6 +28,11 @@ import torch
 FIXED_VARIABLE = "PIPELINE_VERIFY_FREE_TOKENS"
 MAX_FREE_TOKENS = 1e6  # what a step whose cost did not grow measurably with its tokens reports
 REPEATS = 3
+# Decode rows of the steps timed, each against the same rows with K drafts each: one stream, a few,
+# a batch. A CPU's step is bound by reading the weights at one row and by arithmetic at many, and its
+# kernels change with the rows (stages/gpu_runner/layers/quantization/gguf.py), so one fit does not
+# carry from 16 rows to one; the scheduler interpolates between these.
+COST_BATCHES = (1, 4, 16)
 FITS = 3  # fits taken before contradicting timings are believed
 
 Step = Callable[[int], None]  # the model over n single-token rows, logits and a greedy draw included
@@ -39,13 +44,19 @@ class StepCosts:
 
     free_tokens: float | None  # F = c0 / c1 (None: not measured, drafts are taken as free)
     draft_step: tuple[float, float] = (0.0, 0.0)  # a draft model's decode step over n rows: (e0, e1) / c1
+    # The same, fitted at each of COST_BATCHES: (rows, F, e0, e1), fewest rows first (free_tokens and
+    # draft_step are the last one's). Empty where not measured.
+    by_batch: tuple[tuple[int, float, float, float], ...] = ()
 
     @property
     def draft_pays(self) -> bool:
-        """Whether a draft model's drafts can pay at any batch: decoding a draft for one row must cost
-        less than F (the scheduler's bar, (B + e0 + e1 * B) / (F + B), is then below 1 for some
-        acceptance; where e0 + e1 >= F it is 1 or more for every B)."""
-        return self.free_tokens is None or sum(self.draft_step) < self.free_tokens
+        """Whether a draft model's drafts can pay at some batch B: decoding a draft for B rows must cost
+        less than F (the scheduler's bar, (B + e0 + e1 * B) / (F + B), is then below 1), at one of
+        the batches measured."""
+        if self.free_tokens is None:
+            return True
+        fits = self.by_batch or ((1, self.free_tokens, *self.draft_step),)
+        return any(e0 + e1 * rows < free for rows, free, e0, e1 in fits)
 
 
 def measure(step: Step, rows: int, k: int, device: torch.device, draft_step: Step | None = None) -> StepCosts:
@@ -75,11 +86,23 @@ def measure(step: Step, rows: int, k: int, device: torch.device, draft_step: Ste
     return StepCosts(free, (e0 / c1, max(e1, 0.0) / c1))
 
 
-def start_up_costs(step: Step, rows: int, k: int, device: torch.device, draft_step: Step | None = None) -> StepCosts:
-    """The costs for the scheduler: F from PIPELINE_VERIFY_FREE_TOKENS where it is set, else measured."""
+def measure_by_batch(step: Step, max_rows: int, k: int, device: torch.device,
+                     draft_step: Step | None = None) -> StepCosts:
+    """`measure` at each of COST_BATCHES rows (at most max_rows)."""
+    table = []
+    for rows in sorted({min(batch, max_rows) for batch in COST_BATCHES}):
+        costs = measure(step, rows, k, device, draft_step)
+        table.append((rows, costs.free_tokens, *costs.draft_step))
+    return StepCosts(costs.free_tokens, costs.draft_step, tuple(table))
+
+
+def start_up_costs(step: Step, max_rows: int, k: int, device: torch.device,
+                   draft_step: Step | None = None) -> StepCosts:
+    """The costs for the scheduler: F from PIPELINE_VERIFY_FREE_TOKENS where it is set, else measured
+    at each of COST_BATCHES rows, at most max_rows (the batch's)."""
     fixed = os.environ.get(FIXED_VARIABLE)
     if fixed is None:
-        return measure(step, rows, k, device, draft_step)
+        return measure_by_batch(step, max_rows, k, device, draft_step)
     if fixed.strip().lower() == "none":
         return StepCosts(None)
     try:
