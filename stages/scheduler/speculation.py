@@ -17,8 +17,9 @@ Drafts must also pay for themselves, on the device in use. A step of N tokens co
 c0 + c1 * N: reading the weights (c0) does not grow with the tokens, the arithmetic (c1 per
 token) does. The runner measures both at start-up (ModelLimits.verify_free_tokens = c0 / c1,
 F below), at a few batch sizes (a CPU's step is bound by memory at one row and by arithmetic at
-many), and the scheduler takes F at the step's batch, interpolated between them. With B rows that can draft in the step, a draft token adds c1 to a step that yields
-about B tokens in c0 + c1 * B, so it pays when the chance it is accepted exceeds B / (F + B).
+many), and the scheduler takes F at the step's batch, interpolated between them. With B rows
+that can draft in the step, a draft token adds c1 to a step that yields about B tokens in
+c0 + c1 * B, so it pays when the chance it is accepted exceeds B / (F + B).
 A draft model also decodes each draft: one decode step per draft position over the rows that
 draft, costing (e0 + e1 * B) c1 as the runner measured it (ModelLimits.draft_step_tokens), a
 row's share e0 / B + e1. Its drafts pay when their chance exceeds (B + e0 + e1 * B) / (F + B),
@@ -90,7 +91,7 @@ class Speculation:
         self.draft_step = draft_step
         # (rows, F, e0, e1) fitted at a few batch sizes, fewest rows first: F, e0 and e1 at a batch in
         # between are interpolated on log(rows), and held beyond the ends.
-        self.by_batch = np.asarray(by_batch, np.float64).reshape(-1, 4) if free_tokens is not None else np.zeros((0, 4))
+        self.by_batch = np.asarray(by_batch if free_tokens is not None else (), np.float64).reshape(-1, 4)
         # n-gram drafts are copies of the row's own text: whether it has any is known on the host.
         self.lookup = config.prompt_lookup_min if config.method == "ngram" else 0
         self.copy_length = max(MIN_COPY, self.lookup + 1)

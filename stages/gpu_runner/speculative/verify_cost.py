@@ -3,14 +3,14 @@
 A step of N tokens costs about c0 + c1 * N: reading the weights (c0) does not grow with the
 tokens, the arithmetic (c1 per token) does. The runner times the model over B decode rows of one
 token each, then over B * (1 + K) (the same rows with K drafts each), and reports F = c0 / c1:
-how many extra tokens cost as much as the step itself. The scheduler weighs each row's drafts
-against it (stages/scheduler/speculation.py). Where reading the weights dominates a step (a GPU,
+how many extra tokens cost as much as the step itself, for each B of COST_BATCHES. The scheduler
+weighs each row's drafts against F at its step's batch (stages/scheduler/speculation.py). Where reading the weights dominates a step (a GPU,
 a quantized model) F is large and drafts are nearly free; where the arithmetic does, it is small.
 
-F covers the target's forward, logits and a greedy draw at each position. A draft model also decodes each draft, one step per
-draft position over the rows that draft: the runner times its steps the same way (e0 + e1 * n
-for n rows) and reports them in the target's tokens, (e0 / c1, e1 / c1), so that the scheduler
-adds what a draft costs to decode to what it costs to verify. The proposers without weights (a
+F covers the target's forward, logits and a greedy draw at each position. A draft model also
+decodes each draft, one step per draft position over the rows that draft: the runner times its
+steps the same way (e0 + e1 * n for n rows) and reports them in the target's tokens, (e0 / c1,
+e1 / c1), so that the scheduler adds what a draft costs to decode to what it costs to verify. The proposers without weights (a
 lookup, suffix tries) and what sampling costs beyond a greedy draw are not in it.
 """
 from __future__ import annotations
