@@ -43,6 +43,7 @@ from pipeline.bench.daemon import engine_options, start_daemon
 from pipeline.bench.workload import mixed_params
 from pipeline.client import AsyncClient, Client, Completion
 from pipeline.models.tiny_model import make_tiny_model
+from servers import descendants
 
 STAGES = ["tokenizer0", "scheduler", "runner", "detokenizer"]
 LONG = "long"
@@ -180,7 +181,8 @@ async def long_cycle(socket_path: Path, daemon_pid: int, work: Workload, progres
         return f"{received} tokens, then {exc!r}"
     finally:
         await client.close()
-        print(f"  pace: {pace}; the daemon's tree: {len(descendants(daemon_pid))} processes", file=sys.stderr, flush=True)
+        print(f"  pace: {pace}; the daemon's tree: {len(descendants(daemon_pid)) - 1} processes below it",
+              file=sys.stderr, flush=True)
     got = stream.completion.token_ids if isinstance(stream.completion, Completion) else []
     if got != work.long_expected:
         same = next((i for i, (a, b) in enumerate(zip(got, work.long_expected)) if a != b), min(len(got), len(work.long_expected)))
@@ -205,25 +207,6 @@ class Pace:
         edges = [*self.segments, ("end", *self.last)]
         return ", ".join(f"{name} {1000 * (t1 - t0) / max(n1 - n0, 1):.0f} ms/token over {n1 - n0}"
                          for (name, t0, n0), (_, t1, n1) in zip(edges, edges[1:]))
-
-
-def descendants(pid: int) -> list[int]:
-    """The live processes below `pid` (its children, theirs, ...)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as stat_file:
-                    stat = stat_file.read()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat[stat.rfind(b")") + 2:].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
 
 
 def forkserver_pid(daemon_pid: int) -> int:
