@@ -9,6 +9,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pipeline.bench.daemon import cpu_s
+
 START_TIMEOUT_S = 900.0  # vLLM compiles its CPU kernels on start
 
 
@@ -99,13 +101,12 @@ def tree_memory_mib(pid: int) -> dict[str, float]:
 def tree_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds (user + system, all threads) of each process in the server's tree, by its name
     (the kernel's `comm`, which pipeline's stages set to their role), summed over same-named ones."""
-    ticks = os.sysconf("SC_CLK_TCK")
     seconds: dict[str, float] = {}
     for p in descendants(pid):
         try:
             name = Path(f"/proc/{p}/comm").read_text().strip()
-            fields = Path(f"/proc/{p}/stat").read_bytes().rsplit(b")", 1)[1].split()
+            spent = cpu_s(p)
         except OSError:
             continue  # it exited meanwhile
-        seconds[name] = seconds.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+        seconds[name] = seconds.get(name, 0.0) + spent
     return seconds
