@@ -79,7 +79,7 @@ class Speculation:
     scheduler tells it what each step scheduled (`scheduled`) and what each verified (`verified`).
     `free_tokens`: the runner's measured c0 / c1 (None: not measured, drafts are taken as free);
     `draft_step`: a draft model's decode step over n rows, (e0, e1) in c1; `by_batch`: both fitted
-    at a few batch sizes, (rows, F, e0, e1) (ModelLimits.verify_costs_by_batch), used where given."""
+    at a few batch sizes, (rows, F, e0, e1) (ModelLimits.verify_costs_by_batch), used instead where given."""
 
     def __init__(self, config: SpeculativeConfig, max_num_seqs: int, max_model_len: int,
                  free_tokens: float | None = None, draft_step: tuple[float, float] = (0.0, 0.0),
@@ -88,10 +88,10 @@ class Speculation:
         self.max_batch = config.disable_by_batch_size
         self.max_model_len = max_model_len
         self.free_tokens = free_tokens
-        self.draft_step = draft_step
-        # (rows, F, e0, e1) fitted at a few batch sizes, fewest rows first: F, e0 and e1 at a batch in
-        # between are interpolated on log(rows), and held beyond the ends.
-        self.by_batch = np.asarray(by_batch if free_tokens is not None else (), np.float64).reshape(-1, 4)
+        # (rows, F, e0, e1) fitted at a few batch sizes, fewest rows first (one fit holds for every
+        # batch): F, e0 and e1 at a batch in between are interpolated on log(rows), held beyond the ends.
+        fits = by_batch or ((1, free_tokens, *draft_step),)
+        self.by_batch = np.asarray(fits if free_tokens is not None else (), np.float64).reshape(-1, 4)
         # n-gram drafts are copies of the row's own text: whether it has any is known on the host.
         self.lookup = config.prompt_lookup_min if config.method == "ngram" else 0
         self.copy_length = max(MIN_COPY, self.lookup + 1)
@@ -179,12 +179,8 @@ class Speculation:
         """The chance of acceptance a draft needs to pay in a step of `batch` rows that can draft."""
         if self.free_tokens is None:
             return 0.0
-        if len(self.by_batch):
-            at = np.log(batch)
-            rows = np.log(self.by_batch[:, 0])
-            free, fixed, per_row = (float(np.interp(at, rows, self.by_batch[:, i])) for i in (1, 2, 3))
-        else:
-            free, (fixed, per_row) = self.free_tokens, self.draft_step
+        at, rows = np.log(batch), np.log(self.by_batch[:, 0])
+        free, fixed, per_row = (float(np.interp(at, rows, self.by_batch[:, i])) for i in (1, 2, 3))
         return (batch + fixed + per_row * batch) / (free + batch)
 
     @property

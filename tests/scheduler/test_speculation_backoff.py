@@ -198,8 +198,9 @@ def test_a_draft_models_decoding_counts_in_what_its_drafts_cost() -> None:
     assert _choose(dear, np.array([0]), table, known).tolist() == [2]
     assert (_choose(free, np.arange(16), table, known) == 2).all()
     assert (_choose(dear, np.arange(16), table, known) == 0).all() and dear.counts.num_rows_off_batch == 16
-    same = _speculation(1, method="draft_model", model="draft", free_tokens=20.0)
-    same.draft_step = (20.0, 1.0)  # the target drafting for itself
+    same = Speculation(SpeculativeConfig("draft_model", 4, model="draft"), max_num_seqs=1, max_model_len=100,
+                       free_tokens=20.0, draft_step=(20.0, 1.0))  # the target drafting for itself
+    same.assign(0, SamplingParams())
     assert sum(int(_choose(same, np.array([0]), table, known)[0]) for _ in range(100)) == 0
     assert same.counts.num_rows_off_backoff == 100
 
