@@ -58,6 +58,23 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     stop_references()
 
 
+FAILURE_LOG_ENV = "PIPELINE_TEST_FAILURE_LOG"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With PIPELINE_TEST_FAILURE_LOG set, each failure's report is appended to that file as it
+    happens (once, by the controller under pytest-xdist): a run stopped by a time limit (the GPU
+    check's phases) still says why its failed tests failed."""
+    path = os.environ.get(FAILURE_LOG_ENV)
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    with open(path, "a") as log:
+        log.write(f"===== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n")
+        for name, text in report.sections:
+            if "stderr" in name or "log" in name:
+                log.write(f"----- {name}\n{text[-4000:]}\n")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     os.environ[DEVICE_ENV] = config.getoption("device")
     # Which rows draft must not depend on how fast the machine is at the moment a runner starts:

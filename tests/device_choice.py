@@ -13,9 +13,10 @@ DEVICE_ENV = "PIPELINE_TEST_DEVICE"
 DEVICES = ("cpu", "cuda")
 
 
-def engine_device() -> str:
+def engine_device(num_devices: int = 1) -> str:
     """The engines' device in this test run; the calling test (or fixture) is skipped when it is
-    cuda and torch sees no CUDA device."""
+    cuda and torch sees fewer than `num_devices` CUDA devices (a tensor-parallel engine puts a
+    rank on each)."""
     device = os.environ.get(DEVICE_ENV, "cpu")
     if device not in DEVICES:
         raise ValueError(f"{DEVICE_ENV} must be one of {DEVICES}, got {device!r}")
@@ -24,4 +25,7 @@ def engine_device() -> str:
 
         if not torch.cuda.is_available():
             pytest.skip("--device cuda: torch sees no CUDA device here")
+        if torch.cuda.device_count() < num_devices:
+            pytest.skip(f"--device cuda: {num_devices} ranks need {num_devices} CUDA devices, "
+                        f"torch sees {torch.cuda.device_count()}")
     return device

@@ -103,7 +103,9 @@ class ModelRunner:
                                 max_positions=self.max_model_len, config=self.config, tp=tp,
                                 quantization=config.quantization, expert_parallel=config.enable_expert_parallel)
         shard = self.model.shard
-        backend = model_attention_backend(config.attention_backend, self.config.attention_sinks)
+        backend = resolve_attention_backend(model_attention_backend(config.attention_backend,
+                                                                    self.config.attention_sinks),
+                                            self.device, self.block_size)
         self.attention_backend = make_attention_backend(backend, self.device, self.block_size)
         self.layer_kernels = make_layer_kernels(backend, self.device)
         self.model.use_kernels(self.attention_backend, self.layer_kernels)
@@ -175,7 +177,7 @@ class ModelRunner:
             # Only the triton kernels read nothing but the static buffers (the torch backend sizes
             # its key gather by the step's longest context), so only they are captured.
             capture = (self.device.type == "cuda" and not config.enforce_eager
-                       and resolve_attention_backend(backend, self.device) == "triton")
+                       and backend == "triton")
             # One logits buffer for every bucket: captured graphs keep their outputs alive (and the
             # eager path runs the same code).
             self._decode_logits = torch.empty(self.max_num_seqs, self.vocab_size, dtype=torch.float32,

@@ -25,6 +25,7 @@ MAX_TOKENS = 16
                          ids=["tensor-parallel", "expert-parallel"])
 def test_a_killed_rank_of_a_mixture_restarts_and_every_stream_completes_exactly(
         tmp_path_factory: pytest.TempPathFactory, arch: str, extra: list[str]) -> None:
+    engine_device(num_devices=2)
     model: Path = make_tiny_model(tmp_path_factory.mktemp(f"moe-tp-daemon-{arch}"), arch, seed=9)
     prompts = [f"{i}: the experts are shared by the ranks" for i in range(4)]
     # The small pool preempts and the step budget chunks every prompt, as in the dense test.

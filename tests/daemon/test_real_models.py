@@ -135,4 +135,5 @@ def test_smollm2_chat_equals_transformers_chat_template_and_greedy(smollm2: Live
 
 
 def test_the_default_model_is_smollm2() -> None:
-    assert resolve_model(None) == resolve_model(smollm2_gguf())
+    default = smollm2_gguf()  # skips, naming the package, where it is not installed
+    assert resolve_model(None) == resolve_model(default)

@@ -36,7 +36,7 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    engine_device()
+    engine_device(num_devices=2)
     # One KV head for two ranks: each rank holds a copy of it.
     return make_tiny_model(tmp_path_factory.mktemp("tp-daemon-llama"), "llama", seed=4, num_kv_heads=1)
 

@@ -31,8 +31,8 @@ def _free_port() -> int:
 
 
 def test_a_rank_on_another_node_serves_what_one_rank_generates(tmp_path: Path) -> None:
+    engine_device(num_devices=2)
     model = make_tiny_model(tmp_path / "qwen3", "qwen3", seed=6)
-    engine_device()
     prompts = [f"{i}: two nodes on one loopback" for i in range(4)]
     params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=16, temperature=0.8, seed=9, ignore_eos=True)] * 2

@@ -19,7 +19,7 @@ from stages.gpu_runner.attention.torch_backend import TorchBackend, paged_attent
 from stages.gpu_runner.attention.torch_metadata import step_attention_metadata
 from stages.gpu_runner.inputs.step_layout import StepLayout
 
-triton = pytest.importorskip("triton")
+triton = pytest.importorskip("triton", minversion="3.7")  # the interpreter runs the kernels (loading.py)
 
 from stages.gpu_runner import triton_kernels as kernels  # noqa: E402
 from stages.gpu_runner.attention.triton_backend import TritonBackend  # noqa: E402

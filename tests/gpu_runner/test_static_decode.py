@@ -126,9 +126,13 @@ def test_decode_graphs_need_a_cuda_device_to_capture():
 def test_auto_attention_backend_is_triton_on_cuda_and_torch_on_cpu(tiny_checkpoint):
     from stages.gpu_runner.attention.selector import resolve_attention_backend
 
-    assert resolve_attention_backend("auto", torch.device("cuda")) == "triton"
-    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
-    assert resolve_attention_backend("triton", torch.device("cpu")) == "triton"
+    assert resolve_attention_backend("auto", torch.device("cuda"), 16) == "triton"
+    assert resolve_attention_backend("auto", torch.device("cuda"), 64) == "triton"
+    # blocks the Triton kernels cannot tile: auto falls back to torch (triton, asked for, refuses them)
+    assert resolve_attention_backend("auto", torch.device("cuda"), 4) == "torch"
+    assert resolve_attention_backend("auto", torch.device("cuda"), 24) == "torch"
+    assert resolve_attention_backend("auto", torch.device("cpu"), 16) == "torch"
+    assert resolve_attention_backend("triton", torch.device("cpu"), 16) == "triton"
     assert make_runner(tiny_checkpoint("llama"), num_kv_blocks=16).attention_backend.name == "torch"
     with pytest.raises(ValueError, match="needs a block_size that is a power of two >= 16, got 8"):
         make_runner(tiny_checkpoint("llama"), num_kv_blocks=16, block_size=8, attention_backend="triton")
@@ -158,3 +162,30 @@ def test_static_steps_extend_a_draft_models_kv_as_a_fresh_prefill_would(tiny_che
             want = expected[:, torch.tensor(prefilled.block_ids)].flatten(1, 2)[:, :length]
             assert got.abs().sum(dim=(0, 2, 3)).min() > 0  # no hole: every position was written
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_speculative_engine_on_the_static_path_gives_the_plain_engines_tokens(tiny_checkpoint):
+    """Decode steps between verifications take the static path, whose padding rows read their
+    input id from the scratch row: what verification throws away there (the -1 of a rejected
+    draft) must not be what they read (an embedding index out of range, a device assert on CUDA)."""
+    from pipeline import LLM
+    from stages.contracts.config import EngineConfig
+    from stages.gpu_runner.runner import ModelRunner
+
+    model_dir = tiny_checkpoint("llama")
+    # Prompt lookup drafts for some steps only (a draft model drafts at every one: no static step).
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    prompts = [[11, 12, 13, 14] * 6, list(range(100, 140)), [5, 6, 5, 6, 5]]  # 3 rows: bucket 4 pads one
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.2, ignore_eos=True)]
+    options = dict(num_kv_blocks=64, max_num_seqs=4, block_size=16, max_model_len=256)
+    plain = LLM(model_dir, device="cpu", **options).generate(prompts, params)
+    runner = ModelRunner(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", speculative_config=spec,
+                                      **options), static_decode=True)
+    static_steps = count_static_steps(runner)
+    llm = LLM(runner=runner, speculative_config=spec, **options)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got][0::2] == [o.token_ids for o in plain][0::2]
+    assert llm.scheduler.stats().speculative.num_draft_tokens > 0
+    assert 3 in static_steps  # a padded bucket ran after verifications

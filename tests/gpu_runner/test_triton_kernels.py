@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", minversion="3.7")  # the interpreter runs the kernels (loading.py)
 
 from stages.gpu_runner import triton_kernels as kernels  # noqa: E402
 from stages.gpu_runner.attention.torch_backend import TorchBackend, paged_attention, write_kv  # noqa: E402
@@ -379,3 +379,12 @@ def test_cpu_kernels_run_in_a_process_that_imported_triton_interpreted() -> None
                             timeout=120, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert result.returncode == 0, result.stderr
     assert "triton was imported with TRITON_INTERPRET=1" in result.stdout
+
+
+def test_an_interpreter_too_old_for_the_kernels_is_named_with_the_way_out() -> None:
+    from stages.gpu_runner.triton_kernels.loading import check_interpreter
+
+    check_interpreter("3.7.0")
+    check_interpreter("3.9.0+git1234")
+    with pytest.raises(RuntimeError, match=r"needs triton>=3.7 \(this is 3.6.0\); use attention_backend 'torch'"):
+        check_interpreter("3.6.0")

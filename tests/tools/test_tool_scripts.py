@@ -199,11 +199,14 @@ def check_quick_gpu_bench(report: dict) -> None:
     assert report["floor"]["bandwidth_gb_s"] > 0
     assert report["floor"]["weight_floor_ms"] == pytest.approx(
         report["model"]["weight_bytes"] / report["floor"]["bandwidth_gb_s"] / 1e6)
-    assert report["busy"]["steps"] == 5 and report["busy"]["aten_ops_per_step"] > 0
+    assert [b["batch"] for b in report["busy"]] == [1, 4]
+    assert all(b["steps"] == 5 and b["aten_ops_per_step"] > 0 for b in report["busy"])
 
 
 def test_bench_gpu_refuses_unknown_sections_and_bad_batches() -> None:
-    for args, message in ((["--sections", "floor,gpu"], "unknown ['gpu']"), (["--batches", "1,x"], "--batches")):
+    for args, message in ((["--sections", "floor,gpu"], "unknown ['gpu']"), (["--batches", "1,x"], "--batches"),
+                          (["--busy-batches", "0"], "--busy-batches must be positive"),
+                          (["--configs", "async-graphs,async-fast"], "unknown ['async-fast']")):
         run = subprocess.run([sys.executable, str(TOOLS / "gpu" / "bench_gpu.py"), "--quick", *args],
                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
         assert run.returncode == 2 and message in run.stderr
@@ -218,6 +221,31 @@ def test_steady_decode_excludes_prefill_and_the_finishing_steps() -> None:
     assert run.stdout.strip() == "[1.0, 0.5, 1.0]"
 
 
+def test_the_busy_share_counts_the_device_span_and_names_the_longest_wait() -> None:
+    """Two steps of two kernels each: 1 us between launches inside a step, 10 us waiting for the
+    host between steps, the window's wall time longer than the device span."""
+    code = """
+import json, sys
+from types import SimpleNamespace as NS
+sys.path.insert(0, sys.argv[1])
+from torch.autograd import DeviceType
+from gpu_profile import summarize_profile
+spans = [("Memcpy HtoD", 0, 5), ("gather", 15, 35), ("matmul", 36, 86), ("Memcpy HtoD", 86, 91), ("gather", 101, 121),
+         ("matmul", 122, 172)]
+events = [NS(name=n, device_type=DeviceType.CUDA, time_range=NS(start=a, end=b)) for n, a, b in spans]
+print(json.dumps(summarize_profile(events, 200e-6, 2, "cuda", 64)))
+"""
+    run = subprocess.run([sys.executable, "-c", code, str(TOOLS / "gpu")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["device_ms_per_step"] == pytest.approx(0.075)  # 150 us busy over 2 steps
+    assert result["busy_share"] == pytest.approx(150 / 172) and result["busy_share_wall"] == pytest.approx(150 / 200)
+    assert result["short_gaps_ms_per_step"] == pytest.approx(0.001)  # 1 us + 1 us over 2 steps
+    assert result["long_gaps_ms_per_step"] == pytest.approx(0.010)  # 10 us + 10 us over 2 steps
+    assert result["kernels_per_step"] == 2 and result["copies_per_step"] == 1
+    assert result["longest_waits"] == [{"after": "Memcpy HtoD", "before": "gather", "ms_per_step": pytest.approx(0.010)}]
+
+
 @pytest.mark.timeout(200)
 def test_gpu_check_dry_run_walks_every_phase_and_writes_the_summary(tmp_path: Path) -> None:
     run = subprocess.run(["bash", str(TOOLS / "gpu" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
@@ -226,12 +254,12 @@ def test_gpu_check_dry_run_walks_every_phase_and_writes_the_summary(tmp_path: Pa
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert summary["dry_run"] is True and summary["ok"] is True
     phases = {p["name"]: p for p in summary["phases"]}
-    assert list(phases) == ["install", "versions", "cuda_tests", "device_tests", "bench"]
+    assert list(phases) == ["install", "versions", "bench", "cuda_tests", "device_tests"]
     assert phases["install"]["status"] == phases["cuda_tests"]["status"] == "skipped"
     assert all(phases[name]["rc"] == 0 for name in ("versions", "device_tests", "bench"))
-    # the benchmark gets what is left of the budget, so the whole run ends within 9 minutes
-    spent_before_bench = sum(p["seconds"] for p in summary["phases"][:-1])
-    assert phases["bench"]["timeout_s"] + spent_before_bench <= 9 * 60 - 5
+    # the tests get what is left of the budget, so the whole run ends within 9 minutes
+    spent_before_tests = sum(p["seconds"] for p in summary["phases"][:3])
+    assert phases["device_tests"]["timeout_s"] + spent_before_tests <= 9 * 60 - 5
     assert json.loads((tmp_path / "versions.log").read_text())["torch"]
     assert "tests collected" in (tmp_path / "device_tests.log").read_text()
     # the dry run's benchmark is bench_gpu.py --quick, whole

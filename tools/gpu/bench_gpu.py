@@ -12,8 +12,9 @@ safetensors, reused from --model-dir when it already holds them). Sections, in t
 - transformers: the same prompts through `generate` (one static batch) and, where the installed
   version has it, its continuous batching (`generate_batch`); an absent or failing API is a note
   in the output, not an error.
-- busy: torch.profiler over 50 steady decode steps of ours (async, graphs on, batch 1): the
-  GPU's busy share (the union of kernel and copy intervals over the wall time) and kernels per step.
+- busy: torch.profiler over 50 steady decode steps of ours (async, graphs on) at batch 1 and 64:
+  the GPU's busy share (the union of kernel and copy intervals over the wall time) and kernels per
+  step.
 
 Workload: every batch row gets a 512-token prompt and generates 256 tokens, greedy, EOS ignored.
 Prompts are token ids drawn uniformly in [2, tokenizer size): the random model's tokenizer (trained
@@ -28,21 +29,25 @@ token over the whole run of the batch, prefill included; decode tok/s is batch /
 transformers' TPOT is (time for 256 tokens - time for 1 token) / 255 at the same batch.
 
 `--quick` runs the same plumbing on a small float32 model on the CPU (short prompts, batches 1
-and 4, 5 profiled steps): it proves the script, not a speed. `--json` prints one JSON object; the
+and 4, 5 profiled steps at each): it proves the script, not a speed. `--json` prints one JSON object; the
 table goes to stderr. `--out FILE` rewrites FILE with the results so far after every section, so
 a run stopped by a time limit still leaves what it measured.
 
     python tools/gpu/bench_gpu.py [--json] [--quick] [--model-dir DIR] [--out FILE]
-        [--sections floor,ours,transformers,busy] [--batches 1,32,256]
+        [--sections floor,ours,busy,transformers] [--batches 1,32,256] [--busy-batches 1,64]
+        [--configs async-graphs,async-eager,sync-graphs,sync-eager] [--trace FILE.json.gz]
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,13 +55,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from gpu_profile import summarize_profile
 from gpu_reference import (BLOCK_SIZE, FULL, MAX_BATCH_TOKENS, QUICK, Setup, hf_continuous_batching, hf_generate,
                            hf_version, load_hf, measure_bandwidth, random_prompts, release)
 
 from pipeline import LLM, SamplingParams
 from pipeline.models.tiny_model import make_tiny_model
 
-SECTIONS = ("floor", "ours", "transformers", "busy")
+SECTIONS = ("floor", "ours", "busy", "transformers")
+CONFIGS = ("async-graphs", "async-eager", "sync-graphs", "sync-eager")  # scheduling-graphs of ours
 
 
 @dataclass(slots=True)
@@ -118,7 +125,7 @@ def _torch_dtype(safetensors_dtype: str) -> str:
 
 
 def make_llm(model_dir: Path, setup: Setup, *, async_scheduling: bool, graphs: bool) -> LLM:
-    max_batch = max(setup.batches)
+    max_batch = max(setup.batches + setup.busy_batches)
     max_model_len = setup.prompt_len + setup.output_len + BLOCK_SIZE
     return LLM(model=model_dir, device=setup.device, dtype=setup.dtype, async_scheduling=async_scheduling,
                enforce_eager=not graphs, max_num_seqs=max_batch, max_model_len=max_model_len,
@@ -143,8 +150,9 @@ class StepClock:
             self.next_req_id += 1
         return req_ids
 
-    def run(self, req_ids: list[int], on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
-        """Steps until idle. Returns step end times, the step at which every request had a token,
+    def run(self, req_ids: list[int], on_step: Callable[[int, int | None], None] | None = None) -> dict[str, Any]:
+        """Steps until idle, calling on_step(step, the step at which every request had a token or
+        None) after each. Returns step end times, the step at which every request had a token,
         the step at which the first finished, and the tokens each request got."""
         tokens = {req_id: 0 for req_id in req_ids}
         step_ends: list[float] = []
@@ -163,7 +171,7 @@ class StepClock:
             if all_started is None and all(tokens.values()):
                 all_started = step
             if on_step is not None:
-                on_step(step)
+                on_step(step, all_started)
         return {"start_s": start_s, "step_ends": step_ends, "all_started": all_started,
                 "first_finished": first_finished, "tokens": tokens}
 
@@ -195,27 +203,28 @@ def run_ours(llm: LLM, setup: Setup, batch: int, tokenizer_size: int, scheduling
                    elapsed_s=elapsed_s)
 
 
-def measure_busy(llm: LLM, setup: Setup, tokenizer_size: int) -> dict[str, Any]:
-    """torch.profiler over `profile_steps` steady decode steps at batch 1."""
+def measure_busy(llm: LLM, setup: Setup, tokenizer_size: int, batch: int, trace: Path | None = None) -> dict[str, Any]:
+    """torch.profiler over `profile_steps` steady decode steps at `batch`; the events as a gzipped
+    Chrome trace in `trace` when given."""
     from torch.profiler import ProfilerActivity, profile
 
     clock = StepClock(llm)
-    warm_steps = 4
-    output_len = warm_steps + setup.profile_steps + 8  # a margin, so the profiled steps are all decode
-    req_ids = clock.add(random_prompts(1, setup.prompt_len, tokenizer_size, seed=7), output_len)
+    warm_steps = 2  # after every request has its first token
+    output_len = warm_steps + setup.profile_steps + 16  # a margin, so the profiled steps are all decode
+    req_ids = clock.add(random_prompts(batch, setup.prompt_len, tokenizer_size, seed=7), output_len)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if setup.device == "cuda" else [])
     window: dict[str, Any] = {}
     profiler = profile(activities=activities)
 
-    def on_step(step: int) -> None:
-        # Every request has its first token from step 0 at batch 1 once prefill is done; start a
-        # few steps later and stop after profile_steps.
-        if step == warm_steps:
+    def on_step(step: int, all_started: int | None) -> None:
+        if all_started is None:
+            return
+        if step == all_started + warm_steps:
             if setup.device == "cuda":
                 torch.cuda.synchronize()
             profiler.start()
             window["start_s"] = time.perf_counter()
-        elif step == warm_steps + setup.profile_steps:
+        elif step == all_started + warm_steps + setup.profile_steps:
             if setup.device == "cuda":
                 torch.cuda.synchronize()
             window["wall_s"] = time.perf_counter() - window["start_s"]
@@ -224,36 +233,13 @@ def measure_busy(llm: LLM, setup: Setup, tokenizer_size: int) -> dict[str, Any]:
     clock.run(req_ids, on_step)
     if "wall_s" not in window:
         raise RuntimeError("the profiled window did not complete")
-    return summarize_profile(profiler.events(), window["wall_s"], setup.profile_steps, setup.device)
-
-
-def summarize_profile(events: Sequence[Any], wall_s: float, steps: int, device: str) -> dict[str, Any]:
-    """Busy share and kernels per step from profiler events. On CPU there are no kernels: the
-    count is of aten ops, and there is no busy share."""
-    result: dict[str, Any] = {"batch": 1, "steps": steps, "wall_ms_per_step": wall_s * 1e3 / steps}
-    if device != "cuda":
-        num_ops = sum(1 for e in events if e.name.startswith("aten::") and getattr(e, "cpu_parent", None) is None)
-        return {**result, "busy_share": None, "kernels_per_step": None, "aten_ops_per_step": num_ops / steps,
-                "note": "no CUDA device: the profiler sees no kernels; aten_ops_per_step counts top-level CPU ops"}
-    from torch.autograd import DeviceType
-
-    device_events = [e for e in events if e.device_type == DeviceType.CUDA]
-    kernels = [e for e in device_events if not e.name.lower().startswith(("memcpy", "memset"))]
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in device_events)
-    busy_us = 0.0
-    current_start = current_end = None
-    for start, end in intervals:  # the union, in case streams overlap
-        if current_end is None or start > current_end:
-            if current_end is not None:
-                busy_us += current_end - current_start
-            current_start, current_end = start, end
-        else:
-            current_end = max(current_end, end)
-    if current_end is not None:
-        busy_us += current_end - current_start
-    return {**result, "busy_share": busy_us / 1e6 / wall_s, "kernels_per_step": len(kernels) / steps,
-            "copies_per_step": (len(device_events) - len(kernels)) / steps,
-            "device_ms_per_step": busy_us / 1e3 / steps}
+    if trace is not None:
+        with tempfile.TemporaryDirectory() as scratch:
+            plain = Path(scratch) / "trace.json"
+            profiler.export_chrome_trace(str(plain))
+            with plain.open("rb") as source, gzip.open(trace, "wb") as target:
+                shutil.copyfileobj(source, target)
+    return summarize_profile(profiler.events(), window["wall_s"], setup.profile_steps, setup.device, batch)
 
 
 # ---- the run
@@ -288,34 +274,59 @@ def device_facts(device: str) -> dict[str, Any]:
     return facts
 
 
-def run_sections(setup: Setup, model_dir: Path, sections: Sequence[str], report: Report) -> None:
+def run_sections(setup: Setup, model_dir: Path, sections: Sequence[str], report: Report,
+                 configs: Sequence[str] = CONFIGS, trace: Path | None = None) -> None:
     report.set("setup", {"device": setup.device, "dtype": setup.dtype, "preset": setup.preset,
                          "prompt_len": setup.prompt_len, "output_len": setup.output_len,
-                         "batches": list(setup.batches), "sections": list(sections)})
+                         "batches": list(setup.batches), "busy_batches": list(setup.busy_batches),
+                         "sections": list(sections), "configs": list(configs)})
     report.set("device", device_facts(setup.device))
     model_dir, build_s = ensure_model(model_dir, setup)
     facts = model_facts(model_dir)
     report.set("model", {**facts, "dir": str(model_dir), "build_s": build_s})
     tokenizer_size = facts["tokenizer_size"]
-    if "floor" in sections:
-        floor = measure_bandwidth(setup.device)
-        floor["weight_floor_ms"] = facts["weight_bytes"] / (floor["bandwidth_gb_s"] * 1e9) * 1e3
-        report.set("floor", floor)
-    if "ours" in sections:
-        runs: list[dict[str, Any]] = []
-        for scheduling in ("async", "sync"):
-            for graphs in (True, False):
-                llm = make_llm(model_dir, setup, async_scheduling=scheduling == "async", graphs=graphs)
-                for batch in setup.batches:
-                    runs.append(asdict(run_ours(llm, setup, batch, tokenizer_size, scheduling, graphs)))
-                    report.set("ours", runs)
-                release(llm)
-    if "busy" in sections:
-        llm = make_llm(model_dir, setup, async_scheduling=True, graphs=True)
-        report.set("busy", measure_busy(llm, setup, tokenizer_size))
-        release(llm)
-    if "transformers" in sections:
-        run_transformers(model_dir, setup, tokenizer_size, report)
+    runs = {"floor": lambda: run_floor(setup, facts, report),
+            "ours": lambda: run_ours_configs(model_dir, setup, tokenizer_size, configs, report),
+            "busy": lambda: run_busy(model_dir, setup, tokenizer_size, report, trace),
+            "transformers": lambda: run_transformers(model_dir, setup, tokenizer_size, report)}
+    for section in sections:  # in the order given; a section that fails is a note, and the next runs
+        try:
+            runs[section]()
+        except Exception as error:
+            traceback.print_exc()
+            report.note(f"section {section} failed: {type(error).__name__}: {error}")
+
+
+def run_floor(setup: Setup, facts: dict[str, Any], report: Report) -> None:
+    floor = measure_bandwidth(setup.device)
+    floor["weight_floor_ms"] = facts["weight_bytes"] / (floor["bandwidth_gb_s"] * 1e9) * 1e3
+    report.set("floor", floor)
+
+
+def run_ours_configs(model_dir: Path, setup: Setup, tokenizer_size: int, configs: Sequence[str],
+                     report: Report) -> None:
+    runs: list[dict[str, Any]] = []
+    for config in configs:
+        scheduling, graphs = config.split("-")[0], config.endswith("-graphs")
+        try:
+            llm = make_llm(model_dir, setup, async_scheduling=scheduling == "async", graphs=graphs)
+            for batch in setup.batches:
+                runs.append(asdict(run_ours(llm, setup, batch, tokenizer_size, scheduling, graphs)))
+                report.set("ours", runs)
+            release(llm)
+        except Exception as error:  # the other configurations still run
+            traceback.print_exc()
+            report.note(f"ours {config} failed: {type(error).__name__}: {error}")
+
+
+def run_busy(model_dir: Path, setup: Setup, tokenizer_size: int, report: Report, trace: Path | None) -> None:
+    llm = make_llm(model_dir, setup, async_scheduling=True, graphs=True)
+    busy: list[dict[str, Any]] = []
+    for batch in setup.busy_batches:
+        last = batch == setup.busy_batches[-1]
+        busy.append(measure_busy(llm, setup, tokenizer_size, batch, trace if last else None))
+        report.set("busy", busy)
+    release(llm)
 
 
 def run_transformers(model_dir: Path, setup: Setup, tokenizer_size: int, report: Report) -> None:
@@ -364,13 +375,18 @@ def format_table(data: dict[str, Any]) -> str:
             ratio = f"{tpot / floor_ms:>9.2f}" if tpot is not None and floor_ms else f"{'-':>9}"
             tpot_text = f"{tpot:>10.3f}" if tpot is not None else f"{'-':>10}"
             lines.append(f"{name:<30}{r['batch']:>6}{tpot_text}{ratio}{r['output_tok_s']:>14.1f}{r['elapsed_s']:>9.2f}")
-    if "busy" in data:
-        busy = data["busy"]
+    for busy in data.get("busy", []):
         share = "-" if busy["busy_share"] is None else f"{100 * busy['busy_share']:.1f}%"
         per_step = busy["kernels_per_step"] if busy["kernels_per_step"] is not None else busy.get("aten_ops_per_step")
         unit = "kernels" if busy["kernels_per_step"] is not None else "aten ops"
-        lines.append(f"steady decode, batch 1, {busy['steps']} steps: GPU busy {share}, {per_step:.0f} {unit} per "
-                     f"step, {busy['wall_ms_per_step']:.3f} ms per step")
+        lines.append(f"steady decode, batch {busy['batch']}, {busy['steps']} steps: GPU busy {share}, {per_step:.0f} "
+                     f"{unit} per step, {busy['wall_ms_per_step']:.3f} ms per step")
+        if busy.get("busy_share") is not None:
+            lines.append(f"  idle per step: {busy['short_gaps_ms_per_step']:.3f} ms between launches, "
+                         f"{busy['long_gaps_ms_per_step']:.3f} ms waiting for the host; busy over the window's "
+                         f"wall time {100 * busy['busy_share_wall']:.1f}%")
+            for wait in busy["longest_waits"]:
+                lines.append(f"  waits {wait['ms_per_step']:.3f} ms per step after {wait['after']} for {wait['before']}")
     lines += [f"note: {note}" for note in data.get("notes", [])]
     return "\n".join(lines)
 
@@ -385,6 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=None, help="rewrite this JSON file after every section")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, of " + ",".join(SECTIONS))
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,32,256; quick 1,4)")
+    parser.add_argument("--busy-batches", default=None,
+                        help="comma-separated batch sizes the profiler watches (default 1,64; quick 1,4)")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="write the profile of the last busy batch here as a gzipped Chrome trace")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help="comma-separated runs of ours, of " + ",".join(CONFIGS))
     return parser
 
 
@@ -395,21 +417,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         parser.error(f"--sections: unknown {unknown}; known: {list(SECTIONS)}")
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; known: {list(CONFIGS)}")
     setup = QUICK if args.quick else FULL
-    if args.batches is not None:
+    for option in ("batches", "busy_batches"):
+        text = getattr(args, option)
+        if text is None:
+            continue
+        flag = "--" + option.replace("_", "-")
         try:
-            batches = tuple(int(b) for b in args.batches.split(","))
+            batches = tuple(int(b) for b in text.split(","))
         except ValueError:
-            parser.error(f"--batches must be comma-separated integers, got {args.batches!r}")
+            parser.error(f"{flag} must be comma-separated integers, got {text!r}")
         if not batches or min(batches) < 1:
-            parser.error(f"--batches must be positive, got {args.batches!r}")
-        setup = Setup(**{**asdict(setup), "batches": batches})
+            parser.error(f"{flag} must be positive, got {text!r}")
+        setup = Setup(**{**asdict(setup), option: batches})
     if setup.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device (torch.cuda.is_available() is False); --quick runs on the CPU", file=sys.stderr)
         return 2
     report = Report(args.out)
     with tempfile.TemporaryDirectory(prefix="pl-bench-gpu-") as scratch:
-        run_sections(setup, args.model_dir or Path(scratch) / f"llama-{setup.preset}", sections, report)
+        run_sections(setup, args.model_dir or Path(scratch) / f"llama-{setup.preset}", sections, report, configs, args.trace)
     table = format_table(report.data)
     if args.json:
         print(table, file=sys.stderr)

@@ -31,15 +31,16 @@ class Setup:
     prompt_len: int
     output_len: int
     batches: tuple[int, ...]
+    busy_batches: tuple[int, ...]  # the batches torch.profiler watches (async, graphs on)
     profile_steps: int
     warmup_tokens: int
 
 
 FULL = Setup(device="cuda", dtype="bfloat16", preset="1b", model_sizes={}, prompt_len=512, output_len=256,
-             batches=(1, 32, 256), profile_steps=50, warmup_tokens=16)
+             batches=(1, 32, 256), busy_batches=(1, 64), profile_steps=50, warmup_tokens=16)
 # A vocabulary larger than the tokenizer, as in the 1b preset, so the quick run draws ids the same way.
 QUICK = Setup(device="cpu", dtype="float32", preset="tiny", model_sizes={"vocab_size": 4096}, prompt_len=24,
-              output_len=12, batches=(1, 4), profile_steps=5, warmup_tokens=4)
+              output_len=12, batches=(1, 4), busy_batches=(1, 4), profile_steps=5, warmup_tokens=4)
 
 
 @dataclass(slots=True)
@@ -176,7 +177,8 @@ def _cb_config(batch: int, setup: Setup) -> Any:
     memory, which takes tens of seconds on a CPU and most of a GPU."""
     from transformers import ContinuousBatchingConfig
 
-    page_size = ContinuousBatchingConfig().page_size
+    defaults = ContinuousBatchingConfig()
+    page_size = getattr(defaults, "page_size", None) or defaults.block_size  # block_size before 5.2x
     pages_per_request = -(-(setup.prompt_len + setup.output_len) // page_size)
     return ContinuousBatchingConfig(num_blocks=batch * pages_per_request + 2,
                                     max_batch_tokens=max(MAX_BATCH_TOKENS, setup.prompt_len))

@@ -18,7 +18,7 @@ PYTHON="${PYTHON:-python3}"
 # they need in turn; versions are those the project is tested with here.
 WHEELS=(
     posix_ipc==1.3.2 msgspec==0.22.0 nvtx==0.2.17 setproctitle==1.3.8 uvicorn==0.54.0 httptools==0.9.0
-    pyzmq==27.3.0 llguidance==1.9.1
+    pyzmq==27.3.0 llguidance==1.9.1 gguf==0.19.0 pexpect==4.9.0 ptyprocess==0.7.0
     jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
     openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 pydantic==2.14.4 pydantic_core==2.50.5 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1
     typing-inspection==0.4.5 annotated-types==0.8.0

@@ -74,3 +74,8 @@ def window_blocks(window: int | None, block_size: int, max_blocks: int) -> int:
 def check_window(window: int | None) -> None:
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"an attention window must be a positive int or None, got {window!r}")
+
+
+def triton_takes_block_size(block_size: int) -> bool:
+    """The Triton kernels read a block per tile: its size must be a power of two >= 16."""
+    return block_size >= 16 and not block_size & (block_size - 1)

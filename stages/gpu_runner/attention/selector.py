@@ -4,16 +4,17 @@ from __future__ import annotations
 import torch
 
 from stages.contracts.config import ATTENTION_BACKENDS
-from stages.gpu_runner.attention.interface import AttentionBackend
+from stages.gpu_runner.attention.interface import AttentionBackend, triton_takes_block_size
 from stages.gpu_runner.attention.torch_backend import TorchBackend
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """The backend `name` (auto | torch | triton) means on `device`: auto is triton on CUDA, torch elsewhere."""
+def resolve_attention_backend(name: str, device: torch.device, block_size: int) -> str:
+    """The backend `name` (auto | torch | triton) means on `device` with KV blocks of `block_size`:
+    auto is triton on CUDA where its kernels take the block size, torch elsewhere."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" and triton_takes_block_size(block_size) else "torch"
     return name
 
 
@@ -25,7 +26,7 @@ def model_attention_backend(name: str, attention_sinks: bool) -> str:
 
 def make_attention_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
     """The backend `name` resolves to on `device`; the triton kernels are loaded only when asked for."""
-    if resolve_attention_backend(name, device) == "triton":
+    if resolve_attention_backend(name, device, block_size) == "triton":
         from stages.gpu_runner.attention.triton_backend import TritonBackend
 
         return TritonBackend(device, block_size)

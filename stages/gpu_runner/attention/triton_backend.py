@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from stages.gpu_runner.attention.interface import triton_takes_block_size
 from stages.gpu_runner.inputs.step_layout import StepLayout
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class TritonBackend:
     def __init__(self, device: torch.device, block_size: int) -> None:
         from stages.gpu_runner import triton_kernels
 
-        if block_size < 16 or block_size & (block_size - 1):
+        if not triton_takes_block_size(block_size):
             raise ValueError(f"attention_backend 'triton' needs a block_size that is a power of two >= 16, "
                              f"got {block_size}")
         self.kernels = triton_kernels.load(device)

@@ -92,6 +92,13 @@ class InputBatch:
         # One scratch row past the last real row: padding rows of a bucketed decode step read and
         # write there (static_decode.py), never in a request's row.
         self.scratch_row = max_num_seqs
+        # Flat token-table entries of the scratch row: a padding row reads its input id at the
+        # first (it stays 0, a real token) and writes its sampled token at the second; what a step
+        # throws away (a speculative row's unused drafts, the -1 of rejected ones) goes to the
+        # third, where no padding row reads it.
+        self.scratch_read = max_num_seqs * max_model_len
+        self.scratch_sample = self.scratch_read + min(1, max_model_len - 1)
+        self.scratch_discard = self.scratch_read + min(2, max_model_len - 1)
         self.padded_token_table = torch.zeros(max_num_seqs + 1, max_model_len, dtype=torch.int32, device=device)
         self.token_table = self.padded_token_table[:max_num_seqs]
         # Unused entries stay 0, a valid block id, so padded gathers read real (masked) memory.

@@ -47,8 +47,8 @@ class StaticDecodeInputs:
         self.max_rows = batch.max_num_seqs
         self.buckets = decode_buckets(self.max_rows)
         self.device = batch.device
-        width, scratch = batch.max_model_len, batch.scratch_row
-        self._padding = np.array([scratch, 0, scratch * width, scratch_slot, 0, scratch * width + 1], np.int64)
+        self._padding = np.array([batch.scratch_row, 0, batch.scratch_read, scratch_slot, 0, batch.scratch_sample],
+                                 np.int64)
         self.packed = torch.from_numpy(self._host_inputs()).to(self.device)
         self.rows, self.positions, self.gather_index, self.slot_mapping, self.seq_lens, self.sampled_index = (
             self.packed.unbind(0))

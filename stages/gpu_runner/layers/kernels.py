@@ -11,7 +11,6 @@ from typing import Any, Protocol
 import torch
 
 from stages.gpu_runner import cpu_ops
-from stages.gpu_runner.attention.selector import resolve_attention_backend
 from stages.gpu_runner.layers.norm import RMSNorm, rms_norm
 from stages.gpu_runner.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -101,7 +100,7 @@ class TritonKernels:
 
 
 def make_layer_kernels(name: str, device: torch.device) -> LayerKernels:
-    """The kernels of attention backend `name` (auto | torch | triton) on `device`."""
-    if resolve_attention_backend(name, device) == "triton":
-        return TritonKernels(device)
-    return TorchKernels()
+    """The kernels that go with attention backend `name` as resolved (torch | triton) on `device`."""
+    if name not in ("torch", "triton"):
+        raise ValueError(f"make_layer_kernels takes a resolved backend (torch | triton), got {name!r}")
+    return TritonKernels(device) if name == "triton" else TorchKernels()

@@ -83,7 +83,7 @@ class Speculator:
         column = torch.arange(spec.num_drafts, device=drafts.device).unsqueeze(0)
         where = (spec.verify_rows_dev * width + known).unsqueeze(1) + column
         # A row's drafts past its own count go to the scratch row: only its first ones are computed.
-        where = torch.where(column < spec.verify_drafts_dev.unsqueeze(1), where, batch.max_num_seqs * width)
+        where = torch.where(column < spec.verify_drafts_dev.unsqueeze(1), where, batch.scratch_discard)
         batch.padded_token_table.view(-1).index_copy_(0, where.view(-1), drafts.reshape(-1).to(torch.int32))
         inputs.input_ids = batch.token_table.view(-1)[inputs.gather_index]
         self._drafts = drafts
@@ -166,7 +166,7 @@ class Speculator:
         batch, width = self.batch, self.batch.max_model_len
         where = (spec.verify_rows_dev * width + spec.verify_start + 1).unsqueeze(1) \
             + torch.arange(verified.shape[1], device=verified.device)
-        where = torch.where(verified >= 0, where, batch.max_num_seqs * width)
+        where = torch.where(verified >= 0, where, batch.scratch_discard)
         batch.padded_token_table.view(-1).index_copy_(0, where.view(-1), verified.view(-1))
 
 

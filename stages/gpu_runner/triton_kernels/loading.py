@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -20,6 +21,18 @@ from types import ModuleType
 import torch
 
 _JIT_MODULES = ("common", "attention", "norm", "rotary", "moe")
+# Triton 3.6's interpreter hands a scalar load back as a one-element array, which the kernels'
+# loop bounds (ranges over loaded lengths) refuse; from 3.7 it is a scalar. Compiled kernels run on 3.6.
+INTERPRETER_MIN_VERSION = (3, 7)
+
+
+def check_interpreter(version: str) -> None:
+    """Raises, naming the way out, when Triton `version`'s interpreter cannot run the kernels."""
+    major, minor = (int(part) for part in re.match(r"(\d+)\.(\d+)", version).groups())
+    if (major, minor) < INTERPRETER_MIN_VERSION:
+        need = ".".join(map(str, INTERPRETER_MIN_VERSION))
+        raise RuntimeError(f"the Triton kernels on the CPU run in Triton's interpreter, which needs triton>={need} "
+                           f"(this is {version}); use attention_backend 'torch' on the CPU or upgrade triton")
 
 
 def interpreted(device: torch.device) -> bool:
@@ -43,6 +56,8 @@ def jit_module(name: str, interpret: bool) -> ModuleType:
     if not interpret and type(triton.language.standard._sum_combine).__name__ == "InterpretedFunction":
         raise RuntimeError("triton was imported with TRITON_INTERPRET=1, so its library cannot compile; "
                            "run the CUDA kernels in a process without it")
+    if interpret:
+        check_interpreter(triton.__version__)
     path = Path(__file__).with_name(f"{name}_jit.py")
     module_name = f"{__package__}.{name}_jit_{'interpreted' if interpret else 'compiled'}"
     spec = importlib.util.spec_from_file_location(module_name, path)
