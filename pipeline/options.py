@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pipeline.errors import PipelineError
 from pipeline.serve.config import DaemonConfig
 from pipeline.serve.model import DEFAULT_MODEL_NAME
-from stages.contracts.config import CPU_MAX_NUM_BATCHED_TOKENS, QUANTIZATIONS, EngineConfig
+from stages.contracts.config import CPU_MAX_NUM_BATCHED_TOKENS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from stages.process import model_on_cpu
 
 API_KEY_ENV = "PIPELINE_API_KEY"
@@ -133,6 +133,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                         help="tokens computed per step, all rows together (default: 8192; 2048 for a model on the CPU)")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="the KV cache's type (auto: the dense parts' --dtype); bfloat16 with a float32 model "
+                             "on the CPU holds twice the tokens in the same memory, keys and values widened to "
+                             "float32 as attention reads them (the torch attention backend)")
     parser.add_argument("--num-kv-blocks", type=positive_int, default=None,
                         help="KV-cache blocks (default: as many as 1 GiB holds on the CPU, or a share of the "
                              "GPU's free memory)")
@@ -148,7 +152,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="offload: keep KV blocks evicted from the device in host memory (default: none; drafts are weighed per row against their measured cost)")
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                         help="attention and fused-kernel path: triton (Triton kernels; CUDA) or torch; "
-                             "auto picks triton on CUDA, torch on CPU (default: auto)")
+                             "auto picks triton on CUDA where --block-size is a power of two of at least 16, "
+                             "torch otherwise (default: auto)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="never capture CUDA graphs: decode steps run eagerly on CUDA too")
     parser.add_argument("--cpu-placement", choices=["auto", "split", "shared"], default="auto",
@@ -232,7 +237,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             model=model, device=args.device, dtype=args.dtype, quantization=args.quantization,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, max_num_batched_tokens=step_tokens,
-            block_size=args.block_size, num_kv_blocks=_num_kv_blocks(args), num_tokenizers=args.num_tokenizers,
+            block_size=args.block_size, num_kv_blocks=_num_kv_blocks(args), kv_cache_dtype=args.kv_cache_dtype,
+            num_tokenizers=args.num_tokenizers,
             async_scheduling=not args.no_async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
             kv_connector=args.kv_connector, attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager, cpu_placement=args.cpu_placement,

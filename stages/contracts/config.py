@@ -20,8 +20,11 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 # GGUF file on the CPU where the kernels are built, else none (stages/gpu_runner/loaders/quantization.py).
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0")
 WHOLE_WEIGHT_QUANTIZATIONS = ("gguf", "q8_0", "q4_0")  # weights held whole: no tensor parallelism
+# auto: the dense parts' dtype; bfloat16 on the CPU halves the pool (keys and values widened to
+# float32 as they are read, the arithmetic unchanged).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 KV_CONNECTORS = ("offload",)
-ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA (blocks it can tile), else torch
 CPU_PLACEMENTS = ("auto", "split", "shared")  # stages/process.py stage_cores
 # `pipeline start`'s step token budget for a model on the CPU: there a step of 8192 prompt tokens
 # holds every stream's first token back while it runs, and 2048 fill the cores as well
@@ -61,6 +64,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: as many as kv_cache_memory_bytes holds
     kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, most of the free memory on CUDA
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     num_tokenizers: int = 1  # tokenizer worker processes
     async_scheduling: bool = True  # plan step N+1 while step N runs
     enable_prefix_caching: bool = True
@@ -68,7 +72,7 @@ class EngineConfig:
     kv_offload_num_blocks: int | None = None  # the offload connector's host pool; None: as many as the device's
     seed: int | None = None  # the runner's generator, for unseeded sampling
     mailbox_slots: int = 8  # token mailbox slots: more than the steps that can be in flight
-    attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA, torch on CPU)
+    attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA where it takes the block size)
     enforce_eager: bool = False  # never capture CUDA graphs; decode runs eagerly on CUDA too
     # Where stages run when the model runs on the CPU (stages/process.py stage_cores): split (the
     # runner on all cores but one, the other stages on that one), shared (the runner on every core,
@@ -98,6 +102,7 @@ class EngineConfig:
         _check_choice("device", self.device, DEVICES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("cpu_placement", self.cpu_placement, CPU_PLACEMENTS)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_tokenizers", "mailbox_slots",

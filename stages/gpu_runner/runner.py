@@ -31,7 +31,7 @@ import torch
 from stages.contracts.config import EngineConfig
 from stages.contracts.connector import KVConnectorWorker
 from stages.contracts.plan import StepPlan
-from stages.gpu_runner.attention.kv_cache import allocate_kv_caches, kv_pool_sizes
+from stages.gpu_runner.attention.kv_cache import allocate_kv_caches, kv_pool_sizes, resolve_kv_dtype
 from stages.gpu_runner.attention.selector import (
     make_attention_backend, model_attention_backend, resolve_attention_backend,
 )
@@ -113,7 +113,8 @@ class ModelRunner:
         # A draft model is loaded before the KV pool is sized: its weights and its KV per block count.
         draft = load_draft(config, self)
         extra = 0 if draft is None else draft.block_bytes(self.block_size, self.dtype)
-        num_kv_blocks, num_window_blocks = kv_pool_sizes(shard, config, self.dtype, self.device, extra)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, backend)
+        num_kv_blocks, num_window_blocks = kv_pool_sizes(shard, config, self.kv_dtype, self.device, extra)
         if tp is not None:  # the block tables are shared: every rank holds as many blocks
             num_kv_blocks, num_window_blocks = tp.agree_min(num_kv_blocks), tp.agree_min(num_window_blocks)
         self.num_kv_blocks, self.num_window_blocks = num_kv_blocks, num_window_blocks
@@ -122,10 +123,11 @@ class ModelRunner:
         # One block more than each pool: the scratch block where padding rows write their KV. The
         # model gets the whole tensors; everyone else sees the pools alone.
         pool = [num_kv_blocks if shard.kv_group(i) == 0 else num_window_blocks for i in range(shard.num_layers)]
-        self._kv_storage = allocate_kv_caches(shard, [n + 1 for n in pool], self.block_size, self.dtype, self.device)
+        self._kv_storage = allocate_kv_caches(shard, [n + 1 for n in pool], self.block_size, self.kv_dtype,
+                                              self.device)
         self.kv_caches = [cache[:, :n] for cache, n in zip(self._kv_storage, pool)]
         # What each part runs in: logged here, published on the status board (`pipeline status`).
-        self.runs_in = describe_runs_in(self.model, self.model.quantization.reason, self.dtype, self.dtype,
+        self.runs_in = describe_runs_in(self.model, self.model.quantization.reason, self.dtype, self.kv_dtype,
                                         (num_kv_blocks + num_window_blocks) * self.block_size)
         log.info("%s", self.runs_in)
         self.batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size, self.device,

@@ -1,6 +1,6 @@
 """The torch backend's paged attention against attention computed row by row in float64: decode
 rows of unequal contexts (padded keys masked), GQA, sliding windows, prefill chunks over a cached
-prefix, mixed steps, and low-precision caches."""
+prefix, mixed steps, and low-precision caches, also under float32 queries (kv_cache_dtype)."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,7 +19,8 @@ class Step:
     """One step's rows: `context[i]` positions each, the last `scheduled[i]` of them computed now."""
 
     def __init__(self, context: list[int], scheduled: list[int], *, num_heads: int = 6, num_kv_heads: int = 2,
-                 head_dim: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+                 head_dim: int = 16, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None,
+                 seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.context, self.scheduled = context, scheduled
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -29,7 +30,7 @@ class Step:
         # Rows own scattered blocks, as a long-running cache hands them out.
         perm = torch.randperm(NUM_BLOCKS, generator=gen)[:num_rows * blocks_per_row]
         self.block_table = perm.view(num_rows, blocks_per_row).to(torch.int32)
-        self.cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(dtype)
+        self.cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(kv_dtype or dtype)
         num_tokens = sum(scheduled)
         self.query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
         self.rows = np.arange(num_rows)
@@ -110,3 +111,25 @@ def test_written_keys_are_read_back() -> None:
     value = torch.randn(2, step.num_kv_heads, step.head_dim)
     write_kv(step.cache, key, value, meta.slot_mapping)
     assert_close(step.attend(), step.reference(None), torch.float32)
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 6])
+def test_float32_queries_over_a_bfloat16_cache_read_it_widened(num_kv_heads: int) -> None:
+    """kv_cache_dtype bfloat16 under a float32 model: decode rows (the compiled kernel, or spread
+    decode), prefill chunks and a mixed step read the cache's bfloat16 values widened to float32,
+    so they equal float64 attention over those values within float32 rounding."""
+    for context, scheduled in (([1, 7, 16, 23, 9], [1, 1, 1, 1, 1]), ([12, 20], [5, 20]), ([9, 14, 3], [1, 6, 3])):
+        step = Step(context, scheduled, num_kv_heads=num_kv_heads, kv_dtype=torch.bfloat16, seed=len(context))
+        out = step.attend()
+        assert out.dtype == torch.float32
+        assert_close(out, step.reference(None), torch.float32)
+
+
+def test_keys_written_into_a_bfloat16_cache_are_rounded_to_nearest() -> None:
+    cache = torch.zeros(2, 4, BLOCK_SIZE, 1, 16, dtype=torch.bfloat16)
+    key = torch.randn(3, 1, 16)
+    value = torch.randn(3, 1, 16)
+    write_kv(cache, key, value, torch.tensor([0, 5, 9]))
+    flat = cache.flatten(1, 2)
+    assert torch.equal(flat[0, [0, 5, 9]], key.to(torch.bfloat16)) and torch.equal(flat[1, [0, 5, 9]],
+                                                                                  value.to(torch.bfloat16))

@@ -157,10 +157,21 @@ def test_supports() -> None:
     assert not cpu_ops.supports(torch.bfloat16, 40)
 
 
+@pytest.mark.parametrize("queries", [1, 3])
+def test_a_bfloat16_cache_under_float32_queries_is_read_widened(queries: int) -> None:
+    """kv_cache_dtype bfloat16: the kernel widens each key and value as it reads them, so the result
+    is exactly what the same values give from a float32 cache."""
+    query, flat_cache, slots, mask = paged_case(queries=queries, heads=6, kv_heads=2, head_dim=16)
+    narrow = flat_cache.bfloat16()
+    out = cpu_ops.paged_attention(query, narrow, slots, mask, 0.25)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, cpu_ops.paged_attention(query, narrow.float(), slots, mask, 0.25))
+
+
 def test_refuses_what_it_does_not_support() -> None:
     query, flat_cache, slots, mask = paged_case(queries=1, heads=6, kv_heads=2, head_dim=16)
     with pytest.raises(ValueError):
-        cpu_ops.paged_attention(query, flat_cache.bfloat16(), slots, mask, 0.25)
+        cpu_ops.paged_attention(query, flat_cache.half(), slots, mask, 0.25)
     with pytest.raises(ValueError):
         cpu_ops.paged_attention(query.half(), flat_cache.half(), slots, mask, 0.25)
     with pytest.raises(ValueError):
@@ -218,11 +229,11 @@ def verify_step(heads: int, kv_heads: int, head_dim: int = 16, num_queries: int 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (8, 8)], ids=["gqa", "mha8"])
 def test_torch_fallback_when_switched_off(fresh_library, step, heads, kv_heads) -> None:
     query, kv_cache, meta = step(heads, kv_heads)
-    assert native_attends(query)
+    assert native_attends(query, kv_cache)
     native = paged_attention(query, kv_cache, meta, 0.25)
     fresh_library.setenv(cpu_ops.ENABLE_VARIABLE, "0")
     cpu_ops.library.cache_clear()
-    assert cpu_ops.library() is None and not native_attends(query)
+    assert cpu_ops.library() is None and not native_attends(query, kv_cache)
     fallback = paged_attention(query, kv_cache, meta, 0.25)
     torch.testing.assert_close(fallback, native, atol=1e-5, rtol=1e-5)
 

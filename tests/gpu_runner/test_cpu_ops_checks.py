@@ -52,7 +52,7 @@ def test_a_masked_slot_is_never_read_so_it_may_be_anything() -> None:
     (lambda q, c, s, m: (q, c, s.int(), m), "slots must be int64, not int32"),
     (lambda q, c, s, m: (q, c, s, m.float()), "mask must be bool, not float32"),
     (lambda q, c, s, m: (q.half(), c.half(), s, m), "query must be float32 or bfloat16, not float16"),
-    (lambda q, c, s, m: (q, c.bfloat16(), s, m), "a float32 query needs a CPU cache of that dtype, not bfloat16"),
+    (lambda q, c, s, m: (q, c.half(), s, m), "the cache must be float32 or bfloat16, not float16"),
     (lambda q, c, s, m: (q[0], c, s, m), r"query must be \[rows, queries, heads, head_dim\]"),
     (lambda q, c, s, m: (q, c[:, :, :1].expand(2, 32, 2, 16), s, m), "the cache must be contiguous"),
     (lambda q, c, s, m: (q, c, s[:1], m), r"slots \[1, 8\] and mask \[2, 1, 8\] must be"),

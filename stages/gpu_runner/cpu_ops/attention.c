@@ -7,7 +7,8 @@
  * process's OpenMP threads (torch's own: this library links libgomp by soname, which torch has
  * loaded); a single row, one stream's decode, runs on the calling thread without waking the team.
  *
- * Layouts (C-contiguous; element type float32 or bfloat16, one for all four tensors):
+ * Layouts (C-contiguous; element type float32 or bfloat16, one for query and out (`bf16`) and one
+ * for the keys and values (`kv_bf16`: a bfloat16 cache under a float32 model is widened as read):
  * query and out [rows, queries, heads, head_dim]; keys and values [slots, kv_heads, head_dim];
  * slots int64 [rows, num_keys]; mask uint8 [rows, queries, num_keys] (nonzero: the query sees
  * the key). A query that sees no key gets zeros.
@@ -121,7 +122,7 @@ static void attend(const float *q, int64_t width, int64_t heads, const void *key
 
 void paged_attention(const void *query, const void *keys, const void *values, const int64_t *slots,
                      const uint8_t *mask, void *out, int64_t rows, int64_t queries, int64_t num_keys,
-                     int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int bf16) {
+                     int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int bf16, int kv_bf16) {
     const int64_t width = queries * heads;  /* query vectors per row */
 #pragma omp parallel if (rows > 1)
     {
@@ -133,7 +134,7 @@ void paged_attention(const void *query, const void *keys, const void *values, co
         for (int64_t row = 0; row < rows; row++) {
             load_row(query, row * width * head_dim, bf16, q, width * head_dim);
             for (int64_t e = 0; e < width * head_dim; e++) q[e] *= scale;
-            attend(q, width, heads, keys, values, bf16, slots + row * num_keys, mask + row * queries * num_keys,
+            attend(q, width, heads, keys, values, kv_bf16, slots + row * num_keys, mask + row * queries * num_keys,
                    queries, num_keys, kv_heads, head_dim, scores, vector, acc);
             store_row(out, row * width * head_dim, bf16, acc, width * head_dim);
         }

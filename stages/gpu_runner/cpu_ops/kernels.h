@@ -12,7 +12,7 @@ extern "C" {
 /* attention.c */
 void paged_attention(const void *query, const void *keys, const void *values, const int64_t *slots,
                      const uint8_t *mask, void *out, int64_t rows, int64_t queries, int64_t num_keys,
-                     int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int bf16);
+                     int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int bf16, int kv_bf16);
 
 /* sample.c */
 void sample_logits(const float *logits, const float *inverse_temperature, const double *points, int64_t *tokens,

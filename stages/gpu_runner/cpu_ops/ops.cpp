@@ -73,9 +73,7 @@ Tensor paged_attention_op(const Tensor& query, const Tensor& cache, const Tensor
   const int bf16 = element_kind(query, op, "query");
   check_dim(query, 4, op, "query", "[rows, queries, heads, head_dim]");
   check_dim(cache, 4, op, "the cache", "[2, slots, kv_heads, head_dim]");
-  TORCH_CHECK_VALUE(cache.scalar_type() == query.scalar_type() && cache.device().is_cpu(), op, ": a ",
-                    dtype_name(query.scalar_type()), " query needs a CPU cache of that dtype, not ",
-                    dtype_name(cache.scalar_type()));
+  const int kv_bf16 = element_kind(cache, op, "the cache");  // its own dtype: kv_cache_dtype
   TORCH_CHECK_VALUE(cache.is_contiguous() && cache.size(0) == 2, op,
                     ": the cache must be contiguous [2, slots, kv_heads, head_dim], not of shape ", cache.sizes(),
                     " strides ", cache.strides());
@@ -105,7 +103,7 @@ Tensor paged_attention_op(const Tensor& query, const Tensor& cache, const Tensor
   const char* keys = static_cast<const char*>(cache.const_data_ptr());
   paged_attention(q.const_data_ptr(), keys, keys + cache.stride(0) * cache.element_size(), slot,
                   reinterpret_cast<const uint8_t*>(seen), out.mutable_data_ptr(), rows, queries, num_keys, heads,
-                  kv_heads, head_dim, static_cast<float>(scale), bf16);
+                  kv_heads, head_dim, static_cast<float>(scale), bf16, kv_bf16);
   return out;
 }
 
