@@ -49,11 +49,11 @@ REPORT_POLL_S = 0.05
 # exit, and with it gone the report is lost, though the child (a stage) may well run on.
 FORKSERVER_LOST = 255
 RUNNER_MODULE = next(stage.module for stage in STAGES if stage.name == RUNNER)
-# What the runners' server imports before its first fork: the runner's module and torch._dynamo,
-# which the runner's first model construction would import otherwise (nn.init on the meta device
-# goes through it: a second and more). The other stages' modules import no torch
-# (tests/architecture/test_torch_free.py).
-PRELOAD_MODULES = [RUNNER_MODULE, "torch._dynamo"]
+# What the runners' server imports before its first fork: the runner's module. The models build
+# their layers without torch's random init, which on the meta device would import torch._dynamo
+# (a second and more) and with it Triton's library (60+ MB resident on the CPU); the other
+# stages' modules import no torch (tests/architecture/test_torch_free.py).
+PRELOAD_MODULES = [RUNNER_MODULE]
 # After each parallel region libgomp's threads (torch's pool, which the CPU kernels share) spin
 # for GOMP_SPINCOUNT pauses before they sleep: 300,000 by default, milliseconds. A runner on the
 # CPU shares its cores with the other stages and, on a busy machine, with other work; a thread

@@ -48,3 +48,25 @@ def test_the_daemon_and_the_router_import_no_torch() -> None:
 
 def test_the_runner_imports_torch_so_the_check_can_fail() -> None:
     assert first_importing_torch(["stages.tokenizer.stage", "stages.gpu_runner.stage"]) == "stages.gpu_runner.stage"
+
+
+# Builds each model given and runs a step on the CPU; prints whether torch._dynamo and triton came in.
+_RUNNER_IMPORTS = """import json, sys
+from pipeline import LLM, SamplingParams
+for model in sys.argv[1:]:
+    llm = LLM(model, device="cpu", max_model_len=64, num_kv_blocks=16, block_size=16)
+    llm.generate([[3, 4, 5]], SamplingParams(max_tokens=2))
+print(json.dumps({"dynamo": "torch._dynamo" in sys.modules, "triton": "triton" in sys.modules}))
+"""
+
+
+def test_a_cpu_runner_imports_neither_dynamo_nor_triton(tmp_path: Path) -> None:
+    """The layers are built without torch's random init, which on the meta device imports
+    torch._dynamo and, through it, Triton's library: 60+ MB resident in a runner that needs neither
+    (the attention backend on the CPU is torch)."""
+    from pipeline.models.tiny_model import make_tiny_model
+
+    models = [str(make_tiny_model(tmp_path / arch, arch, seed=1)) for arch in ("llama", "gemma3", "gpt_oss")]
+    done = subprocess.run([sys.executable, "-c", _RUNNER_IMPORTS, *models], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"dynamo": False, "triton": False}

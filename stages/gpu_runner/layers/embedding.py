@@ -18,7 +18,9 @@ class VocabEmbedding(nn.Embedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel | None) -> None:
         per_rank = vocab_size if tp is None else vocab_shard_size(vocab_size, tp.size)
-        super().__init__(per_rank, hidden_size)
+        # An empty weight (the loader fills it): nn.Embedding's own random init would, on the meta
+        # device, import torch._dynamo, and with it Triton's library (60+ MB on a CPU runner).
+        super().__init__(per_rank, hidden_size, _weight=torch.empty(per_rank, hidden_size))
         self.tp = tp
         self.vocab_start = 0 if tp is None else tp.rank * per_rank
 
