@@ -266,20 +266,13 @@ def _reference_model(gguf: str) -> object:
 def reference_greedy(gguf: str, prompts: list[list[int]], num_new: list[int]) -> list[tuple[list[int], list[float]]]:
     """transformers' float32 tokens for each prompt (argmax each step, EOS not stopping it) and
     the top-2 logit gap at each step, loading the file with its own GGUF loader."""
-    import torch
+    from hf_reference import greedy_with_top2
 
     model = _reference_model(gguf)
     results = []
-    with torch.no_grad():
-        for prompt, count in zip(prompts, num_new):
-            out = model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)  # the last position's logits
-            tokens, gaps = [], []
-            for _ in range(count):
-                top = out.logits[0, -1].float().topk(2)
-                tokens.append(int(top.indices[0]))
-                gaps.append(float(top.values[0] - top.values[1]))
-                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-            results.append((tokens, gaps))
+    for prompt, count in zip(prompts, num_new):
+        tokens, tops = greedy_with_top2(model, prompt, count, last_logits_only=True)
+        results.append((tokens, [first - second for first, second in tops]))
     return results
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hf_reference import skip_where_transformers_ignores_the_swiglu_limit
+from hf_reference import greedy_with_top2, skip_where_transformers_ignores_the_swiglu_limit
 from small_engine import small_llm
 
 from pipeline import SamplingParams
@@ -42,15 +42,7 @@ def expected(moe_model):
             return built[arch]
         model = AutoModelForCausalLM.from_pretrained(moe_model(arch), dtype=torch.float32).eval()
         skip_where_transformers_ignores_the_swiglu_limit(model)
-        built[arch] = []
-        with torch.no_grad():
-            for prompt in prompts():
-                out = model(torch.tensor([prompt]), use_cache=True)
-                tokens = []
-                for _ in range(NUM_NEW):
-                    tokens.append(int(out.logits[0, -1].argmax()))
-                    out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
-                built[arch].append(tokens)
+        built[arch] = [greedy_with_top2(model, prompt, NUM_NEW)[0] for prompt in prompts()]
         return built[arch]
 
     return get

@@ -7,6 +7,7 @@ import torch
 
 from stages.contracts.config import EngineConfig
 from stages.contracts.params import SamplingParams
+from hf_reference import greedy_with_top2
 from runner_plans import PlannedRequest, make_runner, run_requests
 from stages.gpu_runner.runner import ModelRunner
 
@@ -117,20 +118,7 @@ def transformers_greedy(model_dir, prompts, num_new, device, dtype):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
-    results = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device=device)
-            out = model(ids, use_cache=True)
-            tokens, tops = [], []
-            for _ in range(num_new):
-                top = out.logits[0, -1].float().topk(2)
-                tokens.append(int(top.indices[0]))
-                tops.append((float(top.values[0]), float(top.values[1])))
-                out = model(torch.tensor([[tokens[-1]]], device=device), past_key_values=out.past_key_values,
-                            use_cache=True)
-            results.append((tokens, tops))
-    return results
+    return [greedy_with_top2(model, prompt, num_new, device) for prompt in prompts]
 
 
 def compare_bf16_greedy(model_dir, device):

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pipeline.models.tiny_model import ARCHITECTURES
+from hf_reference import greedy_with_top2
 from runner_plans import PlannedRequest, make_runner, run_requests
 
 NUM_NEW_TOKENS = 33
@@ -33,16 +34,7 @@ def make_prompts(seed: int) -> list[list[int]]:
 def hf_greedy(model_dir, prompts: list[list[int]], num_new_tokens: int) -> list[list[int]]:
     """transformers' forward with its own KV cache, argmax each step (EOS does not stop it)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            out = model(torch.tensor([prompt]), use_cache=True)
-            tokens = []
-            for _ in range(num_new_tokens):
-                tokens.append(int(out.logits[0, -1].argmax()))
-                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-            outputs.append(tokens)
-    return outputs
+    return [greedy_with_top2(model, prompt, num_new_tokens)[0] for prompt in prompts]
 
 
 @pytest.fixture(scope="module")

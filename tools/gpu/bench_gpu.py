@@ -13,8 +13,8 @@ safetensors, reused from --model-dir when it already holds them). Sections, in t
   version has it, its continuous batching (`generate_batch`); an absent or failing API is a note
   in the output, not an error.
 - busy: torch.profiler over 50 steady decode steps of ours (async, graphs on) at batch 1 and 64:
-  the GPU's busy share (the union of kernel and copy intervals over the wall time) and kernels per
-  step.
+  the GPU's busy share (the union of kernel and copy intervals over the span of the window's device
+  events, and over its wall time), kernels per step and where the device waited (gpu_profile.py).
 
 Workload: every batch row gets a 512-token prompt and generates 256 tokens, greedy, EOS ignored.
 Prompts are token ids drawn uniformly in [2, tokenizer size): the random model's tokenizer (trained

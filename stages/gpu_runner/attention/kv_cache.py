@@ -12,18 +12,14 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DEFAULT_GPU_MEMORY_FRACTION = 0.85
 
 
-_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
 def resolve_kv_dtype(name: str, dtype: torch.dtype, backend: str) -> torch.dtype:
-    """The KV cache's dtype for kv_cache_dtype `name`: auto is the dense parts' `dtype`. One that
-    differs from it is read by the torch backend only (its CPU kernel and its torch paths widen
-    what they read); the triton kernels read the cache in the model's dtype."""
+    """The KV cache's dtype for kv_cache_dtype `name` (one of KV_CACHE_DTYPES, as EngineConfig
+    checked): auto is the dense parts' `dtype`. One that differs from it is read by the torch
+    backend only (its CPU kernel and its torch paths widen what they read); the triton kernels
+    read the cache in the model's dtype."""
     if name == "auto":
         return dtype
-    if name not in _KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(_KV_DTYPES)}, got {name!r}")
-    kv_dtype = _KV_DTYPES[name]
+    kv_dtype = getattr(torch, name)
     if kv_dtype != dtype and backend != "torch":
         raise ValueError(f"kv_cache_dtype {name} with a {str(dtype).removeprefix('torch.')} model needs "
                          f"attention_backend 'torch': the {backend} kernels read the KV cache in the model's dtype")
