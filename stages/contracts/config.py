@@ -23,6 +23,11 @@ WHOLE_WEIGHT_QUANTIZATIONS = ("gguf", "q8_0", "q4_0")  # weights held whole: no 
 # auto: the dense parts' dtype; bfloat16 on the CPU halves the pool (keys and values widened to
 # float32 as they are read, the arithmetic unchanged).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+# How quantized weights (CPU) multiply a decode step's few activation rows: float32 keeps every product
+# within float32 rounding of the dequantized weights'; int8 quantizes each 32 activations to 8 bits
+# and dots in integers (AVX-512 VNNI; every block type the kernels take), faster and within the
+# activations' rounding, which moves near-ties of greedy decoding.
+QUANTIZED_ACTIVATIONS = ("float32", "int8")
 KV_CONNECTORS = ("offload",)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA (blocks it can tile), else torch
 CPU_PLACEMENTS = ("auto", "split", "shared")  # stages/process.py stage_cores
@@ -57,6 +62,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto: the checkpoint's on CUDA; on CPU bfloat16 given bf16 instructions, else float32
     quantization: str = "auto"  # QUANTIZATIONS
+    quantized_activations: str = "float32"  # QUANTIZED_ACTIVATIONS
     max_num_seqs: int = 256  # batch rows: requests holding KV at once
     max_model_len: int | None = None  # prompt + outputs of one request; None: the model's, bounded by the KV pool
     max_num_batched_tokens: int = 8192  # tokens computed per step, all rows together
@@ -103,6 +109,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("quantized_activations", self.quantized_activations, QUANTIZED_ACTIVATIONS)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("cpu_placement", self.cpu_placement, CPU_PLACEMENTS)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_tokenizers", "mailbox_slots",

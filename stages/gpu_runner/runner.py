@@ -101,7 +101,8 @@ class ModelRunner:
 
         self.model = load_model(config.model, device=self.device, dtype=self.dtype,
                                 max_positions=self.max_model_len, config=self.config, tp=tp,
-                                quantization=config.quantization, expert_parallel=config.enable_expert_parallel)
+                                quantization=config.quantization, expert_parallel=config.enable_expert_parallel,
+                                quantized_activations=config.quantized_activations)
         shard = self.model.shard
         backend = resolve_attention_backend(model_attention_backend(config.attention_backend,
                                                                     self.config.attention_sinks),

@@ -271,3 +271,11 @@ def test_the_paths_for_other_cpus_decode_multiply_and_quantize_the_same(flags, t
         made = torch.empty(6, 256 // 32 * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
         lib.quant_quantize_rows(values.data_ptr(), int(qtype), 6, 256, made.data_ptr())
         assert np.array_equal(made.numpy(), quantize(values.numpy(), qtype)), qtype.name
+    # Without AVX-512 VNNI there is no 8-bit activation kernel: it says so and writes nothing.
+    lib.quant_matmul_x8.argtypes = lib.quant_matmul.argtypes
+    weight = random_weight(QType.Q4_1, rows=9, cols=512, seed=0)
+    out = torch.full((5, 9), 7.0)
+    assert lib.quant_x8_available(int(QType.Q4_1)) == 0
+    assert lib.quant_matmul_x8(weight.blocks.data_ptr(), int(QType.Q4_1), weight.blocks.shape[1], 9, 512,
+                               torch.randn(5, 512).data_ptr(), 5, out.data_ptr()) == -1
+    assert torch.equal(out, torch.full((5, 9), 7.0))

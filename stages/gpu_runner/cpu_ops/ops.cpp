@@ -259,6 +259,21 @@ Tensor quant_matmul_op(const Tensor& x, const Tensor& blocks, int64_t qtype, int
   return out;
 }
 
+// quant_matmul with the activations quantized to 8 bits a block (quant_x8.c): 32-value types, VNNI CPUs.
+Tensor quant_matmul_x8_op(const Tensor& x, const Tensor& blocks, int64_t qtype, int64_t cols) {
+  const char* op = "quant matmul_x8";
+  check_blocks(blocks, qtype, cols, op);
+  TORCH_CHECK_VALUE(quant_x8_available(static_cast<int>(qtype)), op, ": block type ", qtype,
+                    " has no 8-bit activation kernel on this CPU (it needs AVX-512 VNNI)");
+  const Tensor a = activations(x, cols, op);
+  Tensor out = at::empty({a.size(0), blocks.size(0)}, a.options());
+  quant_matmul_x8(blocks.const_data_ptr<uint8_t>(), static_cast<int>(qtype), blocks.size(1), blocks.size(0), cols,
+                  a.const_data_ptr<float>(), a.size(0), out.mutable_data_ptr<float>());
+  return out;
+}
+
+int64_t quant_x8_available_op(int64_t qtype) { return quant_x8_available(static_cast<int>(qtype)); }
+
 Tensor quant_matmul_tiled_op(const Tensor& x, const Tensor& blocks, int64_t qtype, int64_t cols, int64_t tile_rows) {
   const char* op = "quant matmul";
   check_blocks(blocks, qtype, cols, op);
@@ -300,10 +315,13 @@ Tensor quant_quantize_rows_op(const Tensor& weight, int64_t qtype) {
   X(rotary, "(Tensor x, Tensor cos, Tensor sin) -> Tensor")                                                       \
   X(quant_dequantize_rows, "(Tensor blocks, int qtype, int cols, Tensor? ids, int start, int count) -> Tensor")  \
   X(quant_matmul, "(Tensor x, Tensor blocks, int qtype, int cols) -> Tensor")                                    \
+  X(quant_matmul_x8, "(Tensor x, Tensor blocks, int qtype, int cols) -> Tensor")                                 \
   X(quant_matmul_tiled, "(Tensor x, Tensor blocks, int qtype, int cols, int tile_rows) -> Tensor")               \
   X(quant_quantize_rows, "(Tensor weight, int qtype) -> Tensor")
 
-#define PIPELINE_SCALAR_OPS(X) X(quant_block_bytes, "(int qtype) -> int")
+#define PIPELINE_SCALAR_OPS(X)                 \
+  X(quant_block_bytes, "(int qtype) -> int") \
+  X(quant_x8_available, "(int qtype) -> int")
 
 #define PIPELINE_DEFINE(name, schema) m.def(#name schema);
 #define PIPELINE_DEFINE_WITH_KERNEL(name, schema) m.def(#name schema, TORCH_FN(name##_op));

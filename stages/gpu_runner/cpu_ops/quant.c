@@ -6,8 +6,8 @@
  * output rows shared by the OpenMP threads. With AVX-512 every block is decoded 16 values a
  * register and multiplied there with up to 8 (32-value types) or 4 (Q4_K, Q5_K, Q6_K) activation
  * rows at a time; without it a row is decoded by the scalar code, then dotted (AVX2 or scalar).
- * Activations stay float32: 8-bit activations with integer dots (llama.cpp's) measured no faster
- * here, the step being bound by reading the blocks, and the only rounding is the dot's.
+ * Activations stay float32, and the only rounding is the dot's (8-bit activations with integer
+ * dots, llama.cpp's shortcut, are quant_x8.c: --quantized-activations int8).
  *
  * Every decoded value is the float32 that loaders/gguf_quants.py gives, bit for bit: the same
  * operations in the same order, each rounded (-ffp-contract=off; nothing here is an FMA except the

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from stages.gpu_runner.loaders.quantization import choose_quantization, quantize_at_load
+from stages.gpu_runner.layers.quantization.gguf import check_int8_activations
+from stages.gpu_runner.loaders.quantization import choose_quantization, quantize_at_load, with_activations
 from stages.gpu_runner.models.config import ModelConfig, ModelLoadError, load_model_config
 from stages.gpu_runner.models.base import CausalLM
 from stages.gpu_runner.models.registry import model_class
@@ -61,14 +62,16 @@ def open_source(root: Path, config: ModelConfig, keep_blocks: bool = False):
 def load_model(
     model_dir: str | Path, *, device: torch.device, dtype: torch.dtype, max_positions: int,
     config: ModelConfig | None = None, tp: TensorParallel | None = None, quantization: str = "none",
-    expert_parallel: bool = False,
+    expert_parallel: bool = False, quantized_activations: str = "float32",
 ) -> CausalLM:
     """Build the model (this rank's shard of it under `tp`) on `device` in `dtype` and fill it from
     the checkpoint, checking every tensor's shape. `quantization` (one of QUANTIZATIONS):
     "gguf" keeps a GGUF file's quantized weights as blocks where the model runs on the CPU, whole
     (so not under `tp`); "q8_0"/"q4_0" also quantize float weights at load; "auto" keeps a GGUF
     file's blocks where it can. The choice and its reason are logged. `expert_parallel`: a
-    mixture's ranks hold whole experts, num_experts / tp.size each."""
+    mixture's ranks hold whole experts, num_experts / tp.size each. `quantized_activations` (float32,
+    int8): whether quantized weights multiply a decode step's few rows as float32 or as 8-bit
+    activations (where the CPU's kernels take their type)."""
     root = Path(model_dir)
     config = config or load_model_config(root)
     if expert_parallel and tp is not None and config.num_experts:
@@ -77,6 +80,8 @@ def load_model(
                                  f"{config.num_experts} experts")
         config = dataclasses.replace(config, expert_parallel=True)
     chosen = choose_quantization(quantization, config, device, tp is not None)
+    if chosen.keep_blocks or chosen.qtype is not None:
+        check_int8_activations(quantized_activations)
     log.info("quantization %s", chosen.reason)
     keep_blocks = chosen.keep_blocks
     with torch.device("meta"):
@@ -102,7 +107,8 @@ def load_model(
                 raise ModelLoadError(f"{source.where(name)}: tensor {name} has shape {list(shape)}, "
                                      f"{source.config_name} implies {list(shape_wanted)}")
             if tp is None:
-                model.load_hf_tensor(model_name, quantize_at_load(source.read(name), chosen.qtype))
+                tensor = quantize_at_load(source.read(name), chosen.qtype)
+                model.load_hf_tensor(model_name, with_activations(tensor, quantized_activations))
             else:
                 model.load_hf_tensor(model_name, shard_tensor(model_name, lambda index: source.read(name, index),
                                                               shape, config, tp.rank, tp.size))

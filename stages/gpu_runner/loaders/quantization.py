@@ -9,6 +9,7 @@ ModelLoadError names the problem.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from gguf import GGMLQuantizationType
 from stages.contracts.config import QUANTIZATIONS
 from stages.gpu_runner.cpu_ops import quant
 from stages.gpu_runner.layers.quantization.base import QuantizedWeight
+from stages.gpu_runner.layers.quantization.gguf import int8_activations_for
 from stages.gpu_runner.models.config import ModelConfig, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,14 @@ def quantize_rows(weight: torch.Tensor, qtype: int) -> torch.Tensor:
     laid out as a GGUF file stores them (cpu_ops/quant_encode.c, bit for bit the gguf package's
     reference quantizer)."""
     return quant.quantize_rows(weight.detach().to(torch.float32), int(qtype))
+
+
+def with_activations(tensor: torch.Tensor | QuantizedWeight, mode: str) -> torch.Tensor | QuantizedWeight:
+    """`tensor`, a quantized weight marked to take 8-bit activations where --quantized-activations
+    `mode` gives them to its block type on this CPU (layers/quantization/gguf.py)."""
+    if isinstance(tensor, QuantizedWeight) and int8_activations_for(mode, tensor.qtype):
+        return dataclasses.replace(tensor, int8_activations=True)
+    return tensor
 
 
 def quantize_at_load(tensor: torch.Tensor | QuantizedWeight, qtype: int | None) -> torch.Tensor | QuantizedWeight:

@@ -13,11 +13,14 @@ import torch
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
     """A [rows, cols] weight as GGUF blocks: `blocks` uint8 [rows, row_bytes], each row its own run
-    of blocks of ggml type `qtype` (a GGMLQuantizationType number), exactly as the file stores them."""
+    of blocks of ggml type `qtype` (a GGMLQuantizationType number), exactly as the file stores them.
+    `int8_activations`: a decode step's few activation rows are quantized to 8 bits for this weight's
+    products (gguf.py, --quantized-activations)."""
 
     qtype: int
     blocks: torch.Tensor
     shape: tuple[int, int]
+    int8_activations: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -26,15 +29,15 @@ class QuantizedWeight:
     def select_rows(self, rows: torch.Tensor | slice) -> QuantizedWeight:
         """The weight of the chosen rows (a permutation, or a range): rows of blocks move whole."""
         blocks = self.blocks[rows].contiguous()
-        return QuantizedWeight(self.qtype, blocks, (blocks.shape[0], self.shape[1]))
+        return QuantizedWeight(self.qtype, blocks, (blocks.shape[0], self.shape[1]), self.int8_activations)
 
     @staticmethod
     def stack(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
-        """One weight of the parts' rows in order, where all share a type; else None."""
-        if len({part.qtype for part in parts}) != 1:
+        """One weight of the parts' rows in order, where all share a type (and activations); else None."""
+        if len({(part.qtype, part.int8_activations) for part in parts}) != 1:
             return None
         blocks = torch.cat([part.blocks for part in parts])
-        return QuantizedWeight(parts[0].qtype, blocks, (blocks.shape[0], parts[0].shape[1]))
+        return QuantizedWeight(parts[0].qtype, blocks, (blocks.shape[0], parts[0].shape[1]), parts[0].int8_activations)
 
 
 class LinearMethod:

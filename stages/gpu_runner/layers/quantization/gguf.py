@@ -10,7 +10,10 @@ measures the three against the dense float32 matmul on the real models' shapes):
   - more (a long prefill): tiles of TILE_VALUES decoded by quant.c and multiplied by torch's matmul,
     whose GEMM is faster than quant_gemm.c's once the decoding is spread over that many rows.
 Embedding lookups decode just the rows they gather. Every path equals "dequantize, then multiply in
-float32" up to the order of the dot's summation (decoding is exact).
+float32" up to the order of the dot's summation (decoding is exact), except where a weight takes
+8-bit activations (`QuantizedWeight.int8_activations`, set at load by `mark_int8_activations`):
+then up to X8_ROWS rows are quantized to 8 bits a block of 32 and dotted in integers
+(cpu_ops/quant_x8.c), within the activations' rounding of that.
 """
 from __future__ import annotations
 
@@ -26,6 +29,13 @@ from stages.gpu_runner.layers.quantization.base import LinearMethod, QuantizedWe
 # 71 and 90; at 12 even), which a row verifying 4 drafts, or a few streams, needs; K types go to
 # quant_gemm.c from 3 rows (Q4_K 640x1024 at 3: 0.37 ms fused, 0.32 tiled). quant_gemm.c is ahead of
 # decoding tiles for torch's matmul up to ~128 rows; above ~192 rows torch's GEMM wins.
+# With --quantized-activations int8 (on a CPU with AVX-512 VNNI), up to X8_ROWS rows of every
+# type go through quant_x8.c: 8-bit activations and integer dots. Cold weights (a
+# model's worth cycled), two threads, x8 against the fused float32 kernel: SmolLM2's Q4_1
+# 3072x576 at 1 row 0.128 / 0.236 ms, 2 rows 0.178 / 0.299, 4 rows 0.221 / 0.294; Gemma-3's
+# Q8_0 head at 1 row 12.4 / 15.0 ms, 4 rows 21.6 / 25.3, 5 rows 28.8 / 25.9 (a fifth row reads the
+# blocks again); its Q4_K 1024x640 at 1 row 0.226 / 0.360 ms, 4 rows 0.279 / 0.341 (fused float32).
+X8_ROWS = 4
 FUSED_ROWS = 8  # 32-value types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 FUSED_ROWS_K = 2  # 256-value types: Q4_K, Q5_K, Q6_K
 K_TYPES = frozenset({12, 13, 14})
@@ -42,7 +52,9 @@ class GGUFMethod(LinearMethod):
         flat = x if x.dim() == 2 else x.reshape(-1, cols)
         num_rows = flat.shape[0]
         fused = num_rows <= (FUSED_ROWS_K if weight.qtype in K_TYPES else FUSED_ROWS)
-        if fused and x.dtype == torch.float32 and flat.dim() == 2:
+        if weight.int8_activations and num_rows <= X8_ROWS and x.dtype == torch.float32:
+            out = quant.matmul_x8(flat, weight.blocks, weight.qtype, cols)
+        elif fused and x.dtype == torch.float32 and flat.dim() == 2:
             # A decode step's path, in as few Python steps as it can be: every layer of every token takes it.
             out = quant.matmul_float32(flat, weight.blocks, weight.qtype, cols)
         elif fused:
@@ -69,3 +81,19 @@ class GGUFMethod(LinearMethod):
     def embed(self, weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         rows = quant.dequantize_rows(weight.blocks, weight.qtype, weight.shape[1], ids=ids)
         return rows.to(dtype).view(*ids.shape, weight.shape[1])
+
+
+def int8_activations_for(mode: str, qtype: int) -> bool:
+    """Whether a weight of `qtype` takes 8-bit activations under --quantized-activations `mode`
+    (int8: where quant_x8.c has the type on this CPU; float32: never)."""
+    return mode == "int8" and quant.x8_available(qtype)
+
+
+def check_int8_activations(mode: str) -> None:
+    """ValueError where int8 is asked for on a CPU whose kernels cannot take it."""
+    if mode == "int8" and not any(quant.x8_available(qtype) for qtype in X8_TYPES):
+        raise ValueError("quantized_activations int8 needs the CPU kernels built for AVX-512 VNNI, which this "
+                         "CPU or build lacks; use float32")
+
+
+X8_TYPES = (2, 3, 6, 7, 8, 12, 13, 14)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K

@@ -31,13 +31,16 @@ def _held_weights(model: nn.Module) -> tuple[list[QuantizedWeight], list[torch.T
 
 
 def describe_weights(model: nn.Module) -> str:
-    """e.g. "210 Q4_1 + 1 Q8_0 quantized (98.4 MB), 61 float32 (0.1 MB: norms)"."""
+    """e.g. "90 Q4_1 + 1 Q8_0 quantized (98.4 MB; 91 of them with 8-bit activations), 61 float32
+    dense (0.1 MB: norms and biases)"."""
     quantized, dense = _held_weights(model)
     parts = []
     if quantized:
         types = Counter(GGMLQuantizationType(weight.qtype).name for weight in quantized)
         counts = " + ".join(f"{count} {name}" for name, count in sorted(types.items()))
-        parts.append(f"{counts} quantized ({sum(w.nbytes for w in quantized) / _MB:.1f} MB)")
+        int8 = sum(weight.int8_activations for weight in quantized)
+        activations = f"; {int8} of them with 8-bit activations" if int8 else ""
+        parts.append(f"{counts} quantized ({sum(w.nbytes for w in quantized) / _MB:.1f} MB{activations})")
     by_dtype: Counter[str] = Counter()
     bytes_by_dtype: Counter[str] = Counter()
     for tensor in dense:
