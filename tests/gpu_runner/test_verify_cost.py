@@ -135,7 +135,7 @@ def test_a_draft_model_that_cannot_pay_is_not_run(tiny_checkpoint, monkeypatch: 
 
 def test_the_cost_is_fitted_at_each_batch_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step whose kernels change past 8 rows (10 + 0.1 n ms up to 8 rows, 10 + n beyond): at one
-    row drafts are nearly free (F = 100), at 4 rows verifying 20 costs dear (F = 4.5), at 16 F = 10.
+    row drafts are nearly free (F = 100), at 4 rows verifying 20 costs dear (F = 4.5), at 16 and 32 F = 10.
     free_tokens is the largest batch's fit; a batch above the model's rows is not timed."""
     clock = [0.0]
     monkeypatch.setattr(verify_cost.time, "perf_counter", lambda: clock[0])
@@ -144,7 +144,7 @@ def test_the_cost_is_fitted_at_each_batch_size(monkeypatch: pytest.MonkeyPatch) 
         clock[0] += (10 + (0.1 if n <= 8 else 1.0) * n) / 1000
 
     costs = verify_cost.measure_by_batch(step, 64, 4, torch.device("cpu"))
-    assert [fit[0] for fit in costs.by_batch] == list(verify_cost.COST_BATCHES) == [1, 4, 16]
-    assert [fit[1] for fit in costs.by_batch] == pytest.approx([100, 5.5 / 1.225, 10])
+    assert [fit[0] for fit in costs.by_batch] == list(verify_cost.COST_BATCHES) == [1, 4, 16, 32]
+    assert [fit[1] for fit in costs.by_batch] == pytest.approx([100, 5.5 / 1.225, 10, 10])
     assert costs.free_tokens == pytest.approx(10)
     assert [fit[0] for fit in verify_cost.measure_by_batch(step, 3, 4, torch.device("cpu")).by_batch] == [1, 3]

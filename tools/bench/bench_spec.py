@@ -12,7 +12,8 @@ machine's speed between methods weighs on all of them alike (greedy):
   passage with one edit, add a docstring to a given function, summarise a given text);
 - agent: the same JSON tool-calling task asked 32 times, 4 requests at a time (an agent loop:
   each answer much like the ones before it);
-- chat: 32 streams of open chat, where drafts are rarely accepted and must cost next to nothing.
+- chat: 32 streams of open chat, where drafts are rarely accepted and must cost next to nothing
+  (three rounds of 32 requests, four new prompts each round, so that the methods take turns).
 
 The table gives output tokens/s per method and workload, the speed-up over speculation off, the
 acceptance rate and the mean accepted length (tokens a verifying row gets per step), and whether
@@ -64,7 +65,13 @@ FUNCTIONS = [
     "    merged.extend(right[j:])\n    return merged\n",
 ]
 CHAT = ["Write a short story about a lighthouse keeper and a storm.", "What are good habits for learning to cook?",
-        "Describe a walk through a forest in autumn.", "Give me ideas for a birthday party for a ten-year-old."]
+        "Describe a walk through a forest in autumn.", "Give me ideas for a birthday party for a ten-year-old.",
+        "Explain how a bicycle stays upright.", "Write a letter to a friend who moved to another country.",
+        "What should I pack for a week of hiking?", "Tell me about the life of honey bees.",
+        "Write a poem about the sea at night.", "How do I start growing vegetables on a balcony?",
+        "Describe a busy market in the morning.", "What makes a good team meeting?"]
+CHAT_STREAMS, CHAT_ROUNDS = 32, 3  # chat: three rounds of 32 streams, a new CHAT_TOPICS prompts each round
+CHAT_TOPICS = 4  # distinct prompts in one round of CHAT_STREAMS (each asked CHAT_STREAMS / 4 times)
 TASKS = {
     "copy-edit": lambda i: ("Copy the following text exactly, but write Friday instead of Tuesday:\n\n"
                             + PASSAGES[i % len(PASSAGES)]),
@@ -72,7 +79,7 @@ TASKS = {
                             + FUNCTIONS[i % len(FUNCTIONS)]),
     "summarise": lambda i: ("Summarise this text in two sentences, using its own words:\n\n"
                             + PASSAGES[(i + 1) % len(PASSAGES)]),
-    "open-chat": lambda i: CHAT[i % len(CHAT)],
+    "open-chat": lambda i: CHAT[(i // CHAT_STREAMS * CHAT_TOPICS + i % CHAT_TOPICS) % len(CHAT)],
 }
 
 
@@ -81,12 +88,12 @@ AGENT_SYSTEM = (
     "\"celsius\" | \"fahrenheit\"), returns the current weather. Reply with one JSON object and nothing else: "
     "{\"tool\": NAME, \"arguments\": {...}}.")
 AGENT_CITIES = ["Paris", "Lima", "Osaka", "Nairobi"]
-AGENT_REQUESTS, AGENT_STREAMS, CHAT_STREAMS = 32, 4, 32
+AGENT_REQUESTS, AGENT_STREAMS = 32, 4
 # workload -> (task of each prompt, prompts, prompts at a time)
 WORKLOADS = {
     "grounded": (("copy-edit", "docstring", "summarise"), 1, 1),
     "agent": (("agent",), AGENT_REQUESTS, AGENT_STREAMS),
-    "chat": (("open-chat",), CHAT_STREAMS, CHAT_STREAMS),
+    "chat": (("open-chat",), CHAT_STREAMS * CHAT_ROUNDS, CHAT_STREAMS),
 }
 
 
@@ -178,6 +185,9 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantized-activations", default="float32", choices=["float32", "int8"],
+                        help="how the GGUF files' blocks multiply a step's few rows (a verify step of one row "
+                             "and up to 3 drafts included)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args()
@@ -245,6 +255,7 @@ def engine(model: str, name: str, config: dict | None, args: argparse.Namespace)
     """The method's engine, built and warmed up once (first-call costs stay out of the figures)."""
     if name not in _ENGINES:
         llm = LLM(model, device=args.device, dtype=args.dtype, max_model_len=2048,
+                  quantized_activations=args.quantized_activations,
                   max_num_seqs=max(CHAT_STREAMS, AGENT_STREAMS), speculative_config=config)
         llm.generate(["Hello there, how are you?"] * 2, SamplingParams(max_tokens=8, temperature=0.0))
         _ENGINES[name] = llm

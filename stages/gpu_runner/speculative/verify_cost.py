@@ -29,10 +29,12 @@ FIXED_VARIABLE = "PIPELINE_VERIFY_FREE_TOKENS"
 MAX_FREE_TOKENS = 1e6  # what a step whose cost did not grow measurably with its tokens reports
 REPEATS = 3
 # Decode rows of the steps timed, each against the same rows with K drafts each: one stream, a few,
-# a batch. A CPU's step is bound by reading the weights at one row and by arithmetic at many, and its
-# kernels change with the rows (stages/gpu_runner/layers/quantization/gguf.py), so one fit does not
-# carry from 16 rows to one; the scheduler interpolates between these.
-COST_BATCHES = (1, 4, 16)
+# a batch, a larger one. A CPU's step is bound by reading the weights at one row and by arithmetic at
+# many, and its kernels change with the rows (stages/gpu_runner/layers/quantization/gguf.py), so one
+# fit does not carry from 16 rows to one, nor to 32 (Gemma-3's n-gram drafts at 32 chat streams,
+# priced by the 16-row fit held beyond it, ran at 0.87x of none: tools/bench/bench_spec.py); the
+# scheduler interpolates between these, and holds the last beyond it.
+COST_BATCHES = (1, 4, 16, 32)
 FITS = 3  # fits taken before contradicting timings are believed
 
 Step = Callable[[int], None]  # the model over n single-token rows, logits and a greedy draw included
