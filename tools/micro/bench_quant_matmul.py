@@ -7,6 +7,8 @@ times in one run:
   - fused: cpu_ops/quant.c's fused dequantize-and-dot (decode batches);
   - tiled: cpu_ops/quant_gemm.c (tiles decoded into an L2-sized buffer, register-blocked multiply);
   - method: what layers/quantization/gguf.py picks for that many rows;
+  - x8: cpu_ops/quant_x8.c, 8-bit activations (--quantized-activations int8), where the CPU has
+    it, up to X8_ROWS rows (what the method then picks);
 the best of --repeat calls each (milliseconds), the method's ratio to dense, and the sum over one
 model step (every layer's projections and the head). Random blocks: the kernels' speed does not
 depend on the values. As in a model step, weights come from memory, not a warm cache: each call
@@ -30,7 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
 from stages.gpu_runner.cpu_ops import quant
 from stages.gpu_runner.layers.quantization.base import QuantizedWeight
-from stages.gpu_runner.layers.quantization.gguf import GGUFMethod
+from stages.gpu_runner.layers.quantization.gguf import X8_ROWS, GGUFMethod
 
 # (block type, rows, cols, how many such weights one forward step multiplies), as the model holds
 # them: q/k/v and gate/up merged into one weight where the file stores them in one block type.
@@ -97,7 +99,9 @@ def measure(model: str, row_counts: list[int], repeat: int) -> list[dict]:
                    "fused_ms": best_ms(rotating(lambda b: quant.matmul(x, b, qtype, cols), blocks), times)
                    if n <= 64 else None,
                    "tiled_ms": best_ms(rotating(lambda b: quant.matmul_tiled(x, b, qtype, cols), blocks), times),
-                   "method_ms": best_ms(rotating(lambda w: method.apply(w, x, None), weights), times)}
+                   "method_ms": best_ms(rotating(lambda w: method.apply(w, x, None), weights), times),
+                   "x8_ms": best_ms(rotating(lambda b: quant.matmul_x8(x, b, qtype, cols), blocks), times)
+                   if n <= X8_ROWS and quant.x8_available(qtype) else None}
             row["ratio"] = row["method_ms"] / row["dense_ms"]
             results.append(row)
         del dense, blocks, weights
@@ -119,19 +123,21 @@ def main() -> None:
     clock = "thread CPU time" if torch.get_num_threads() == 1 else "wall time"
     print(f"threads {torch.get_num_threads()}, load average {load:.2f}; best of {args.repeat} calls, ms of {clock}")
     print(f"{'model':8} {'type':5} {'shape':>12} {'rows':>5} {'dense':>8} {'fused':>8} {'tiled':>8} "
-          f"{'method':>8} {'m/dense':>8}")
+          f"{'method':>8} {'m/dense':>8} {'x8':>8}")
     for row in results:
         fused = "-" if row["fused_ms"] is None else f"{row['fused_ms']:.3f}"
         print(f"{row['model']:8} {row['qtype']:5} {row['rows']:>6}x{row['cols']:<5} {row['n']:>5} "
               f"{row['dense_ms']:>8.3f} {fused:>8} {row['tiled_ms']:>8.3f} {row['method_ms']:>8.3f} "
-              f"{row['ratio']:>8.2f}")
+              f"{row['ratio']:>8.2f} {'-' if row['x8_ms'] is None else format(row['x8_ms'], '.3f'):>8}")
     print("one forward step (sum over its weights), ms:")
     for model in args.model:
         for n in args.rows:
             rows = [row for row in results if row["model"] == model and row["n"] == n]
             dense = sum(row["dense_ms"] * row["per_step"] for row in rows)
             method = sum(row["method_ms"] * row["per_step"] for row in rows)
-            print(f"  {model:8} rows {n:>4}: dense {dense:9.2f}  quantized {method:9.2f}  ratio {method / dense:.2f}")
+            x8 = sum((row["method_ms"] if row["x8_ms"] is None else row["x8_ms"]) * row["per_step"] for row in rows)
+            print(f"  {model:8} rows {n:>4}: dense {dense:9.2f}  quantized {method:9.2f}  ratio {method / dense:.2f}"
+                  f"  int8 activations {x8:9.2f}")
 
 
 if __name__ == "__main__":
