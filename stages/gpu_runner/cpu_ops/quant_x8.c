@@ -76,7 +76,8 @@ static void quantize_row(const float *x, int64_t cols, int nibble_order, pair8 *
         memset(pair->u, 0x80, sizeof pair->u);
         float d[2] = {0.0f, 0.0f}, s[2] = {0.0f, 0.0f};
         for (int half = 0; half < 2 && 2 * p + half < blocks; half++) {
-            const int first = nibble_order ? 16 * half : 32 * half, second = nibble_order ? 32 + 16 * half : 32 * half + 16;
+            const int first = nibble_order ? 16 * half : 32 * half;
+            const int second = nibble_order ? 32 + 16 * half : 32 * half + 16;
             quantize_block(x + (2 * p + half) * 32, pair->q + first, pair->q + second, pair->u + first,
                            pair->u + second, &d[half], &s[half]);
         }
@@ -86,6 +87,9 @@ static void quantize_row(const float *x, int64_t cols, int nibble_order, pair8 *
         pair->s[3] = s[1];
     }
 }
+
+/* Activation rows dotted with each weight row in one pass (accumulators held in registers). */
+#define MAX_ROWS 8
 
 static inline int signed_type(int qtype) { return qtype == Q8_0 || qtype == Q4_0 || qtype == Q5_0; }
 static inline int has_min(int qtype) { return qtype == Q4_1 || qtype == Q5_1; }
@@ -135,7 +139,8 @@ static inline __attribute__((always_inline)) __m512i weight_pair(const uint8_t *
  * -128 sum(w), so the unsigned-by-signed multiply-add gives sum(q w); unsigned weights take q. */
 static inline __attribute__((always_inline)) void accumulate(const __m512i w, const __m512 wd, const __m128 minimums,
                                                              const int is_signed, const int with_min, const pair8 *x,
-                                                             int64_t pairs, const int m, __m512 acc[4], __m128 mins[4]) {
+                                                             int64_t pairs, const int m, __m512 acc[MAX_ROWS],
+                                                             __m128 mins[MAX_ROWS]) {
     __m512i start = _mm512_setzero_si512();
     if (is_signed) start = _mm512_sub_epi32(start, _mm512_dpbusd_epi32(start, _mm512_set1_epi8((char)0x80), w));
     for (int j = 0; j < m; j++) {
@@ -150,7 +155,7 @@ static inline __attribute__((always_inline)) void accumulate(const __m512i w, co
 /* Two blocks of a 32-value type from b0 (one where lone) times pair p of x[j], for j < m. */
 static inline __attribute__((always_inline)) void pair_dot(const uint8_t *b0, const int qtype, const int bytes,
                                                            const int lone, const pair8 *x, int64_t pairs,
-                                                           const int m, __m512 acc[4], __m128 mins[4]) {
+                                                           const int m, __m512 acc[MAX_ROWS], __m128 mins[MAX_ROWS]) {
     __m128 scales;
     const __m512i w = weight_pair(b0, qtype, bytes, lone, &scales);
     const __m512i lanes = qtype == Q8_0 ? _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -164,8 +169,8 @@ static inline __attribute__((always_inline)) void pair_dot(const uint8_t *b0, co
  * nibbles), each with a 6-bit scale and minimum; Q6_K: half h's 64 bytes of low bits and 32 of high
  * bits hold chunks 2h (low nibbles) and 2h + 1 (high nibbles), with a scale per 16 values. */
 static inline __attribute__((always_inline)) void block256_dot(const uint8_t *b, const int qtype, const pair8 *x,
-                                                               int64_t pairs, const int m, __m512 acc[4],
-                                                               __m128 mins[4]) {
+                                                               int64_t pairs, const int m, __m512 acc[MAX_ROWS],
+                                                               __m128 mins[MAX_ROWS]) {
     const __m256i nibble = _mm256_set1_epi8(0xf);
     if (qtype == Q6_K) {
         const __m512 scales = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))),
@@ -218,8 +223,8 @@ static inline __attribute__((always_inline)) void block256_dot(const uint8_t *b,
 static inline __attribute__((always_inline)) void dot_rows(const uint8_t *row, const int qtype, const int bytes,
                                                            int64_t blocks, const pair8 *x, int64_t pairs,
                                                            const int m, float *out, int64_t out_stride) {
-    __m512 acc[4];
-    __m128 mins[4];
+    __m512 acc[MAX_ROWS];
+    __m128 mins[MAX_ROWS];
     for (int j = 0; j < m; j++) {
         acc[j] = _mm512_setzero_ps();
         mins[j] = _mm_setzero_ps();
@@ -237,16 +242,18 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *row, c
     }
 }
 
+#define DOT_ROWS_CASE(QTYPE, BYTES, M)                                                                         \
+    case M: dot_rows(row, QTYPE, BYTES, blocks, x + j0 * pairs, pairs, M, out + j0 * out_stride, out_stride); break;
 #define DOT_ROWS_OF(QTYPE, BYTES)                                                                                    \
     static void dot_rows_##QTYPE(const uint8_t *row, int64_t blocks, const pair8 *x, int64_t pairs, int64_t n,    \
                                  float *out, int64_t out_stride) {                                                \
         int64_t j0 = 0;                                                                                           \
-        for (; j0 + 4 <= n; j0 += 4)                                                                              \
-            dot_rows(row, QTYPE, BYTES, blocks, x + j0 * pairs, pairs, 4, out + j0 * out_stride, out_stride);      \
+        for (; j0 + MAX_ROWS <= n; j0 += MAX_ROWS)                                                                \
+            dot_rows(row, QTYPE, BYTES, blocks, x + j0 * pairs, pairs, MAX_ROWS, out + j0 * out_stride, out_stride); \
         switch (n - j0) {                                                                                         \
-        case 1: dot_rows(row, QTYPE, BYTES, blocks, x + j0 * pairs, pairs, 1, out + j0 * out_stride, out_stride); break; \
-        case 2: dot_rows(row, QTYPE, BYTES, blocks, x + j0 * pairs, pairs, 2, out + j0 * out_stride, out_stride); break; \
-        case 3: dot_rows(row, QTYPE, BYTES, blocks, x + j0 * pairs, pairs, 3, out + j0 * out_stride, out_stride); break; \
+            DOT_ROWS_CASE(QTYPE, BYTES, 1) DOT_ROWS_CASE(QTYPE, BYTES, 2) DOT_ROWS_CASE(QTYPE, BYTES, 3)          \
+            DOT_ROWS_CASE(QTYPE, BYTES, 4) DOT_ROWS_CASE(QTYPE, BYTES, 5) DOT_ROWS_CASE(QTYPE, BYTES, 6)          \
+            DOT_ROWS_CASE(QTYPE, BYTES, 7)                                                                        \
         }                                                                                                         \
     }
 DOT_ROWS_OF(Q8_0, 34)

@@ -30,12 +30,13 @@ from stages.gpu_runner.layers.quantization.base import LinearMethod, QuantizedWe
 # quant_gemm.c from 3 rows (Q4_K 640x1024 at 3: 0.37 ms fused, 0.32 tiled). quant_gemm.c is ahead of
 # decoding tiles for torch's matmul up to ~128 rows; above ~192 rows torch's GEMM wins.
 # With --quantized-activations int8 (on a CPU with AVX-512 VNNI), up to X8_ROWS rows of every
-# type go through quant_x8.c: 8-bit activations and integer dots. Cold weights (a
-# model's worth cycled), two threads, x8 against the fused float32 kernel: SmolLM2's Q4_1
-# 3072x576 at 1 row 0.128 / 0.236 ms, 2 rows 0.178 / 0.299, 4 rows 0.221 / 0.294; Gemma-3's
-# Q8_0 head at 1 row 12.4 / 15.0 ms, 4 rows 21.6 / 25.3, 5 rows 28.8 / 25.9 (a fifth row reads the
-# blocks again); its Q4_K 1024x640 at 1 row 0.226 / 0.360 ms, 4 rows 0.279 / 0.341 (fused float32).
-X8_ROWS = 4
+# type go through quant_x8.c: 8-bit activations and integer dots, all the rows in one pass over the
+# blocks. One forward step's products (tools/micro/bench_quant_matmul.py --rows 1 2 4 5 6 8, one
+# thread, thread CPU ms, float32 kernels / x8): SmolLM2 at 1 row 28.6 / 15.8, 4 rows 41.9 / 32.5,
+# 5 rows 46.1 / 36.5, 8 rows 65.1 / 57.3; Gemma-3 at 1 row 55.3 / 38.6, 5 rows 84.3 / 67.2, 8 rows
+# 103.4 / 93.7 (some K-type shapes lose at 8 rows; the step does not). A verify step of one row and
+# 4 drafts (5 rows) takes it too.
+X8_ROWS = 8
 FUSED_ROWS = 8  # 32-value types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 FUSED_ROWS_K = 2  # 256-value types: Q4_K, Q5_K, Q6_K
 K_TYPES = frozenset({12, 13, 14})
