@@ -50,6 +50,9 @@ def test_a_draft_models_decoding_is_measured_in_the_targets_tokens(step) -> None
     """A draft step over n rows costing 4 + 0.25 n (ms) beside a target's 10 + 0.5 n: (8, 0.5) target tokens."""
     costs = verify_cost.measure(step(10, 0.5), 16, 4, torch.device("cpu"), draft_step=step(4, 0.25))
     assert costs.free_tokens == pytest.approx(20) and costs.draft_step == pytest.approx((8, 0.5))
+    # where the target's fits all say no draft pays (a busy machine), the draft's decoding is still reported
+    costs = verify_cost.measure(step(-2, 1.0), 16, 4, torch.device("cpu"), draft_step=step(4, 0.25))
+    assert costs.free_tokens == 0.0 and costs.draft_step == pytest.approx((4, 0.25))
 
 
 def test_a_speculative_runner_measures_what_a_verified_draft_costs(tiny_checkpoint,

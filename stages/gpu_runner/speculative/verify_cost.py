@@ -67,7 +67,8 @@ def measure(step: Step, rows: int, k: int, device: torch.device, draft_step: Ste
     the same way. Timings that contradict the model (more than (1 + k) times the cost for (1 + k)
     times the tokens: a busy machine's noise, or a step with no fixed cost to share) are taken again,
     FITS times in all; if every fit says so, F is 0: extra tokens cost at least their share of the
-    step, so no draft pays (never "free": drafts taken as free on a busy machine slow it down)."""
+    step, so no draft pays (never "free": drafts taken as free on a busy machine slow it down); a
+    draft model's decoding is then still measured against the last fit's c1."""
     small, large = rows, rows * (1 + k)
     for _ in range(FITS):
         # the two models' timings interleaved: a machine whose load changes meanwhile weighs both alike
@@ -76,10 +77,10 @@ def measure(step: Step, rows: int, k: int, device: torch.device, draft_step: Ste
         if c1 <= 0:
             return StepCosts(MAX_FREE_TOKENS)
         if c0 > 0:
+            free = min(c0 / c1, MAX_FREE_TOKENS)
             break
     else:
-        return StepCosts(0.0)
-    free = min(c0 / c1, MAX_FREE_TOKENS)
+        free = 0.0  # no draft pays; a draft model's decoding is still reported, in the last fit's c1
     if draft_step is None:
         return StepCosts(free)
     e0, e1 = fits[1]

@@ -11,7 +11,8 @@ measures the three against the dense float32 matmul on the real models' shapes):
     whose GEMM is faster than quant_gemm.c's once the decoding is spread over that many rows.
 Embedding lookups decode just the rows they gather. Every path equals "dequantize, then multiply in
 float32" up to the order of the dot's summation (decoding is exact), except where a weight takes
-8-bit activations (`QuantizedWeight.int8_activations`, set at load by `mark_int8_activations`):
+8-bit activations (`QuantizedWeight.int8_activations`, set at load by loaders/quantization.py's
+`with_activations`):
 then up to X8_ROWS rows are quantized to 8 bits a block of 32 and dotted in integers
 (cpu_ops/quant_x8.c), within the activations' rounding of that.
 """
