@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "k_scales.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__) || defined(__SSE__)
 #include <immintrin.h>
 #endif
@@ -92,16 +94,7 @@ static void q5(const uint8_t *b, const uint8_t *qh_at, float *w, int with_min) {
 }
 
 /* Q4_K/Q5_K: eight 6-bit scales and mins in bytes 4..16, times the block's d and dmin. */
-static void k_scales(const uint8_t *b, float *scale, float *min) {
-    const float d = f16(b), dmin = f16(b + 2);
-    const uint8_t *low = b + 4, *high = b + 8, *mixed = b + 12;
-    for (int j = 0; j < 4; j++) {
-        scale[j] = d * (float)(low[j] & 0x3f);
-        min[j] = dmin * (float)(high[j] & 0x3f);
-        scale[j + 4] = d * (float)((mixed[j] & 0x0f) | ((low[j] >> 2) & 0x30));
-        min[j + 4] = dmin * (float)((mixed[j] >> 4) | ((high[j] >> 2) & 0x30));
-    }
-}
+static void k_scales(const uint8_t *b, float *scale, float *min) { k_scales_of(b, f16(b), f16(b + 2), scale, min); }
 
 /* Q4_K (qh NULL) and Q5_K: runs of 32 bytes hold two sub-blocks, low nibbles then high. */
 static void qk_45(const uint8_t *b, const uint8_t *qh, const uint8_t *qs, float *w) {

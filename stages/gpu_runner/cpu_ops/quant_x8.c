@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "k_scales.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #define QUANT_X8 1
 #include <immintrin.h>
@@ -192,14 +194,7 @@ static inline __attribute__((always_inline)) void block256_dot(const uint8_t *b,
         return;
     }
     float scale[8], minimum[8];
-    const float d = _cvtsh_ss((uint16_t)(b[0] | (b[1] << 8))), dmin = _cvtsh_ss((uint16_t)(b[2] | (b[3] << 8)));
-    const uint8_t *low6 = b + 4, *high6 = b + 8, *mixed = b + 12;
-    for (int j = 0; j < 4; j++) {
-        scale[j] = d * (float)(low6[j] & 0x3f);
-        minimum[j] = dmin * (float)(high6[j] & 0x3f);
-        scale[j + 4] = d * (float)((mixed[j] & 0x0f) | ((low6[j] >> 2) & 0x30));
-        minimum[j + 4] = dmin * (float)((mixed[j] >> 4) | ((high6[j] >> 2) & 0x30));
-    }
+    k_scales_of(b, _cvtsh_ss((uint16_t)(b[0] | (b[1] << 8))), _cvtsh_ss((uint16_t)(b[2] | (b[3] << 8))), scale, minimum);
     const __m512 scales = _mm512_castps256_ps512(_mm256_loadu_ps(scale));
     const uint8_t *qs = b + (qtype == Q4_K ? 16 : 48);
     for (int c = 0; c < 4; c++) {
