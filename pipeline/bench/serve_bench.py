@@ -132,11 +132,12 @@ async def run_benchmark(socket_path: Path | str | None, requests: Sequence[Bench
 
 
 def pipeline_command() -> list[str]:
-    """The `pipeline` command installed beside this interpreter."""
+    """The `pipeline` command installed beside this interpreter, or where the package runs
+    uninstalled (from a checkout on PYTHONPATH) this interpreter running its command line."""
     script = Path(sys.executable).parent / "pipeline"
-    if not script.exists():
-        raise RuntimeError(f"no `pipeline` command at {script}: install the package (pip install -e .)")
-    return [str(script)]
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "pipeline.cli"]
 
 
 def compare_sync(model_dir: Path | str, requests: Sequence[BenchRequest], *, request_rate: float = math.inf,

@@ -85,3 +85,12 @@ def test_experts_served_through_the_kernel_equal_the_torch_path(monkeypatch: pyt
     got = experts(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)).cpu()
     assert calls and want.abs().max() > 0.1
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_grouping_the_slots_reads_nothing_back_from_the_device() -> None:
+    """On the meta device a tensor has no values: an op whose result's shape depends on them (a
+    bincount, a boolean mask, a host read) raises there, as it would break a CUDA graph's capture."""
+    ids = torch.tensor([[2, 0], [4, 3], [1, 1]])  # 4: held elsewhere
+    sorted_slots, block_experts = align_by_expert(ids.to("meta"), num_experts=4, block_m=4)
+    want_slots, want_experts = align_by_expert(ids, num_experts=4, block_m=4)
+    assert sorted_slots.shape == want_slots.shape and block_experts.shape == want_experts.shape

@@ -15,7 +15,7 @@ from paced_daemon import PacedDaemon
 from pipeline.errors import DaemonNotRunning
 from stages.contracts.params import InvalidParams
 from pipeline.bench.report import format_comparison, plot_result
-from pipeline.bench.serve_bench import compare_sync, main, run_benchmark
+from pipeline.bench.serve_bench import compare_sync, main, pipeline_command, run_benchmark
 from pipeline.bench.workload import BenchRequest, load_dataset, random_requests
 
 pytestmark = pytest.mark.timeout(20)
@@ -159,3 +159,15 @@ def test_compare_sync_runs_both_daemons_and_stops_them(tmp_path: Path, monkeypat
     assert sync_result.metrics.tpot.mean_ms > 4.0 > async_result.metrics.tpot.mean_ms
     table = format_comparison(async_result, sync_result)
     assert "async/sync" in table and "Mean TPOT (ms):" in table
+
+
+def test_the_daemons_start_from_the_installed_command_or_else_from_this_interpreter(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkout on PYTHONPATH, not installed (no `pipeline` script beside the interpreter), still
+    starts its daemons: through `python -m pipeline.cli`."""
+    python = tmp_path / "bin" / "python3"
+    python.parent.mkdir()
+    monkeypatch.setattr(sys, "executable", str(python))
+    assert pipeline_command() == [str(python), "-m", "pipeline.cli"]
+    (python.parent / "pipeline").write_text("#!/bin/sh\n")
+    assert pipeline_command() == [str(python.parent / "pipeline")]

@@ -254,16 +254,31 @@ def test_gpu_check_dry_run_walks_every_phase_and_writes_the_summary(tmp_path: Pa
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert summary["dry_run"] is True and summary["ok"] is True
     phases = {p["name"]: p for p in summary["phases"]}
-    assert list(phases) == ["install", "versions", "bench", "cuda_tests", "device_tests"]
-    assert phases["install"]["status"] == phases["cuda_tests"]["status"] == "skipped"
+    assert list(phases) == ["install", "versions", "cpu_precision", "bench", "cuda_tests", "device_tests"]
+    assert phases["install"]["status"] == phases["cuda_tests"]["status"] == phases["cpu_precision"]["status"] == "skipped"
     assert all(phases[name]["rc"] == 0 for name in ("versions", "device_tests", "bench"))
     # the tests get what is left of the budget, so the whole run ends within 9 minutes
-    spent_before_tests = sum(p["seconds"] for p in summary["phases"][:3])
+    spent_before_tests = sum(p["seconds"] for p in summary["phases"][:4])
     assert phases["device_tests"]["timeout_s"] + spent_before_tests <= 9 * 60 - 5
     assert json.loads((tmp_path / "versions.log").read_text())["torch"]
     assert "tests collected" in (tmp_path / "device_tests.log").read_text()
     # the dry run's benchmark is bench_gpu.py --quick, whole
     check_quick_gpu_bench(json.loads((tmp_path / "bench.json").read_text()))
+
+
+@pytest.mark.timeout(120)
+def test_cpu_precision_measures_each_linear_path_attention_and_the_engine() -> None:
+    run = subprocess.run([sys.executable, str(TOOLS / "gpu" / "cpu_precision.py"), "--variant", "plain-linear"],
+                         capture_output=True, text=True, timeout=110, cwd=TOOLS.parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(report["linear"]) == {"1", "3", "32", "512"}
+    # float32 on this machine: rounding only, every path
+    assert all(0 < error < 1e-5 for paths in report["linear"].values() for error in paths.values())
+    assert 0 < report["attention"] < 1e-5
+    engine = report["engine"]
+    assert len(engine["tokens"]) == len(engine["top2"]) == 8
+    assert all(first >= second for first, second in engine["top2"])
 
 
 def test_gpu_check_refuses_an_unknown_argument(tmp_path: Path) -> None:

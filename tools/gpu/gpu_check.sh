@@ -3,11 +3,13 @@
 # tools/gpu/bench_gpu.py on the quiet machine, then the CUDA tests and, beside them, the engine,
 # daemon, HTTP and recovery tests on the GPU.
 #
-#     tools/gpu/gpu_check.sh [--dry-run] [--out DIR] [--budget S] [--phases cuda_tests,device_tests,bench]
+#     tools/gpu/gpu_check.sh [--dry-run] [--out DIR] [--budget S] [--phases cpu_precision,cuda_tests,device_tests,bench]
 #                            [--bench-args "ARGS"] [--cuda-tests "PATHS"] [--device-tests "PATHS"]
 #
-# The benchmark has 4 minutes; the two test phases then run at once (pytest-xdist workers where it
-# is installed: one GPU holds many small engines) with whatever is left of the budget (530 s unless
+# First tools/gpu/cpu_precision.py (a minute: how exact float32 is on this machine's CPU, whose
+# engines the tests compare with); the benchmark then has 4 minutes; the two test phases then run
+# at once (pytest-xdist workers where it is installed: one GPU holds many small engines) with
+# whatever is left of the budget (530 s unless
 # --budget), so the whole fits in 9 minutes with the wheels' install. A failing or timed-out phase
 # is recorded and the next one runs; a test phase's processes that outlive it are killed. --phases
 # runs some of them, --bench-args passes options to bench_gpu.py, --cuda-tests and --device-tests
@@ -31,7 +33,7 @@ cd "$ROOT" || exit 2
 DRY_RUN=0
 OUT_DIR="${OUT:-${TMPDIR:-/tmp}/pipeline-gpu-check}"
 BUDGET_S=530
-PHASES=cuda_tests,device_tests,bench
+PHASES=cpu_precision,cuda_tests,device_tests,bench
 BENCH_ARGS=""
 CUDA_TESTS=""
 DEVICE_TESTS=(tests/engine tests/daemon tests/http tests/stages/test_backend.py)
@@ -44,8 +46,8 @@ while [ $# -gt 0 ]; do
             [[ "$BUDGET_S" =~ ^[0-9]+$ ]] || { echo "error: --budget must be whole seconds, got '$BUDGET_S'" >&2; exit 2; } ;;
         --phases) needs_value "$1" $#; PHASES="$2"; shift
             for phase in ${PHASES//,/ }; do
-                case "$phase" in cuda_tests|device_tests|bench) ;;
-                    *) echo "error: unknown phase '$phase' (expected cuda_tests, device_tests, bench)" >&2; exit 2 ;;
+                case "$phase" in cpu_precision|cuda_tests|device_tests|bench) ;;
+                    *) echo "error: unknown phase '$phase' (expected cpu_precision, cuda_tests, device_tests, bench)" >&2; exit 2 ;;
                 esac
             done ;;
         --bench-args) needs_value "$1" $#; BENCH_ARGS="$2"; shift ;;
@@ -222,6 +224,11 @@ else
     export PYTHONPATH="$SITE:." PIPELINE_CPU_KERNELS=0
 fi
 run_phase versions 45 print_versions
+if [ "$DRY_RUN" = 1 ]; then
+    wanted cpu_precision && skip_phase cpu_precision 120 "dry run: this machine's CPU is the one the suite already checks"
+else
+    wanted cpu_precision && run_phase cpu_precision 120 "$PY" tools/gpu/cpu_precision.py --out "$OUT_DIR/cpu_precision.json"
+fi
 # The benchmark first, on a quiet machine.
 read -r -a bench_args <<<"$BENCH_ARGS"
 if [ "$DRY_RUN" = 1 ]; then

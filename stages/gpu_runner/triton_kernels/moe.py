@@ -16,27 +16,33 @@ from stages.gpu_runner.triton_kernels.loading import cdiv, kernels_for
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (sorted_slots, block_experts): the flat slot indices grouped by expert, each
-    expert's run padded with T * k to a multiple of block_m (size fixed by T, k and the experts, so
-    no host read), and the expert of every block of block_m (blocks past the last run: padding only).
-    A slot of id num_experts (an expert another expert-parallel rank holds) is left out."""
+    expert's run padded with T * k to a multiple of block_m (size fixed by T, k and the experts), and
+    the expert of every block of block_m (blocks past the last run: padding only). A slot of id
+    num_experts (an expert another expert-parallel rank holds) is left out.
+
+    No step reads the device from the host (no bincount, whose CUDA kernel reads the largest id, no
+    boolean mask), so it runs inside a captured CUDA graph; the shapes depend on T, k and the
+    experts alone, which a run on the meta device proves."""
     flat = ids.reshape(-1)
     num_slots = flat.numel()
     capacity = num_slots + num_experts * (block_m - 1)
     capacity = cdiv(capacity, block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts + 1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat.long(), torch.ones(num_slots, dtype=torch.int64, device=ids.device))
     padded = (counts + block_m - 1) // block_m * block_m
     padded[num_experts] = 0  # the slots held elsewhere get no room
     padded_ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
     experts = flat[order]
     rank_in_expert = torch.arange(num_slots, device=ids.device) - (torch.cumsum(counts, 0) - counts)[experts]
-    held = experts < num_experts
-    sorted_slots = torch.full((capacity,), num_slots, dtype=torch.int64, device=ids.device)
-    sorted_slots[((padded_ends - padded)[experts] + rank_in_expert)[held]] = order[held]
+    # A slot held elsewhere is written one past the end, which is cut off.
+    where = torch.where(experts < num_experts, (padded_ends - padded)[experts] + rank_in_expert, capacity)
+    sorted_slots = torch.full((capacity + 1,), num_slots, dtype=torch.int64, device=ids.device)
+    sorted_slots.scatter_(0, where, order)
     padded_ends = padded_ends[:num_experts]
     block_starts = torch.arange(0, capacity, block_m, device=ids.device)
     block_experts = torch.searchsorted(padded_ends, block_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_slots, block_experts
+    return sorted_slots[:capacity], block_experts
 
 
 def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_slots: torch.Tensor,
