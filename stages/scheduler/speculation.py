@@ -37,7 +37,12 @@ are asked for drafts that far ahead.
 
 A row drafting none for its rate backs off. Where the host judges the drafts it checks each step
 whether the row is copying again (its last tokens occurred before in its text; for suffix, its
-tries propose several drafts), and if so lets it draft at once. A draft model cannot be judged on
+tries propose several drafts), and if so lets it draft at once.
+A new row, and a row revived so, starts from the rate that first verifications of such rows have
+had (a running mean over all rows, from HOPEFUL_RATE): where that rate cannot pay at the step's
+batch (open chat at many rows, whose chance copies are rarely accepted) they do not draft, and
+the copy checks are skipped. The prior drifts back towards HOPEFUL_RATE (PRIOR_DRIFT of the gap
+a step), so a workload that starts copying is tried again. A draft model cannot be judged on
 the host: a backed-off row verifies one draft after a cooldown that grows 4x with each miss, at
 most MAX_COOLDOWN steps, and only once its previous probe was verified.
 SpeculativeCounts counts the decoding rows that drafted nothing, by reason.
@@ -55,6 +60,8 @@ MAX_COOLDOWN = 31  # decode steps a backed-off row of a proposer the host cannot
 MEAN_WEIGHT = 0.3  # of the latest verification in a row's running rate: one lucky run does not reset it
 HOPEFUL_RATE = 0.8  # the acceptance rate a row starts from, and returns to when it is seen copying
 MIN_COPY = 3  # tokens that must recur together before a backed-off n-gram row drafts again
+PRIOR_WEIGHT = 0.2  # of one first verification in the prior of new and revived rows
+PRIOR_DRIFT = 0.002  # of the gap to HOPEFUL_RATE the prior closes each step
 
 
 def allows_speculation(params: SamplingParams) -> bool:
@@ -106,6 +113,8 @@ class Speculation:
         self.misses = np.zeros(max_num_seqs, np.int64)  # verifications in a row that did not pay
         self.cooldown = np.zeros(max_num_seqs, np.int64)  # decode steps to go before a probe
         self.revived_at = np.zeros(max_num_seqs, np.int64)  # num_known when a copy last revived the row
+        self.fresh = np.zeros(max_num_seqs, np.bool_)  # new or revived: its next verification informs the prior
+        self.prior = np.array([HOPEFUL_RATE, 1.0])  # running sums (hits, trials) of first verifications
         self.bar = 0.0  # the chance of acceptance a draft needs to pay, at the last step's batch
         self.counts = SpeculativeCounts()
 
@@ -113,7 +122,7 @@ class Speculation:
         self.allowed[row] = allows_speculation(params)
         self.guided[row] = params.speculative and not self.allowed[row]
         self.drafts_in_flight[row] = self.misses[row] = self.cooldown[row] = self.revived_at[row] = 0
-        self.hits[row], self.trials[row] = HOPEFUL_RATE, 1.0  # hopeful until its drafts say otherwise
+        self._start_from_prior(row)  # until its own drafts say otherwise
         if self.suffix is not None:
             self.suffix.forget(row)
 
@@ -141,8 +150,9 @@ class Speculation:
         if not batch:
             return np.zeros(len(rows), np.int64)
         self.bar = self._bar(batch)
+        self.prior[0] += PRIOR_DRIFT * (HOPEFUL_RATE * self.prior[1] - self.prior[0])
         num_prompt = num_known - num_outputs
-        if self.judged:
+        if self.judged and self.prior_rate > self.bar:  # a revived row could draft at this batch
             self._revive(rows, capable, token_ids, num_known, num_prompt)
         rate = self.hits[rows] / self.trials[rows]
         drafts = _lengths(rate, self.bar, self.k)
@@ -199,8 +209,17 @@ class Speculation:
             spacing = self.copy_length * (1 + int(self.misses[row]))
             if known - self.revived_at[row] >= spacing and self._copying(row, token_ids[row, :known], num_prompt[i]):
                 self.revived_at[row] = known
-                self.hits[row], self.trials[row] = HOPEFUL_RATE, 1.0
+                self._start_from_prior(row)
                 self.counts.num_revivals += 1
+
+    @property
+    def prior_rate(self) -> float:
+        """The chance that a new or revived row's draft is accepted, as first verifications had it."""
+        return float(self.prior[0] / self.prior[1])
+
+    def _start_from_prior(self, row: int) -> None:
+        self.hits[row], self.trials[row] = self.prior_rate, 1.0
+        self.fresh[row] = True
 
     def _copying(self, row: int, tokens: np.ndarray, num_prompt: int) -> bool:
         if self.suffix is None:
@@ -229,10 +248,19 @@ class Speculation:
         read = accepted + (accepted < drafts[speculated])
         self.hits[rows] = (1 - MEAN_WEIGHT) * self.hits[rows] + accepted
         self.trials[rows] = (1 - MEAN_WEIGHT) * self.trials[rows] + read
+        self._learn_prior(rows, accepted, read)
         paying = self.hits[rows] / self.trials[rows] > self.bar
         self.misses[rows] = np.where(paying, 0, self.misses[rows] + 1)
         self.cooldown[rows] = np.where(paying, 0,
                                        np.minimum((1 << 2 * np.minimum(self.misses[rows], 8)) - 1, MAX_COOLDOWN))
+
+
+    def _learn_prior(self, rows: np.ndarray, accepted: np.ndarray, read: np.ndarray) -> None:
+        """First verifications of new or revived `rows` move the prior."""
+        first = self.fresh[rows]
+        self.fresh[rows] = False
+        for hits, trials in zip(accepted[first].tolist(), read[first].tolist()):
+            self.prior = (1 - PRIOR_WEIGHT) * self.prior + (hits, trials)
 
 
 def _lengths(rate: np.ndarray, bar: float, k: int) -> np.ndarray:

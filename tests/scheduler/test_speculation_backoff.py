@@ -8,7 +8,7 @@ import pytest
 
 from stages.contracts.params import SamplingParams
 from stages.contracts.speculative import SpeculativeConfig
-from stages.scheduler.speculation import MAX_COOLDOWN, Speculation, recurs
+from stages.scheduler.speculation import HOPEFUL_RATE, MAX_COOLDOWN, PRIOR_DRIFT, Speculation, recurs
 
 REPEATING = np.array([5, 6, 7, 8] * 10, np.int32)  # every suffix occurred before
 FRESH = np.arange(100, 140, dtype=np.int32)  # no token occurred before
@@ -217,3 +217,63 @@ def test_the_bar_follows_the_cost_measured_at_the_steps_batch() -> None:
     assert spec._bar(16) == pytest.approx(16 / 22) and spec._bar(64) == pytest.approx(64 / 70)
     assert Speculation(SpeculativeConfig("ngram", 4), max_num_seqs=64, max_model_len=100,
                        by_batch=((1, 80.0, 0.0, 0.0),))._bar(1) == 0.0  # not measured: drafts are free
+
+
+def _first_verifications(spec: Speculation, rows: np.ndarray, table: np.ndarray, known: np.ndarray,
+                         accepted: int | None) -> None:
+    """Each of `rows` starts afresh, drafts, and has `accepted` of its drafts accepted (None: all)."""
+    for row in rows.tolist():
+        spec.assign(row, SamplingParams())
+    drafts = _choose(spec, rows, table, known)
+    assert (drafts > 0).all()
+    spec.scheduled(rows, drafts)
+    spec.verified(rows, drafts, drafts if accepted is None else np.full(len(rows), accepted))
+
+
+def test_new_rows_start_from_what_first_verifications_had_and_draft_only_where_that_pays() -> None:
+    """At F = 6 a hopeful row (0.8) drafts one at 16 rows (bar 16/22 = 0.73). After first drafts
+    that were all rejected, new rows start from the learned rate: none at 16 rows, and the copy
+    checks that could only revive them at that rate are skipped; alone (bar 1/7) they still draft."""
+    spec = _speculation(16)
+    table, known = _table(*[REPEATING] * 16)
+    assert spec.prior_rate == HOPEFUL_RATE
+    assert (_choose(spec, np.arange(16), table, known) == 1).all()
+    _first_verifications(spec, np.arange(1), table, known, accepted=0)  # one bad first verification
+    rate = spec.prior_rate
+    assert rate < HOPEFUL_RATE
+    _first_verifications(spec, np.arange(1, 2), table, known, accepted=0)
+    assert spec.prior_rate < rate < spec._bar(16)
+    for row in range(16):
+        spec.assign(row, SamplingParams())
+    assert spec.hits[5] / spec.trials[5] == pytest.approx(spec.prior_rate)
+    revivals = spec.counts.num_revivals
+    assert (_choose(spec, np.arange(16), table, known) == 0).all()
+    assert spec.counts.num_revivals == revivals  # nothing to gain from a revival at this batch
+    assert _choose(spec, np.array([0]), table, known)[0] > 0  # alone the same rate pays
+
+
+def test_first_verifications_that_are_accepted_keep_new_rows_hopeful() -> None:
+    spec = _speculation(16)
+    table, known = _table(*[REPEATING] * 16)
+    _first_verifications(spec, np.arange(8), table, known, accepted=None)  # every draft accepted
+    assert spec.prior_rate > HOPEFUL_RATE
+    for row in range(16):
+        spec.assign(row, SamplingParams())
+    assert (_choose(spec, np.arange(16), table, known) >= 1).all()
+
+
+def test_the_prior_drifts_back_to_hopeful_so_a_workload_that_starts_copying_is_tried_again() -> None:
+    spec = _speculation(16)
+    table, known = _table(*[REPEATING] * 16)
+    _first_verifications(spec, np.arange(16), table, known, accepted=0)
+    low = spec.prior_rate
+    for row in range(16):
+        spec.assign(row, SamplingParams())
+    steps = 0
+    while not _choose(spec, np.arange(16), table, known).any():
+        for row in range(16):  # rows come and go: each new one starts from the prior
+            spec.assign(row, SamplingParams())
+        steps += 1
+        assert steps < 2000
+    gap = np.log((HOPEFUL_RATE - low) / (HOPEFUL_RATE - spec._bar(16))) / PRIOR_DRIFT
+    assert steps == pytest.approx(gap, rel=0.1)
