@@ -224,6 +224,12 @@ class SuffixDrafter:
         if tree is not None:
             self.cache.add(tree.tokens[self.outputs_from.pop(row):])
 
+    def leave(self, row: int, outputs: Sequence[int]) -> None:
+        """The row's request leaves with `outputs`: they join the cache, and its tree goes ungrown
+        (what `grow` then `release` would do, without building the tree over the whole text)."""
+        self.forget(row)
+        self.cache.add(outputs)
+
 
 def _after(node: Node, length: int, max_tokens: int, min_prob: float, spec_factor: float,
            ahead: int) -> tuple[list[int], float]:

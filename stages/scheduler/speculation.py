@@ -129,8 +129,7 @@ class Speculation:
     def release(self, row: int, tokens: np.ndarray, num_prompt: int) -> None:
         """The row's request leaves with `tokens` (prompt, then outputs): suffix decoding caches its outputs."""
         if self.suffix is not None:
-            self.suffix.grow(row, tokens, num_prompt)
-            self.suffix.release(row)
+            self.suffix.leave(row, tokens[num_prompt:])
 
     def choose(self, rows: np.ndarray, is_decode: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
                num_outputs: np.ndarray, min_tokens: np.ndarray, budget: int, token_ids: np.ndarray,

@@ -8,7 +8,7 @@ import torch
 
 from stages.contracts.speculative import SpeculativeConfig, SpeculativeConfigError
 from stages.gpu_runner.speculative.suffix import SuffixProposer
-from stages.suffix_tree import SuffixCache, SuffixTree, Trie
+from stages.suffix_tree import SuffixCache, SuffixDrafter, SuffixTree, Trie
 
 
 def counts_of(trie: Trie, tokens: list[int]) -> int:
@@ -127,6 +127,22 @@ def test_the_proposer_reads_new_tokens_only_and_leaves_with_the_row():
     # a new request on row 1 finds what row 0 wrote
     table[1, :2] = torch.tensor([1, 4])
     assert proposer.propose(table, torch.tensor([1]), torch.tensor([2]), 2, 3).tolist()[0][:2] == [5, 6]
+
+
+def test_a_row_that_leaves_caches_its_outputs_as_growing_then_releasing_it_would_without_a_tree():
+    rng = np.random.default_rng(3)
+    texts = [rng.integers(0, 6, n).tolist() for n in (40, 25, 60)]
+    grown, left = SuffixDrafter(suffix_config()), SuffixDrafter(suffix_config())
+    for row, text in enumerate(texts):
+        grown.grow(row, text[:10], 7)  # proposed for once, mid-way
+        grown.grow(row, text, 7)
+        grown.release(row)
+        left.grow(row, text[:10], 7)
+        left.leave(row, text[7:])
+    assert left.trees == {} and left.outputs_from == {}
+    assert left.cache.num_tokens == grown.cache.num_tokens == sum(len(t) - 7 for t in texts)
+    for prefix in ([0], [1, 2], [3, 4, 5], [5, 5]):
+        assert counts_of(left.cache.trie, prefix) == counts_of(grown.cache.trie, prefix)
 
 
 @pytest.mark.parametrize("values, named", [

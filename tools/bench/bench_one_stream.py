@@ -14,6 +14,7 @@ printed with the table: on a shared machine only ratios from one run count.
 
     python tools/bench/bench_one_stream.py [--model FILE.gguf ...] [--real-files] [--quantization auto none gguf]
         [--dtype auto] [--quantized-activations float32 int8] [--http] [--kv-cache-dtype auto bfloat16]
+        [--backend stages in-process]
         [--llamacpp-python /path/to/venv/bin/python]
         [--context-tokens 2048] [--json]
 
@@ -168,6 +169,9 @@ def main() -> None:
                         help="each setting is also run with each of these (int8: 8-bit activations for a few rows)")
     parser.add_argument("--http", action="store_true",
                         help="serve through pipeline's OpenAI server instead of the in-process engine")
+    parser.add_argument("--backend", nargs="+", default=["stages"], choices=["stages", "in-process"],
+                        help="served rows (--http): the stage processes, or `pipeline start --in-process` (the "
+                             "engine in the daemon's own thread)")
     parser.add_argument("--llamacpp-python", type=Path, default=None,
                         help="a llama-cpp-python[server] venv's python: llama.cpp serves each file too (with --http)")
     parser.add_argument("--context-tokens", type=int, default=2048,
@@ -179,8 +183,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.kv_cache_dtype != ["auto"] and not args.http:
-        parser.error("--kv-cache-dtype applies to the served rows (--http)")
+    for name in ("kv_cache_dtype", "backend"):
+        default = parser.get_default(name)
+        if getattr(args, name) != default and not args.http:
+            parser.error(f"--{name.replace('_', '-')} applies to the served rows (--http)")
     if args.child is not None:
         print(json.dumps(child(args)))
         return
@@ -195,9 +201,9 @@ def main() -> None:
                 from pipeline.models.checkpoints import default_model_file
 
                 file = model or default_model_file()
-                settings = [(mode, None if dtype == "auto" else dtype, kv, act) for mode in args.quantization
-                            for dtype in args.dtype for kv in args.kv_cache_dtype
-                            for act in args.quantized_activations]
+                settings = [(mode, None if dtype == "auto" else dtype, kv, act, backend)
+                            for mode in args.quantization for dtype in args.dtype for kv in args.kv_cache_dtype
+                            for act in args.quantized_activations for backend in args.backend]
                 rows += serve_both(file, settings, args.llamacpp_python, prompt_text(file, args.prompt_tokens),
                                    args.max_tokens, args.rounds, run_dir, args.context_tokens)
             else:

@@ -70,7 +70,7 @@ CHAT = ["Write a short story about a lighthouse keeper and a storm.", "What are 
         "What should I pack for a week of hiking?", "Tell me about the life of honey bees.",
         "Write a poem about the sea at night.", "How do I start growing vegetables on a balcony?",
         "Describe a busy market in the morning.", "What makes a good team meeting?"]
-CHAT_STREAMS, CHAT_ROUNDS = 32, 3  # chat: three rounds of 32 streams, a new CHAT_TOPICS prompts each round
+CHAT_STREAMS, CHAT_ROUNDS = 32, 3  # chat: three rounds of 32 streams (--chat-rounds), a new CHAT_TOPICS prompts each round
 CHAT_TOPICS = 4  # distinct prompts in one round of CHAT_STREAMS (each asked CHAT_STREAMS / 4 times)
 TASKS = {
     "copy-edit": lambda i: ("Copy the following text exactly, but write Friday instead of Tuesday:\n\n"
@@ -150,11 +150,13 @@ def chat_template(model: str) -> ChatTemplate | None:
 
 
 def run_workload(engines: dict[str, LLM], template: ChatTemplate | None, workload: str,
-                 max_tokens: int) -> dict[str, dict]:
+                 max_tokens: int, chat_rounds: int = CHAT_ROUNDS) -> dict[str, dict]:
     """Seconds, output tokens, their ids, and the speculative counts of one workload on each engine,
     interleaved: each batch of prompts runs on every engine in turn (the order rotating from batch
     to batch) before the next batch, so a drift of the machine's speed weighs on every method alike."""
     tasks, num_prompts, at_a_time = WORKLOADS[workload]
+    if workload == "chat":
+        num_prompts = CHAT_STREAMS * chat_rounds
     before = {name: llm.scheduler.stats().speculative for name, llm in engines.items()}
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     results = {name: {"seconds": 0.0, "tokens": []} for name in engines}
@@ -184,6 +186,9 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=None, help="of off, ngram, draft_model, suffix (default: all)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--chat-rounds", type=int, default=CHAT_ROUNDS,
+                        help="rounds of 32 chat streams: more rounds average more of the machine's drift; "
+                             "past 3 the prompts repeat, and suffix decoding then finds the earlier answers")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantized-activations", default="float32", choices=["float32", "int8"],
                         help="how the GGUF files' blocks multiply a step's few rows (a verify step of one row "
@@ -225,7 +230,7 @@ def run_model(model: str, names: list[str], configs: dict[str, dict | None], arg
             print(f"{Path(model).name[:28]:<28} {name}: not run: {exc}", file=sys.stderr)
             rows.append({"model": Path(model).name, "method": name, "error": str(exc)})
     for workload in args.workloads:
-        results = run_workload(engines, template, workload, args.max_tokens)
+        results = run_workload(engines, template, workload, args.max_tokens, args.chat_rounds)
         baseline = results["off"]
         base_count = sum(len(t) for t in baseline["tokens"])
         for name, result in results.items():

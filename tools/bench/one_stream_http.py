@@ -110,13 +110,14 @@ def measure(servers: list[Server], prompt: str, max_tokens: int, rounds: int, ru
 
 def pipeline_server(model: Path, quantization: str, dtype: str | None, port: int, run_dir: Path,
                     context_tokens: int = CONTEXT_TOKENS, kv_cache_dtype: str = "auto",
-                    activations: str = "float32") -> list[str]:
+                    activations: str = "float32", backend: str = "stages") -> list[str]:
     command = [sys.executable, "-m", "pipeline.cli", "start", "--model", str(model), "--device", "cpu",
                "--quantization", quantization, "--port", str(port), "--socket", str(run_dir / "pipeline.sock"),
                "--served-model-name", SERVED_NAME, "--max-model-len", str(context_tokens),
                "--num-kv-blocks", str(context_tokens // BLOCK_TOKENS), "--block-size", str(BLOCK_TOKENS)]
     return command + ([] if dtype is None else ["--dtype", dtype]) + ["--kv-cache-dtype", kv_cache_dtype,
-                                                                       "--quantized-activations", activations]
+                                                                       "--quantized-activations", activations] \
+        + (["--in-process"] if backend == "in-process" else [])
 
 
 def llamacpp_server(python: Path, model: Path, port: int, context_tokens: int = CONTEXT_TOKENS) -> list[str]:
@@ -139,20 +140,22 @@ def eos_token_id(model: Path) -> int:
     return int(eos[0] if isinstance(eos, list) else eos)
 
 
-def serve_both(model: Path, settings: list[tuple[str, str | None, str, str]], llamacpp_python: Path | None, prompt: str,
+def serve_both(model: Path, settings: list[tuple[str, str | None, str, str, str]], llamacpp_python: Path | None, prompt: str,
                max_tokens: int, rounds: int, run_dir: Path, context_tokens: int = CONTEXT_TOKENS) -> list[dict]:
-    """One row per pipeline setting (quantization, dtype, KV cache dtype, quantized activations), then llama.cpp's (see
+    """One row per pipeline setting (quantization, dtype, KV cache dtype, quantized activations, backend), then llama.cpp's (see
     `measure`), each with room for `context_tokens` (llama.cpp's --n_ctx; pipeline's KV pool and
     longest request)."""
     servers = []
-    for quantization, dtype, kv_cache_dtype, activations in settings:
-        label, port = f"pipeline-{quantization}-{dtype or 'auto'}-kv-{kv_cache_dtype}-{activations}", free_port()
+    for quantization, dtype, kv_cache_dtype, activations, backend in settings:
+        label = f"pipeline-{quantization}-{dtype or 'auto'}-kv-{kv_cache_dtype}-{activations}-{backend}"
+        port = free_port()
         shown = ((dtype or "auto") + ("" if kv_cache_dtype == "auto" else f", KV {kv_cache_dtype}")
-                 + ("" if activations == "float32" else f", {activations} activations"))
+                 + ("" if activations == "float32" else f", {activations} activations")
+                 + ("" if backend == "stages" else f", {backend}"))
         servers.append(Server(label, {"file": model.name, "engine": "pipeline http", "quantization": quantization,
                                       "dtype": shown},
                               pipeline_server(model, quantization, dtype, port, run_dir / label, context_tokens,
-                                              kv_cache_dtype, activations), port,
+                                              kv_cache_dtype, activations, backend), port,
                               {"ignore_eos": True}))
         (run_dir / label).mkdir(mode=0o700, exist_ok=True)
     if llamacpp_python is not None:
