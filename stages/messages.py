@@ -276,7 +276,8 @@ PLAN = Layout("plan", [
     ("rows", "int32", "num_rows"), ("num_computed_tokens", "int32", "num_rows"),
     ("num_scheduled_tokens", "int32", "num_rows"), ("sample", "bool", "num_rows"),
     ("num_new_blocks", "int32", "num_rows"), ("new_block_ids", "int32", "num_new_block_ids"),
-    ("window_block_ids", "int32", "num_window_block_ids"), ("freed_rows", "int32", "num_freed_rows"), ("load_host_slots", "int32", "num_loads"),
+    ("window_block_ids", "int32", "num_window_block_ids"), ("freed_rows", "int32", "num_freed_rows"),
+    ("freed_num_tokens", "int32", "num_freed_rows"), ("load_host_slots", "int32", "num_loads"),
     ("load_block_ids", "int32", "num_loads"), ("save_block_ids", "int32", "num_saves"),
     ("save_host_slots", "int32", "num_saves"), ("num_draft_tokens", "int32", "num_spec_rows"),
     ("lagged", "bool", "num_spec_rows"),
@@ -289,11 +290,15 @@ def encode_plan(plan: StepPlan) -> list[bytes]:
     meta = plan.connector_meta
     if meta is not None and not isinstance(meta, KVCopyMeta):
         raise TypeError(f"plan {plan.step}: connector metadata of type {type(meta).__name__} has no binary layout")
+    if len(plan.freed_num_tokens) != len(plan.freed_rows):
+        raise ValueError(f"plan {plan.step} frees {len(plan.freed_rows)} rows but gives {len(plan.freed_num_tokens)} "
+                         f"token counts (freed_num_tokens)")
     head = PLAN.encode({"step": plan.step, "num_new_requests": len(plan.new_requests), "has_meta": meta is not None}, {
         "rows": plan.rows, "num_computed_tokens": plan.num_computed_tokens,
         "num_scheduled_tokens": plan.num_scheduled_tokens, "sample": plan.sample,
         "num_new_blocks": plan.num_new_blocks, "new_block_ids": plan.new_block_ids,
         "window_block_ids": plan.window_block_ids, "freed_rows": plan.freed_rows,
+        "freed_num_tokens": plan.freed_num_tokens,
         "num_draft_tokens": plan.num_draft_tokens, "lagged": plan.lagged,
         "load_host_slots": _EMPTY if meta is None else meta.load_host_slots,
         "load_block_ids": _EMPTY if meta is None else meta.load_block_ids,
@@ -323,7 +328,7 @@ def decode_plan(payload: memoryview) -> StepPlan:
     return StepPlan(step=m["step"], new_requests=new_requests, rows=m["rows"],
                     num_computed_tokens=m["num_computed_tokens"], num_scheduled_tokens=m["num_scheduled_tokens"],
                     sample=m["sample"], num_new_blocks=m["num_new_blocks"], new_block_ids=m["new_block_ids"],
-                    freed_rows=m["freed_rows"], connector_meta=meta, window_block_ids=m["window_block_ids"],
+                    freed_rows=m["freed_rows"], freed_num_tokens=m["freed_num_tokens"], connector_meta=meta, window_block_ids=m["window_block_ids"],
                     num_draft_tokens=m["num_draft_tokens"], lagged=m["lagged"])
 
 

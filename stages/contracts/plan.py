@@ -56,6 +56,9 @@ class StepPlan:
     num_new_blocks: np.ndarray  # int32 [n]
     new_block_ids: np.ndarray  # int32 [sum(num_new_blocks)]
     freed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32
+    # int32, as freed_rows: each freed row's known tokens (prompt and outputs), for the runner's
+    # per-row state that keeps the row's text (suffix decoding caches the outputs of a leaving row)
+    freed_num_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     connector_meta: object | None = None  # KV connector metadata, when a connector is set
     window_block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32, or empty
     num_draft_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 [n], or empty

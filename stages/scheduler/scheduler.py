@@ -63,6 +63,7 @@ class Scheduler:
         self._stop_tokens = StopTokens(limits.eos_token_ids, self._rows, self._row_request)
         self._free_rows = list(range(self.max_num_seqs - 1, -1, -1))
         self._rows_to_free: list[int] = []
+        self._freed_num_tokens: list[int] = []  # of each row to free: its known tokens when it left
         self._requests: dict[int, Request] = {}
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -219,12 +220,13 @@ class Scheduler:
             num_new_blocks=scheduled.num_new_blocks.astype(np.int32),
             new_block_ids=new_ids,
             freed_rows=np.asarray(self._rows_to_free, dtype=np.int32),
+            freed_num_tokens=np.asarray(self._freed_num_tokens, dtype=np.int32),
             connector_meta=None if self._pinned is None else self._pinned.build_meta(),
             window_block_ids=window_ids,
         )
         if self.spec is not None:
             plan.num_draft_tokens, plan.lagged = self.spec.scheduled(rows, scheduled.drafts)
-        self._rows_to_free = []
+        self._rows_to_free, self._freed_num_tokens = [], []
         self._next_step += 1
         self._in_flight.append(plan)
         now_ns = time.monotonic_ns()
@@ -398,6 +400,7 @@ class Scheduler:
         if self.spec is not None:
             self.spec.release(row, rows_t.token_ids[row, :rows_t.num_known[row]], request.num_prompt_tokens)
         self.kv.free(request)
+        self._freed_num_tokens.append(int(rows_t.num_known[row]))
         rows_t.clear(row)
         self._row_request[row] = None
         self._free_rows.append(row)

@@ -67,6 +67,22 @@ def test_suffix_greedy_output_equals_the_engine_without_speculation(tiny_llama, 
     assert len(PROMPTS) <= llm.runner.speculator.proposer.cache.num_sequences < 2 * len(PROMPTS)
 
 
+def test_the_runners_suffix_cache_holds_what_the_schedulers_holds(tiny_llama):
+    """Both sides cache every leaving request's outputs, a request that never drafted too (here one
+    that turned speculation off): the scheduler plans drafts from its cache, the runner proposes
+    them from its own, and the two must agree."""
+    llm = small_llm(tiny_llama, speculative_config=SUFFIX)
+    params = [GREEDY, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, speculative=False)]
+    llm.generate(PROMPTS[1:3], params)
+    llm.generate(PROMPTS[2:4], params[::-1])
+    cached = list(llm.scheduler.spec.suffix.cache._sequences.values())
+    assert len(cached) == 4
+    # the rows of the last requests are freed on the runner by the next plan, not made yet
+    pending = len(llm.scheduler._rows_to_free)
+    assert 0 < pending <= 2
+    assert list(llm.runner.speculator.proposer.cache._sequences.values()) == cached[:len(cached) - pending]
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(tiny_llama, reference, async_scheduling):
     outputs, llm = run(tiny_llama, async_scheduling=async_scheduling,

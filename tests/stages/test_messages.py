@@ -43,18 +43,19 @@ def plans(draw: st.DrawFn) -> StepPlan:
         loads, saves = draw(st.integers(0, 3)), draw(st.integers(0, 3))
         meta = KVCopyMeta(draw(int32_arrays(loads)), draw(int32_arrays(loads)), draw(int32_arrays(saves)),
                           draw(int32_arrays(saves)))
+    num_freed = draw(st.integers(0, 4))
     return StepPlan(
         step=draw(st.integers(0, 2**62)), new_requests=new_requests, rows=draw(int32_arrays(n)),
         num_computed_tokens=draw(int32_arrays(n)), num_scheduled_tokens=draw(int32_arrays(n)),
         sample=np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)), np.bool_),
         num_new_blocks=np.array(num_new_blocks, np.int32), new_block_ids=draw(int32_arrays(sum(num_new_blocks))),
-        freed_rows=draw(st.integers(0, 4).flatmap(int32_arrays)), connector_meta=meta)
+        freed_rows=draw(int32_arrays(num_freed)), freed_num_tokens=draw(int32_arrays(num_freed)), connector_meta=meta)
 
 
 def assert_plans_equal(a: StepPlan, b: StepPlan) -> None:
     assert a.step == b.step
     for name in ("rows", "num_computed_tokens", "num_scheduled_tokens", "sample", "num_new_blocks",
-                 "new_block_ids", "freed_rows"):
+                 "new_block_ids", "freed_rows", "freed_num_tokens"):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and np.array_equal(x, y), name
     assert len(a.new_requests) == len(b.new_requests)
@@ -75,6 +76,15 @@ def joined(parts: list[bytes]) -> memoryview:
 @given(plans())
 def test_plan_round_trips(plan: StepPlan) -> None:
     assert_plans_equal(msg.decode_plan(joined(msg.encode_plan(plan))), plan)
+
+
+def test_a_plan_whose_freed_rows_lack_their_token_counts_is_refused() -> None:
+    plan = StepPlan(step=1, new_requests=[], rows=np.zeros(0, np.int32), num_computed_tokens=np.zeros(0, np.int32),
+                    num_scheduled_tokens=np.zeros(0, np.int32), sample=np.zeros(0, np.bool_),
+                    num_new_blocks=np.zeros(0, np.int32), new_block_ids=np.zeros(0, np.int32),
+                    freed_rows=np.array([3], np.int32))
+    with pytest.raises(ValueError, match="plan 1 frees 1 rows but gives 0 token counts"):
+        msg.encode_plan(plan)
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,7 +1,7 @@
 """The top operators of a CPU decode (or prefill) step: torch.profiler over the offline engine's steps.
 
 Usage: python tools/profiling/profile_cpu.py [--model FILE.gguf|DIR] [--dtype bfloat16] [--batch 32]
-       [--input-len 128] [--output-len 64] [--threads N] [--top 15] [--json]
+       [--input-len 128] [--output-len 64] [--quantized-activations int8] [--threads N] [--top 15] [--json]
 
 `--batch` prompts of `--input-len` random token ids are prefilled (not profiled), then each step in
 which every row decodes one token is profiled alone; the table sums them: each operator's share of
@@ -67,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--quantized-activations", default="float32", choices=["float32", "int8"],
+                        help="how a GGUF file's blocks multiply a decode step's few rows")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--prefill", action="store_true", help="profile the steps with prompt tokens instead")
@@ -75,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model or default_model_file(), device="cpu", dtype=args.dtype, max_num_seqs=max(args.batch, 1),
-              max_model_len=args.input_len + args.output_len + 16)
+              max_model_len=args.input_len + args.output_len + 16, quantized_activations=args.quantized_activations)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, llm.vocab_size - 100, args.input_len).tolist() for _ in range(args.batch)]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)

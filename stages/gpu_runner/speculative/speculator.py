@@ -61,7 +61,7 @@ class Speculator:
         called before the batch applies the plan."""
         release = getattr(self.proposer, "release", None)
         if release is not None and len(plan.freed_rows):
-            release(plan.freed_rows)
+            release(plan.freed_rows, plan.freed_num_tokens, self.batch.token_table)
 
     def propose(self, inputs: StepInputs) -> None:
         """Put the verifying rows' drafts into the token table and read the step's inputs again."""

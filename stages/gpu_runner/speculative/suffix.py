@@ -12,7 +12,8 @@ than planned, the rest are padded with the last one: any draft keeps verificatio
 
 The tries live on the host: the rows' new tokens are read from the token table when drafts are
 asked for (on CUDA this waits for the previous step). A row's state goes when the plan frees the
-row (`release`), after its outputs were added to the cache.
+row (`release`), after its outputs, read from the token table up to the count the plan gives,
+were added to the cache (the scheduler caches the same tokens, so both caches agree).
 """
 from __future__ import annotations
 
@@ -57,7 +58,17 @@ class SuffixProposer:
             drafts[i] = found + [found[-1] if found else tree.tokens[-1]] * (num_drafts - len(found))
         return torch.from_numpy(drafts).to(rows.device)
 
-    def release(self, rows: np.ndarray) -> None:
-        """`rows` leave (finished, aborted or preempted): their outputs join the cache."""
-        for row in rows.tolist():
-            self.drafter.release(row)
+    def release(self, rows: np.ndarray, num_tokens: np.ndarray | None = None,
+                token_table: torch.Tensor | None = None) -> None:
+        """`rows` leave (finished, aborted or preempted): their outputs join the cache. With their
+        known tokens `num_tokens` (the plan's freed_num_tokens) the outputs are read from the token
+        table, so a row the runner never drafted for is cached too, as the scheduler caches it;
+        without, what the row's tree holds."""
+        if num_tokens is None or token_table is None or len(num_tokens) != len(rows):
+            for row in rows.tolist():
+                self.drafter.release(row)
+            return
+        for row, count in zip(rows.tolist(), num_tokens.tolist()):
+            start = int(self.num_prompt_tokens[row])
+            outputs = token_table[row, start:max(start, count)]
+            self.drafter.leave(row, outputs.tolist() if outputs.device.type == "cpu" else outputs.cpu().tolist())
