@@ -17,6 +17,11 @@ from stages.gpu_runner.parallel.sharding import check_tensor_parallel, weight_by
 
 pytestmark = pytest.mark.timeout(90)
 
+# One rank and two sum in different orders: their greedy tokens agree where rounding cannot swap the
+# two best, so in float32 ("auto" is bfloat16 on a CPU with bf16 instructions, whose rounding moves
+# the tiny models' near-ties).
+EXACT = "float32"
+
 # (arch, size overrides): qwen2 ties its embeddings and has a vocabulary the ranks split unevenly;
 # the llama with one KV head has fewer KV heads than ranks (each rank holds a copy).
 SHAPES = {
@@ -54,7 +59,7 @@ def params() -> list[SamplingParams]:
 
 
 def run(model: Path, **options: object) -> list[list[int]]:
-    options = dict(device="cpu", max_model_len=128, num_kv_blocks=64, block_size=4) | options
+    options = dict(device="cpu", dtype=EXACT, max_model_len=128, num_kv_blocks=64, block_size=4) | options
     with LLM(model, **options) as llm:
         outputs = llm.generate(prompts(), params())
         assert llm.scheduler.stats().kv_blocks_free == llm.runner.num_kv_blocks
@@ -74,7 +79,8 @@ def test_two_ranks_sync_chunked_prefix_hits_and_preemption(models: dict[str, Pat
     # generate hits the prefix cache.
     options = dict(num_kv_blocks=14, max_num_batched_tokens=8, max_model_len=48)
     expected = run(model, async_scheduling=False, **options)
-    with LLM(model, device="cpu", block_size=4, tensor_parallel_size=2, async_scheduling=False, **options) as llm:
+    with LLM(model, device="cpu", dtype=EXACT, block_size=4, tensor_parallel_size=2, async_scheduling=False,
+             **options) as llm:
         for _ in range(2):
             assert [o.token_ids for o in llm.generate(prompts(), params())] == expected
         stats = llm.scheduler.stats()
@@ -120,10 +126,10 @@ def test_two_ranks_speculating_equal_one_without(models: dict[str, Path], method
     config = {"method": method, "num_speculative_tokens": 3}
     config |= {"draft_model": {"model": str(model)}, "ngram": {"prompt_lookup_min": 1}}.get(method, {})
     greedy = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)] * 3
-    with LLM(model, device="cpu", max_model_len=128, num_kv_blocks=64, block_size=4) as llm:
+    with LLM(model, device="cpu", dtype=EXACT, max_model_len=128, num_kv_blocks=64, block_size=4) as llm:
         expected = [o.token_ids for o in llm.generate(prompts(), greedy)]
-    with LLM(model, device="cpu", max_model_len=128, num_kv_blocks=64, block_size=4, tensor_parallel_size=2,
-             speculative_config=config) as llm:
+    with LLM(model, device="cpu", dtype=EXACT, max_model_len=128, num_kv_blocks=64, block_size=4,
+             tensor_parallel_size=2, speculative_config=config) as llm:
         assert [o.token_ids for o in llm.generate(prompts(), greedy)] == expected
         stats = llm.scheduler.stats()
     assert stats.speculative.num_draft_tokens > 0

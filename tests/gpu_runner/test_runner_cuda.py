@@ -98,7 +98,7 @@ def test_speculative_steps_run_without_host_synchronisation(tiny_checkpoint, met
               SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, logprobs=2, ignore_eos=True),
               SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.2, ignore_eos=True)]
     options = dict(num_kv_blocks=64, max_num_seqs=4, block_size=16, max_model_len=256)
-    cpu = LLM(model_dir, device="cpu", **options).generate(prompts, params)
+    cpu = LLM(model_dir, device="cpu", dtype="float32", **options).generate(prompts, params)  # as the CUDA runner
     runner = SyncCheckedRunner(EngineConfig(model=str(model_dir), device="cuda", dtype="float32",
                                             speculative_config=spec, **options))
     llm = LLM(runner=runner, speculative_config=spec, **options)

@@ -180,7 +180,7 @@ def test_a_speculative_engine_on_the_static_path_gives_the_plain_engines_tokens(
               SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, logprobs=2, ignore_eos=True),
               SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.2, ignore_eos=True)]
     options = dict(num_kv_blocks=64, max_num_seqs=4, block_size=16, max_model_len=256)
-    plain = LLM(model_dir, device="cpu", **options).generate(prompts, params)
+    plain = LLM(model_dir, device="cpu", dtype="float32", **options).generate(prompts, params)  # as the runner
     runner = ModelRunner(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", speculative_config=spec,
                                       **options), static_decode=True)
     static_steps = count_static_steps(runner)

@@ -1,9 +1,11 @@
-"""How exact float32 is on this machine's CPU: the linear layer's three paths and attention against
-float64, and a tiny engine's greedy tokens with their top-2 log-probabilities, as JSON.
+"""How exact float32 is on this machine's CPU, and what "auto" means there: the linear layer's three
+paths and attention against float64, and a tiny engine's float32 greedy tokens with their top-2
+log-probabilities, as JSON.
 
-On the first GPU machine, the CPU engines the tests compare with parted from this machine's at the
-reference's nearest ties (top-2 gaps of 0.003-0.02 nats), while here two engines that sum in
-different orders (one rank or two) differ by 1e-6. This tells the next run which path moves.
+The CPU engines the tests compare with run on the GPU machine's CPU. On the first one, "auto"
+was bfloat16 there (the CPU had bf16 instructions), and tests that left the dtype to it parted at
+near-ties. The report names the CPU, its bf16 flags and the dtype "auto" picks, beside the
+float32 errors.
 
     python tools/gpu/cpu_precision.py [--out FILE]
 
@@ -65,7 +67,7 @@ def engine_tokens() -> dict[str, list]:
     from pipeline.models.tiny_model import make_tiny_model
 
     model = make_tiny_model(Path(tempfile.mkdtemp()), "llama", seed=SEED, rope_scaling_llama3=True)
-    llm = LLM(model, device="cpu", num_kv_blocks=64, max_num_seqs=4, block_size=16, max_model_len=256)
+    llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=4, block_size=16, max_model_len=256)
     out = llm.generate([PROMPT], [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)])[0]
     return {"tokens": list(out.token_ids), "top2": [sorted(lp.values(), reverse=True)[:2] for lp in out.logprobs]}
 
@@ -80,7 +82,12 @@ def run_variant(name: str) -> dict:
 
 
 def machine() -> dict:
-    facts = {"torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability(),
+    from stages.gpu_runner.models.config import BF16_CPU_FLAGS, cpu_auto_dtype, cpu_flags
+
+    flags = cpu_flags(Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").exists() else frozenset()
+    facts = {"torch": torch.__version__, "bf16_flags": sorted(flags & BF16_CPU_FLAGS),
+             "auto_dtype": str(cpu_auto_dtype(flags)).removeprefix("torch."),
+             "capability": torch.backends.cpu.get_cpu_capability(),
              "threads": torch.get_num_threads(), "float32_matmul_precision": torch.get_float32_matmul_precision(),
              "mkldnn_matmul_fp32_precision": getattr(torch.backends.mkldnn.matmul, "fp32_precision", None)}
     try:
