@@ -328,7 +328,8 @@ def decode_plan(payload: memoryview) -> StepPlan:
     return StepPlan(step=m["step"], new_requests=new_requests, rows=m["rows"],
                     num_computed_tokens=m["num_computed_tokens"], num_scheduled_tokens=m["num_scheduled_tokens"],
                     sample=m["sample"], num_new_blocks=m["num_new_blocks"], new_block_ids=m["new_block_ids"],
-                    freed_rows=m["freed_rows"], freed_num_tokens=m["freed_num_tokens"], connector_meta=meta, window_block_ids=m["window_block_ids"],
+                    freed_rows=m["freed_rows"], freed_num_tokens=m["freed_num_tokens"], connector_meta=meta,
+                    window_block_ids=m["window_block_ids"],
                     num_draft_tokens=m["num_draft_tokens"], lagged=m["lagged"])
 
 

@@ -29,3 +29,10 @@ def engine_device(num_devices: int = 1) -> str:
             pytest.skip(f"--device cuda: {num_devices} ranks need {num_devices} CUDA devices, "
                         f"torch sees {torch.cuda.device_count()}")
     return device
+
+
+def engine_dtype(device: str) -> str:
+    """The dtype of the engines a test compares token for token: float32 on the CPU, whose "auto" is
+    bfloat16 where it has bf16 instructions (a row's rounding then depends on the rows beside it,
+    which moves the tiny models' near-ties between runs of different batch shapes); "auto" on CUDA."""
+    return "float32" if device == "cpu" else "auto"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from device_choice import engine_device
+from device_choice import engine_device, engine_dtype
 from live_daemon import REAL_BACKEND, LiveDaemon, parent_pids, short_dir, start_daemon, wait_for_health
 
 from pipeline import LLM, RequestOutput, SamplingParams
@@ -141,7 +141,8 @@ class Load:
 def make_load(model: Path) -> Load:
     """16 streams long enough to be mid-stream at the kill: greedy, seeded sampling, seeded with
     penalties, greedy with a stop string from late in its text; the offline engine's outputs."""
-    llm = LLM(model, device=engine_device(), max_model_len=MAX_MODEL_LEN, num_kv_blocks=4 * MAX_MODEL_LEN // 16,
+    llm = LLM(model, device=engine_device(), dtype=engine_dtype(engine_device()),
+              max_model_len=MAX_MODEL_LEN, num_kv_blocks=4 * MAX_MODEL_LEN // 16,
               block_size=16)
     prompts = [f"{i}: {PROMPT}" for i in range(16)]
     params = mixed_params(llm, prompts, LOAD_TOKENS)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from device_choice import engine_device
+from device_choice import engine_device, engine_dtype
 
 from pipeline.client import Client
 from pipeline.errors import DaemonNotRunning, PipelineError
@@ -106,7 +106,10 @@ def wait_nothing_left(daemon: LiveDaemon, tree: set[int], since_s: float, within
 
 
 def daemon_command(model: Path, socket_path: Path, extra: list[str], backend: str = BACKEND) -> list[str]:
-    options = ["--device", engine_device(), *ENGINE_OPTIONS]
+    device = engine_device()
+    options = ["--device", device, *ENGINE_OPTIONS]
+    if "--dtype" not in extra:  # the daemons are compared with offline engines token for token
+        options += ["--dtype", engine_dtype(device)]
     if backend == "real":
         return [sys.executable, "-m", "pipeline.cli", "start", "--model", str(model), "--socket", str(socket_path),
                 *options, *extra]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from device_choice import engine_device
+from device_choice import engine_device, engine_dtype
 from live_daemon import REAL_BACKEND, LiveDaemon, RawConnection, process_tree, wait_idle
 
 from pipeline import LLM, SamplingParams
@@ -37,7 +37,8 @@ LONG = dict(max_tokens=2000, ignore_eos=True, temperature=0.0)  # runs seconds u
 
 @pytest.fixture(scope="module")
 def offline(daemon_model: Path) -> LLM:
-    return LLM(daemon_model, device=engine_device(), max_model_len=2048, num_kv_blocks=512, block_size=16)
+    return LLM(daemon_model, device=engine_device(), dtype=engine_dtype(engine_device()),
+               max_model_len=2048, num_kv_blocks=512, block_size=16)
 
 
 def text_prompts(count: int, seed: int) -> list[str]:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from device_choice import engine_device
+from device_choice import engine_device, engine_dtype
 from live_daemon import REAL_BACKEND, start_daemon
 
 from pipeline import LLM, SamplingParams
@@ -72,7 +72,8 @@ def test_a_failed_engine_thread_resumes_every_request_but_the_one_that_fails_it_
 
     prompts = [f"request {i}" for i in range(4)]
     long = SamplingParams(max_tokens=240, ignore_eos=True, temperature=0.0)
-    expected = LLM(daemon_model, device=engine_device(), max_model_len=2048, num_kv_blocks=512, block_size=16).generate(
+    expected = LLM(daemon_model, device=engine_device(), dtype=engine_dtype(engine_device()),
+                   max_model_len=2048, num_kv_blocks=512, block_size=16).generate(
         prompts, long)
     daemon = start_daemon(daemon_model, run_dir, backend="engine-thread")
     try:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 from contention import cpu_contention, runs
-from device_choice import engine_device
+from device_choice import engine_device, engine_dtype
 from fault_daemon import (ENGINE_STAGES, FRONTEND_STAGES, MAX_MODEL_LEN, DaemonSlot, Load, assert_as_offline,
                           fault_daemon, forkserver_pid, health_of, kill_under_load, live, make_load)
 from live_daemon import wait_for_health
@@ -74,7 +74,8 @@ def test_each_stage_killed_under_cpu_contention_resumes_every_request_exactly(sl
 @pytest.fixture(scope="module")
 def long_expected(slot: DaemonSlot) -> list[int]:
     """LONG_PROMPT's greedy LONG_TOKENS tokens from the offline engine."""
-    llm = LLM(slot.model, device=engine_device(), max_model_len=MAX_MODEL_LEN, num_kv_blocks=4 * MAX_MODEL_LEN // 16,
+    llm = LLM(slot.model, device=engine_device(), dtype=engine_dtype(engine_device()),
+              max_model_len=MAX_MODEL_LEN, num_kv_blocks=4 * MAX_MODEL_LEN // 16,
               block_size=16)
     return llm.generate([LONG_PROMPT], SamplingParams(max_tokens=LONG_TOKENS, ignore_eos=True, temperature=0.0))[0].token_ids
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from device_choice import engine_device
+from device_choice import engine_device, engine_dtype
 from fault_daemon import (ENGINE_STAGES, FRONTEND_STAGES, MAX_MODEL_LEN, PROMPT, SHORT, DaemonSlot, Load,
                           assert_as_offline, finish_stream, health_of, kill_under_load, live, only_live_names)
 from fault_daemon import load, reference, slot  # noqa: F401 - the fault daemon's fixtures
@@ -175,7 +175,8 @@ def test_a_stage_killed_mid_constrained_stream_resumes_and_the_output_still_vali
 
     import jsonschema
 
-    llm = LLM(slot.model, device=engine_device(), max_model_len=MAX_MODEL_LEN, num_kv_blocks=4 * MAX_MODEL_LEN // 16,
+    llm = LLM(slot.model, device=engine_device(), dtype=engine_dtype(engine_device()),
+              max_model_len=MAX_MODEL_LEN, num_kv_blocks=4 * MAX_MODEL_LEN // 16,
               block_size=16)
     prompts = [f"{i}: {PROMPT}" for i in range(8)]
     params = [SamplingParams(max_tokens=600, temperature=1.0, seed=40 + i,

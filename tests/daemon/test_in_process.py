@@ -5,7 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from device_choice import engine_device
+from device_choice import engine_device, engine_dtype
 from live_daemon import REAL_BACKEND, short_dir, start_daemon, wait_idle
 
 from pipeline import LLM, SamplingParams
@@ -20,7 +20,8 @@ def test_in_process_daemon_matches_the_offline_engine(daemon_model: Path) -> Non
     params = [SamplingParams(max_tokens=16, temperature=0.0),
               SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=11),
               SamplingParams(max_tokens=10, temperature=0.0, stop=[" "], logprobs=2)]
-    offline = LLM(daemon_model, device=engine_device(), max_model_len=2048, num_kv_blocks=512, block_size=16)
+    offline = LLM(daemon_model, device=engine_device(), dtype=engine_dtype(engine_device()),
+                  max_model_len=2048, num_kv_blocks=512, block_size=16)
     expected = offline.generate(prompts, params)
     directory = short_dir()
     daemon = start_daemon(daemon_model, directory, ["--in-process"])

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from device_choice import engine_device
+from device_choice import engine_device, engine_dtype
 from live_daemon import REAL_BACKEND, short_dir, start_daemon
 from test_tensor_parallel_daemon import OPTIONS, SCHEDULING, kill_rank_under_streams
 
@@ -29,7 +29,7 @@ def test_a_killed_rank_of_a_mixture_restarts_and_every_stream_completes_exactly(
     model: Path = make_tiny_model(tmp_path_factory.mktemp(f"moe-tp-daemon-{arch}"), arch, seed=9)
     prompts = [f"{i}: the experts are shared by the ranks" for i in range(4)]
     # The small pool preempts and the step budget chunks every prompt, as in the dense test.
-    with LLM(model, device=engine_device(), **SCHEDULING) as llm:
+    with LLM(model, device=engine_device(), dtype=engine_dtype(engine_device()), **SCHEDULING) as llm:
         params = mixed_params(llm, prompts, MAX_TOKENS)
         expected = llm.generate(prompts, params)
     directory = short_dir()

@@ -29,7 +29,7 @@ from enum import Enum
 from pathlib import Path
 
 import pytest
-from device_choice import engine_device
+from device_choice import engine_device, engine_dtype
 from live_daemon import ENGINE_OPTIONS, LiveDaemon, memory_kib, wait_idle
 
 from pipeline import LLM, SamplingParams
@@ -331,7 +331,8 @@ def snapshot(daemon: LiveDaemon) -> tuple[dict[str, int], dict[str, tuple[int, i
 def offline(daemon_model: Path) -> LLM:
     """The offline engine with the live daemon's engine options."""
     options = dict(zip(ENGINE_OPTIONS[::2], ENGINE_OPTIONS[1::2]))
-    return LLM(daemon_model, device=engine_device(), max_model_len=int(options["--max-model-len"]),
+    return LLM(daemon_model, device=engine_device(), dtype=engine_dtype(engine_device()),
+               max_model_len=int(options["--max-model-len"]),
                num_kv_blocks=int(options["--num-kv-blocks"]), block_size=int(options["--block-size"]))
 
 

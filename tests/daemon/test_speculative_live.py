@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from device_choice import engine_device
+from device_choice import engine_device, engine_dtype
 from live_daemon import REAL_BACKEND, short_dir, start_daemon, wait_for_health
 
 from pipeline import LLM, SamplingParams
@@ -28,7 +28,8 @@ def test_speculating_streams_equal_the_offline_engine_across_a_runner_kill(
     model = make_tiny_model(tmp_path_factory.mktemp("spec-live-llama"), "llama", seed=3)
     params = [SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True) for _ in PROMPTS]
     params[-1] = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, speculative=False)
-    llm = LLM(model, device=engine_device(), max_model_len=2048, num_kv_blocks=512, block_size=16)
+    llm = LLM(model, device=engine_device(), dtype=engine_dtype(engine_device()),
+              max_model_len=2048, num_kv_blocks=512, block_size=16)
     expected = llm.generate(PROMPTS, params)
     # The draft is the target itself: every draft is accepted whatever the batch's timing, so the
     # streams are mid-speculation when the runner dies and the acceptance check cannot depend on when

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from device_choice import engine_device
+from device_choice import engine_device, engine_dtype
 from live_daemon import REAL_BACKEND, LiveDaemon, daemon_command, short_dir, start_daemon, wait_for_health, wait_idle
 
 from pipeline import LLM, RequestOutput, SamplingParams
@@ -45,7 +45,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def workload(model: Path) -> tuple[list[str], list[SamplingParams], list[RequestOutput]]:
     """8 prompts with greedy, seeded and stop-string params, and one rank's outputs for them (in
     which the small pool preempts)."""
-    llm = LLM(model, device=engine_device(), **SCHEDULING)
+    llm = LLM(model, device=engine_device(), dtype=engine_dtype(engine_device()), **SCHEDULING)
     prompts = [f"{i}: the tensor parallel ranks share one plan" for i in range(8)]
     params = mixed_params(llm, prompts, MAX_TOKENS)
     expected = llm.generate(prompts, params)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from device_choice import engine_device
+from device_choice import engine_device, engine_dtype
 from live_daemon import REAL_BACKEND, short_dir, start_daemon, wait_for_health
 from test_tensor_parallel_daemon import _assert_equal, _streams
 
@@ -36,7 +36,8 @@ def test_a_rank_on_another_node_serves_what_one_rank_generates(tmp_path: Path) -
     prompts = [f"{i}: two nodes on one loopback" for i in range(4)]
     params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=16, temperature=0.8, seed=9, ignore_eos=True)] * 2
-    expected = LLM(model, device=engine_device(), max_model_len=128, num_kv_blocks=64, block_size=4).generate(
+    expected = LLM(model, device=engine_device(), dtype=engine_dtype(engine_device()),
+                   max_model_len=128, num_kv_blocks=64, block_size=4).generate(
         prompts, params)
     port = str(_free_port())
     rendezvous = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
