@@ -2,10 +2,10 @@
 paths and attention against float64, and a tiny engine's float32 greedy tokens with their top-2
 log-probabilities, as JSON.
 
-The CPU engines the tests compare with run on the GPU machine's CPU. On the first one, "auto"
-was bfloat16 there (the CPU had bf16 instructions), and tests that left the dtype to it parted at
-near-ties. The report names the CPU, its bf16 flags and the dtype "auto" picks, beside the
-float32 errors.
+The CPU engines the tests compare with run on the GPU machine's CPU. On the first one, tests that
+left the dtype to "auto" parted at near-ties: "auto" is bfloat16 on a CPU with bf16 instructions,
+and making it see one here fails the same tests. The report names the CPU, its bf16 flags and the
+dtype "auto" picks, beside the float32 errors.
 
     python tools/gpu/cpu_precision.py [--out FILE]
 
