@@ -17,6 +17,8 @@ were added to the cache (the scheduler caches the same tokens, so both caches ag
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -47,10 +49,7 @@ class SuffixProposer:
         width = min(max_known, token_table.shape[1])
         row_list = rows.tolist()
         known = num_known.clamp(1, width).tolist()
-        if token_table.device.type == "cpu":
-            table, table_rows = token_table.numpy(), row_list
-        else:
-            table, table_rows = token_table.index_select(0, rows)[:, :width].cpu().numpy(), range(len(row_list))
+        table, table_rows = _host_rows(token_table, row_list, width, rows)
         drafts = np.empty((len(row_list), num_drafts), np.int64)
         for i, (row, table_row, n) in enumerate(zip(row_list, table_rows, known)):
             tree = self.drafter.grow(row, table[table_row, :n], int(self.num_prompt_tokens[row]))
@@ -68,7 +67,20 @@ class SuffixProposer:
             for row in rows.tolist():
                 self.drafter.release(row)
             return
-        for row, count in zip(rows.tolist(), num_tokens.tolist()):
+        row_list, counts = rows.tolist(), num_tokens.tolist()
+        table, table_rows = _host_rows(token_table, row_list, min(max(counts), token_table.shape[1]))
+        for row, table_row, count in zip(row_list, table_rows, counts):
             start = int(self.num_prompt_tokens[row])
-            outputs = token_table[row, start:max(start, count)]
-            self.drafter.leave(row, outputs.tolist() if outputs.device.type == "cpu" else outputs.cpu().tolist())
+            self.drafter.leave(row, table[table_row, start:max(start, count)].tolist())
+
+
+def _host_rows(token_table: torch.Tensor, rows: list[int], width: int,
+               index: torch.Tensor | None = None) -> tuple[np.ndarray, Sequence[int]]:
+    """The token table's `rows` on the host, as (table, where each row is in it): the table itself
+    on the CPU; on CUDA the rows' first `width` tokens, in one copy (`index`: the rows on the device,
+    where the caller has them)."""
+    if token_table.device.type == "cpu":
+        return token_table.numpy(), rows
+    if index is None:
+        index = torch.tensor(rows, dtype=torch.int64, device=token_table.device)
+    return token_table.index_select(0, index)[:, :width].cpu().numpy(), range(len(rows))
