@@ -36,7 +36,7 @@ from stages.progress import Progress
 HERE = Path(__file__).parent
 C_SOURCES = tuple(sorted(HERE.glob("*.c")))  # every C file beside this one: a new kernel's file is built too
 HEADERS = tuple(sorted(HERE.glob("*.h")))
-CXX_SOURCE = HERE / "ops.cpp"
+CXX_SOURCES = tuple(sorted(HERE.glob("*.cpp")))  # ops.cpp and the operators beside it
 # No contraction of a * b + c into one rounding: elementwise.c rounds where torch's operators do.
 C_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=c11"]
 CXX_FLAGS = ["-O2"]
@@ -134,7 +134,7 @@ def _identify(program: str) -> str:
 
 def build_key(cc: str, cxx: str, openmp: str | None) -> str:
     """The hash that names a build: everything the library's bytes and its loading depend on."""
-    parts = [path.read_bytes() for path in (*C_SOURCES, *HEADERS, CXX_SOURCE)]
+    parts = [path.read_bytes() for path in (*C_SOURCES, *HEADERS, *CXX_SOURCES)]
     parts += [" ".join(C_FLAGS + CXX_FLAGS).encode(), _identify(cc).encode(), _identify(cxx).encode(),
               f"torch {torch.__version__} {torch.version.git_version} python {sys.version_info[:2]}".encode(),
               str(openmp).encode(), instruction_set().encode()]
@@ -190,7 +190,7 @@ def _compile(directory: Path, cc: str, openmp: str | None) -> None:
                        check=True)
     stale = directory / "lock"  # cpp_extension's FileBaton, left by a builder that died: no one holds it now
     stale.unlink(missing_ok=True)
-    cpp_extension.load(NAME, [str(CXX_SOURCE)], extra_cflags=CXX_FLAGS,
+    cpp_extension.load(NAME, [str(source) for source in CXX_SOURCES], extra_cflags=CXX_FLAGS,
                        extra_ldflags=[*map(str, objects), openmp or "-fopenmp"], build_directory=str(directory),
                        is_python_module=False, verbose=False)
 

@@ -46,6 +46,33 @@ void quant_matmul_tiled(const uint8_t *blocks, int qtype, int64_t row_bytes, int
 /* quant_encode.c */
 int quant_quantize_rows(const float *x, int qtype, int64_t rows, int64_t cols, uint8_t *out);
 
+/* decoder.c: a decode step through a stack of Llama-family layers of GGUF weights (see there). */
+typedef struct {
+    const uint8_t *blocks; /* [rows, row_bytes] of block type qtype */
+    int64_t row_bytes, rows, cols;
+    int qtype, kind;       /* kind: 0 quant.c's fused kernel, 1 8-bit activations (quant_x8.c), 2 quant_gemm.c */
+} quant_weight;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    quant_weight qkv, o, gate_up, down;  /* qkv [q + 2 kv, hidden], gate_up [2 intermediate, hidden] */
+    void *keys, *values;                 /* this layer's cache: [slots, kv_heads, head_dim] each */
+} decoder_layer;
+
+typedef struct {
+    int64_t tokens, hidden, heads, kv_heads, head_dim, intermediate, num_keys, queries;
+    float eps, scale;
+    int unit_offset, kv_bf16;
+    const float *cos, *sin;      /* [tokens, head_dim] */
+    const int64_t *slot_mapping; /* [tokens]: where each token's key and value are written */
+    const int64_t *key_slots;    /* [tokens / queries, num_keys]: the slots each row of `queries` tokens reads */
+    const uint8_t *mask;         /* [tokens / queries, queries, num_keys]: nonzero where a token sees that key */
+} decode_shape;
+
+/* out [tokens, hidden] from x [tokens, hidden]; 0, or -1 where an 8-bit kernel is not built. */
+int decoder_layers(const decoder_layer *layers, int64_t num_layers, const decode_shape *shape, const float *x,
+                   float *out);
+
 #ifdef __cplusplus
 }
 #endif

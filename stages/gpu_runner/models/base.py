@@ -16,6 +16,7 @@ from torch import nn
 from stages.gpu_runner.attention.interface import AttentionBackend
 from stages.gpu_runner.attention.torch_backend import TorchBackend
 from stages.gpu_runner.layers.attention import ForwardContext
+from stages.gpu_runner.layers.decoder_stack import DecoderStack
 from stages.gpu_runner.layers.embedding import VocabEmbedding, lm_logits
 from stages.gpu_runner.layers.kernels import LayerKernels, TorchKernels
 from stages.gpu_runner.layers.linear import PACKED, MergedColumnLinear, load_weight
@@ -51,11 +52,15 @@ class CausalLM(nn.Module):
         # The runner sets its own (use_kernels).
         self.attention_backend: AttentionBackend = TorchBackend(block_size=1)
         self.layer_kernels: LayerKernels = TorchKernels()
+        self.decoder_stack: DecoderStack | None = None
 
     def use_kernels(self, attention_backend: AttentionBackend, layer_kernels: LayerKernels) -> None:
-        """Run attention with `attention_backend` and the norms and rotary with `layer_kernels`."""
+        """Run attention with `attention_backend` and the norms and rotary with `layer_kernels`; with
+        the weights loaded, a decode step of few rows on the CPU may run every layer in one operator
+        (layers/decoder_stack.py)."""
         self.attention_backend = attention_backend
         self.layer_kernels = layer_kernels
+        self.decoder_stack = DecoderStack.of(self) if attention_backend.name == "torch" else None
 
     def make_layer(self, index: int) -> nn.Module:
         raise NotImplementedError
@@ -69,6 +74,8 @@ class CausalLM(nn.Module):
         if self.config.embedding_scale:
             # The factor is rounded to the activations' dtype first, as the reference does.
             x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
+        if self.decoder_stack is not None and self.decoder_stack.takes(x, kv_caches, meta, kernels):
+            return self.decoder_stack(x, positions, kv_caches, meta)
         ropes = {kind: kernels.rope(positions, table, x.dtype) for kind, table in self.rotary.items()}
         ctx = ForwardContext(self.attention_backend, kernels, meta if isinstance(meta, tuple) else (meta,), ropes)
         residual = None

@@ -46,22 +46,34 @@ TILED_ROWS = 128
 TILE_VALUES = 1 << 20
 
 
+# The kernels a product runs by (kernel_for): also what layers/decoder_stack.py hands cpu_ops/decoder.c.
+FUSED, X8, TILED, TORCH_TILES = 0, 1, 2, 3
+
+
+def kernel_for(weight: QuantizedWeight, num_rows: int, dtype: torch.dtype) -> int:
+    """The kernel `num_rows` activation rows of `dtype` are multiplied by `weight` with (see above)."""
+    if weight.int8_activations and num_rows <= X8_ROWS and dtype == torch.float32:
+        return X8
+    if num_rows <= (FUSED_ROWS_K if weight.qtype in K_TYPES else FUSED_ROWS):
+        return FUSED
+    return TILED if num_rows <= TILED_ROWS else TORCH_TILES
+
+
 class GGUFMethod(LinearMethod):
     def apply(self, weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows, cols = weight.shape
         if not x.is_cpu:
             raise ValueError(f"GGUF blocks are multiplied on the CPU only, not {x.device}")
         flat = x if x.dim() == 2 else x.reshape(-1, cols)
-        num_rows = flat.shape[0]
-        fused = num_rows <= (FUSED_ROWS_K if weight.qtype in K_TYPES else FUSED_ROWS)
-        if weight.int8_activations and num_rows <= X8_ROWS and x.dtype == torch.float32:
+        kernel = kernel_for(weight, flat.shape[0], x.dtype)
+        if kernel == X8:
             out = quant.matmul_x8(flat, weight.blocks, weight.qtype, cols)
-        elif fused and x.dtype == torch.float32 and flat.dim() == 2:
+        elif kernel == FUSED and x.dtype == torch.float32:
             # A decode step's path, in as few Python steps as it can be: every layer of every token takes it.
             out = quant.matmul_float32(flat, weight.blocks, weight.qtype, cols)
-        elif fused:
+        elif kernel == FUSED:
             out = quant.matmul(flat, weight.blocks, weight.qtype, cols).to(x.dtype)
-        elif num_rows <= TILED_ROWS:
+        elif kernel == TILED:
             out = quant.matmul_tiled(flat, weight.blocks, weight.qtype, cols).to(x.dtype)
         else:
             out = self._torch_tiles(flat.to(torch.float32), weight).to(x.dtype)
