@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from real_models import smollm2_gguf, smollm2_prompts
+from real_models import gemma3_gguf, gemma3_prompts, smollm2_gguf, smollm2_prompts
 
 from pipeline import LLM, SamplingParams
 from stages.gpu_runner import cpu_ops
@@ -74,28 +74,40 @@ def test_a_sliding_window_reads_only_its_keys_in_the_stack_too(tiny_checkpoint, 
     shutil.copytree(tiny_checkpoint("mistral"), checkpoint)
     config = json.loads((checkpoint / "config.json").read_text())
     (checkpoint / "config.json").write_text(json.dumps(config | {"sliding_window": 4}))
-    assert engine(checkpoint, "q8_0").runner.model.decoder_stack.window == 4
+    assert engine(checkpoint, "q8_0").runner.model.decoder_stack.key_sets == [(0, 4)]
     fused, layered, calls = both_paths(lambda: engine(checkpoint, "q8_0"), monkeypatch, max_tokens=12)
     assert fused == layered and calls >= 11
     full, _, _ = both_paths(lambda: engine(tiny_checkpoint("mistral"), "q8_0"), monkeypatch, max_tokens=12)
     assert [tokens for tokens, _ in full] != [tokens for tokens, _ in fused]
 
 
-@pytest.mark.parametrize("activations", ["float32", pytest.param("int8", marks=needs_vnni)])
-def test_the_real_smollm2_file_decodes_the_same_through_the_stack(monkeypatch, activations):
-    """The default model's Q4_1 layers, its real prompts (one of 300 tokens) decoding at once."""
+@pytest.mark.parametrize("file_of, prompts_of, activations", [
+    (smollm2_gguf, smollm2_prompts, "float32"), pytest.param(smollm2_gguf, smollm2_prompts, "int8", marks=needs_vnni),
+    (gemma3_gguf, gemma3_prompts, "float32"), pytest.param(gemma3_gguf, gemma3_prompts, "int8", marks=needs_vnni)],
+    ids=["smollm2-float32", "smollm2-int8", "gemma3-float32", "gemma3-int8"])
+def test_the_real_files_decode_the_same_through_the_stack(monkeypatch, file_of, prompts_of, activations):
+    """The default model's Q4_1 layers; Gemma 3's Q5_0, Q8_0, Q4_K and Q6_K ones (q, k and v held
+    apart where v is of another type), its local and global layers and GeGLU; their real prompts
+    decoding at once (one of 300 tokens, one past Gemma's window)."""
     def make() -> LLM:
-        return LLM(str(smollm2_gguf()), device="cpu", dtype="float32", quantized_activations=activations,
+        return LLM(str(file_of()), device="cpu", dtype="float32", quantized_activations=activations,
                    max_model_len=1024, num_kv_blocks=1024 // 16 * 4)
 
-    fused, layered, calls = both_paths(make, monkeypatch, prompts=smollm2_prompts(), max_tokens=8)
-    assert fused == layered and calls >= 7
+    fused, layered, calls = both_paths(make, monkeypatch, prompts=prompts_of(), max_tokens=4)
+    assert fused == layered and calls >= 3
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_per_head_norms_sandwich_norms_and_geglu_go_through_the_stack_too(tiny_checkpoint, monkeypatch, arch):
+    """Qwen3's per-head q/k norms; Gemma 3's four norms a layer, GeGLU, and local layers (their own
+    window, rotary base and KV group) beside global ones, the prompts crossing the window."""
+    fused, layered, calls = both_paths(lambda: engine(tiny_checkpoint(arch), "q8_0"), monkeypatch, max_tokens=12)
+    assert fused == layered and calls >= 11
 
 
 def test_the_stack_is_made_only_for_layers_it_runs(tiny_checkpoint):
-    """Dense weights, per-head norms (Qwen3) and q/k/v biases (Qwen2) keep the layer-by-layer forward."""
+    """Dense weights and q/k/v biases (Qwen2) keep the layer-by-layer forward."""
     assert engine(tiny_checkpoint("llama"), "none").runner.model.decoder_stack is None
-    assert engine(tiny_checkpoint("qwen3"), "q8_0").runner.model.decoder_stack is None
     assert engine(tiny_checkpoint("qwen2"), "q8_0").runner.model.decoder_stack is None
 
 
@@ -104,7 +116,9 @@ def test_many_rows_take_the_tiled_products_and_a_prefill_the_layers(tiny_checkpo
     kernel, as the layers do; prefill steps (and steps with more tokens than the tiled kernel
     takes) go through the layers. The same tokens either way."""
     stack = engine(tiny_checkpoint("llama"), "q8_0").runner.model.decoder_stack
-    assert set(stack.kinds(10)) == {gguf.TILED} and stack.kinds(gguf.TILED_ROWS + 1) is None
+    layout = stack.layout(10)
+    assert set(layout[1:14:2]) == {0, gguf.TILED}  # (type, kernel) of 7 slots: k, v and up unused (merged)
+    assert stack.layout(gguf.TILED_ROWS + 1) is None
     many = [[7 + i, 9, 11 + i] for i in range(10)]
     fused, layered, calls = both_paths(lambda: engine(tiny_checkpoint("llama"), "q8_0"), monkeypatch, prompts=many,
                                        max_tokens=3)
@@ -150,41 +164,44 @@ def test_keys_of_a_mixed_step_are_each_tokens_rows():
     assert queries == 3 and slots is verify.key_slots and mask is verify.mask
 
 
-def stack_arguments(llm: LLM) -> tuple[DecoderStack, dict]:
+def stack_arguments(llm: LLM) -> dict:
     stack = llm.runner.model.decoder_stack
     caches = llm.runner._kv_storage
     head_dim = caches[0].shape[-1]
     hidden = stack.weights[0].numel()
-    args = dict(x=torch.zeros(1, hidden), weights=stack.weights, qtypes=stack.qtypes, kinds=stack.kinds(1), caches=caches,
-                cos=torch.ones(1, 1, head_dim), sin=torch.zeros(1, 1, head_dim),
-                slot_mapping=torch.tensor([3]), key_slots=torch.tensor([[0, 1, 2, 3]]),
-                mask=torch.ones(1, 4, dtype=torch.bool), queries=1, heads=stack.heads, kv_heads=stack.kv_heads, scale=0.1,
-                eps=1e-6, unit_offset=False)
-    return stack, args
+    return dict(x=torch.zeros(1, hidden), weights=stack.weights, layout=stack.layout(1), caches=caches,
+                cos=[torch.ones(1, 1, head_dim)], sin=[torch.zeros(1, 1, head_dim)],
+                slot_mappings=[torch.tensor([3])], key_slots=[torch.tensor([[0, 1, 2, 3]])],
+                masks=[torch.ones(1, 1, 4, dtype=torch.bool)], queries=[1], heads=stack.heads,
+                kv_heads=stack.kv_heads, scale=0.1, eps=1e-6, unit_offset=False, gelu=False)
 
 
 def test_the_operator_checks_its_arguments(tiny_checkpoint):
     llm = engine(tiny_checkpoint("llama"), "q8_0")
-    _, args = stack_arguments(llm)
+    args = stack_arguments(llm)
     run = cpu_ops.operators().decoder_layers
     assert run(**args).shape == args["x"].shape
-    cache = llm.runner._kv_storage[0]
+    cache = llm.runner._kv_storage[1]
     num_slots = cache[0].numel() // (cache.shape[-1] * cache.shape[-2])
-    with pytest.raises(IndexError, match=f"slot_mapping's slot {num_slots} .* outside the cache's {num_slots} slots"):
-        run(**args | {"slot_mapping": torch.tensor([num_slots])})
-    with pytest.raises(IndexError, match="key slot -1 .row 0, key 2. is outside"):
-        run(**args | {"key_slots": torch.tensor([[0, 1, -1, 3]])})
-    masked = torch.tensor([[True, True, False, True]])
-    run(**args | {"key_slots": torch.tensor([[0, 1, -1, 3]]), "mask": masked})  # a key no query sees is not read
+    with pytest.raises(IndexError, match=f"slot {num_slots} .key set 0. is outside layer 0's cache of {num_slots}"):
+        run(**args | {"slot_mappings": [torch.tensor([num_slots])]})
+    with pytest.raises(IndexError, match="key slot -1 .row 0, key 2. is negative"):
+        run(**args | {"key_slots": [torch.tensor([[0, 1, -1, 3]])]})
+    masked = torch.tensor([[[True, True, False, True]]])
+    run(**args | {"key_slots": [torch.tensor([[0, 1, -1, 3]])], "masks": [masked]})  # a key no query sees is not read
     with pytest.raises(ValueError, match="x must be float32, not bfloat16"):
         run(**args | {"x": args["x"].bfloat16()})
-    with pytest.raises(ValueError, match="qkv must have"):
+    with pytest.raises(ValueError, match="layer 0's qkv must have"):
         run(**args | {"heads": args["heads"] * 2})
-    with pytest.raises(ValueError, match="need 6 weights and 4 block types"):
+    with pytest.raises(ValueError, match="need 13 weights and 16 numbers a layer"):
         run(**args | {"weights": args["weights"][:-1]})
+    with pytest.raises(ValueError, match="layer 0's input norm is missing"):
+        run(**args | {"weights": [None] + args["weights"][1:]})
     with pytest.raises(ValueError, match="qkv's kernel must be 0 .fused., 1 .8-bit activations. or 2 .tiled., not 7"):
-        run(**args | {"kinds": [7] + args["kinds"][1:]})
+        run(**args | {"layout": [args["layout"][0], 7] + args["layout"][2:]})
+    with pytest.raises(IndexError, match="layer 0's key set 1 and rotary table 0 must be below 1 and 1"):
+        run(**args | {"layout": args["layout"][:14] + [1] + args["layout"][15:]})
     with pytest.raises(ValueError, match="1 tokens are not rows of 2 queries"):
-        run(**args | {"queries": 2})
+        run(**args | {"queries": [2]})
     with pytest.raises(ValueError, match="cos and sin must be contiguous"):
-        run(**args | {"cos": torch.ones(2, 1, 7)})
+        run(**args | {"cos": [torch.ones(2, 1, 7)]})

@@ -46,27 +46,41 @@ void quant_matmul_tiled(const uint8_t *blocks, int qtype, int64_t row_bytes, int
 /* quant_encode.c */
 int quant_quantize_rows(const float *x, int qtype, int64_t rows, int64_t cols, uint8_t *out);
 
-/* decoder.c: a decode step through a stack of Llama-family layers of GGUF weights (see there). */
+/* decoder.c: a decode step through a stack of decoder layers of GGUF weights (see there). */
 typedef struct {
     const uint8_t *blocks; /* [rows, row_bytes] of block type qtype */
     int64_t row_bytes, rows, cols;
     int qtype, kind;       /* kind: 0 quant.c's fused kernel, 1 8-bit activations (quant_x8.c), 2 quant_gemm.c */
 } quant_weight;
 
+/* The keys a layer's tokens attend to: their KV group's (and window's), as rows of `queries` tokens. */
 typedef struct {
-    const float *input_norm, *post_norm; /* [hidden] */
-    quant_weight qkv, o, gate_up, down;  /* qkv [q + 2 kv, hidden], gate_up [2 intermediate, hidden] */
-    void *keys, *values;                 /* this layer's cache: [slots, kv_heads, head_dim] each */
+    const int64_t *slot_mapping; /* [tokens]: where each token's key and value are written */
+    const int64_t *key_slots;    /* [tokens / queries, num_keys]: the slots each row reads */
+    const uint8_t *mask;         /* [tokens / queries, queries, num_keys]: nonzero where a token sees that key */
+    int64_t num_keys, queries;
+} key_set;
+
+/* out [rows, width] = act(gate) * up, gate and up [rows, width] at row stride `stride`. */
+typedef void (*activation_fn)(const float *gate, const float *up, int64_t stride, float *out, int64_t rows,
+                              int64_t width);
+
+typedef struct {
+    const float *input_norm, *mlp_norm;                   /* [hidden] */
+    const float *attention_out_norm, *mlp_out_norm;       /* [hidden] (Gemma 3's sandwich), or NULL */
+    const float *q_norm, *k_norm;                         /* [head_dim] (per-head norms), or NULL */
+    quant_weight qkv[3], o, gate_up[2], down;             /* qkv: 1 merged weight or 3 parts; gate_up 1 or 2 */
+    int qkv_parts, gate_up_parts, key_set, rope;          /* key_set, rope: indices into decode_shape's */
+    void *keys, *values;                                  /* this layer's cache: [slots, kv_heads, head_dim] each */
 } decoder_layer;
 
 typedef struct {
-    int64_t tokens, hidden, heads, kv_heads, head_dim, intermediate, num_keys, queries;
+    int64_t tokens, hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
     int unit_offset, kv_bf16;
-    const float *cos, *sin;      /* [tokens, head_dim] */
-    const int64_t *slot_mapping; /* [tokens]: where each token's key and value are written */
-    const int64_t *key_slots;    /* [tokens / queries, num_keys]: the slots each row of `queries` tokens reads */
-    const uint8_t *mask;         /* [tokens / queries, queries, num_keys]: nonzero where a token sees that key */
+    const float *const *cos, *const *sin; /* per rotary table: [tokens, head_dim] */
+    const key_set *key_sets;
+    activation_fn activate; /* NULL: SwiGLU (elementwise.c's silu_and_mul) */
 } decode_shape;
 
 /* out [tokens, hidden] from x [tokens, hidden]; 0, or -1 where an 8-bit kernel is not built. */

@@ -1,13 +1,17 @@
-"""A decode step through every decoder layer of a Llama-family model in one CPU operator
-(cpu_ops/decoder.c), where its weights are GGUF blocks.
+"""A decode step through every decoder layer of a model in one CPU operator (cpu_ops/decoder.c),
+where its weights are GGUF blocks: the Llama family (Llama, Mistral, Qwen3, SmolLM2) and Gemma 3.
 
-One stream of a small quantized model decodes in tens of milliseconds, of which the products are
+One stream of a small quantized model decodes in tens of milliseconds, of which the products were
 about a third: the rest was the interpreter and the operator dispatch between the ten or so
 kernels of each layer. The operator runs those same kernels on the same values in the same order,
 so the hidden state it returns equals the layer-by-layer forward's to the bit
 (tests/gpu_runner/test_decoder_stack.py); the layers stay the model's definition and serve
-everything the operator does not take (prefill, verify rows, more rows than the fused products
-take, dense weights, biases, per-head norms, tensor parallelism, other attention backends).
+everything the operator does not take (prefill, more tokens than the quantized kernels take,
+dense weights, biases, tensor parallelism, the Triton backend, layers that do not say where their
+norms go: `STACK_NORMS`).
+
+A decoder layer class that the stack can run names its norms' modules in `STACK_NORMS`: (input,
+attention-out or None, MLP, MLP-out or None), the Llama layer's two or Gemma 3's sandwich of four.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 from stages.gpu_runner import cpu_ops
 from stages.gpu_runner.attention.torch_metadata import AttentionMetadata
 from stages.gpu_runner.layers.kernels import TorchKernels
+from stages.gpu_runner.layers.mlp import GatedMLP
 from stages.gpu_runner.layers.quantization.base import QuantizedWeight
 from stages.gpu_runner.layers.quantization.gguf import TORCH_TILES, kernel_for
 
@@ -26,72 +31,113 @@ if TYPE_CHECKING:
 
 # Switched off by tests that compare the two paths (and by nothing else).
 ENABLED = True
+ACTIVATIONS = {"silu": False, "gelu_pytorch_tanh": True}  # hidden_act -> the operator's `gelu`
+PRODUCTS = 7  # qkv (or q), k, v, o, gate_up (or gate), up, down: the operator's product slots
+
+
+def _parts(weight: object, count: int) -> list[QuantizedWeight] | None:
+    """A merged projection's weight as the operator's `count` slots (the merged one first, the rest
+    None), or its parts; None where it is not GGUF blocks."""
+    if isinstance(weight, QuantizedWeight):
+        return [weight] + [None] * (count - 1)
+    if isinstance(weight, tuple) and len(weight) == count and all(isinstance(p, QuantizedWeight) for p in weight):
+        return list(weight)
+    return None
 
 
 class DecoderStack:
     """The model's layers as the operator's arguments, gathered once (`of` says whether it applies)."""
 
-    def __init__(self, model: CausalLM, weights: list[torch.Tensor], products: list[QuantizedWeight],
-                 window: int | None) -> None:
+    def __init__(self, model: CausalLM, weights: list, products: list, key_sets: list, ropes: list,
+                 layer_numbers: list[int], gelu: bool) -> None:
         config = model.shard
-        self.rotary = model.rotary["global"]
-        self.weights, self.products, self.window = weights, products, window
-        self.qtypes = [weight.qtype for weight in products]
+        self.weights, self.products, self.gelu = weights, products, gelu
+        self.key_sets = key_sets  # (KV group, window) of each key set
+        self.ropes = [model.rotary[name] for name in ropes]
+        self.layer_numbers = layer_numbers  # per layer: its key set and rotary table
         self.heads, self.kv_heads = config.num_heads, config.num_kv_heads
-        self.scale, self.eps = config.scale, config.rms_norm_eps
-        self.unit_offset = config.norm_unit_offset
-        self._kinds: dict[int, list[int] | None] = {}  # by number of tokens
+        self.scale, self.eps, self.unit_offset = config.scale, config.rms_norm_eps, config.norm_unit_offset
+        self._layouts: dict[int, list[int] | None] = {}  # by number of tokens
 
     @classmethod
     def of(cls, model: CausalLM) -> DecoderStack | None:
-        """The stack of `model`'s layers, or None where the operator does not take them: a weight
-        not of GGUF blocks in one type, a bias, a per-head norm, a GeGLU, tensor parallelism,
-        layers of different windows or rotary tables, attention sinks, or no CPU kernels."""
+        """The stack of `model`'s layers, or None where the operator does not take them (see above)."""
         config = model.config
         if (model.tp is not None or cpu_ops.library() is None or config.qkv_bias or config.o_bias
-                or config.mlp_bias or config.qk_norm or config.attention_sinks or config.head_dim % 16
-                or len(set(config.layer_windows)) != 1 or len(model.rotary) != 1):
+                or config.mlp_bias or config.attention_sinks or config.head_dim % 16
+                or config.hidden_act not in ACTIVATIONS):
             return None
-        weights: list[torch.Tensor] = []
-        products: list[QuantizedWeight] = []
+        weights: list[torch.Tensor | None] = []
+        products: list[QuantizedWeight | None] = []
+        key_sets: list[tuple[int, int | None]] = []
+        ropes: list[str] = []
+        numbers: list[int] = []
         for layer in model.layers:
+            names = getattr(layer, "STACK_NORMS", None)
             attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            if attention is None or not getattr(mlp, "swiglu", False) or attention.sinks is not None:
+            if names is None or attention is None or not isinstance(mlp, GatedMLP):
                 return None
-            held = (attention.qkv_proj.weight, attention.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
-            if not all(isinstance(weight, QuantizedWeight) for weight in held):
+            norms = [None if name is None else getattr(layer, name) for name in names]
+            norms += [attention.q_norm, attention.k_norm]
+            if any(norm is not None and (norm.weight.dtype != torch.float32 or norm.eps != config.rms_norm_eps
+                                         or norm.unit_offset != config.norm_unit_offset) for norm in norms):
                 return None
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(norm.dtype != torch.float32 for norm in norms):
+            qkv, gate_up = _parts(attention.qkv_proj.weight, 3), _parts(mlp.gate_up_proj.weight, 2)
+            held = [qkv, [attention.o_proj.weight], gate_up, [mlp.down_proj.weight]]
+            if qkv is None or gate_up is None or not all(isinstance(w[0], QuantizedWeight) for w in held):
                 return None
-            weights += [norms[0], held[0].blocks, held[1].blocks, norms[1], held[2].blocks, held[3].blocks]
-            products += held
-        return cls(model, weights, products, config.layer_windows[0])
+            layer_products = [*qkv, attention.o_proj.weight, *gate_up, mlp.down_proj.weight]
+            weights += [None if norm is None else norm.weight for norm in norms]
+            weights += [None if weight is None else weight.blocks for weight in layer_products]
+            products.append(layer_products)
+            key_set = (attention.kv_group, attention.window)
+            if key_set not in key_sets:
+                key_sets.append(key_set)
+            if attention.rope not in ropes:
+                ropes.append(attention.rope)
+            numbers.append((key_sets.index(key_set), ropes.index(attention.rope)))
+        return cls(model, weights, products, key_sets, ropes, numbers, ACTIVATIONS[config.hidden_act])
 
-    def kinds(self, num_tokens: int) -> list[int] | None:
-        """Each product's kernel at `num_tokens` rows (gguf.kernel_for), or None where one of them
-        would run in torch (a long prefill's)."""
-        if num_tokens not in self._kinds:
-            kinds = [kernel_for(weight, num_tokens, torch.float32) for weight in self.products]
-            self._kinds[num_tokens] = None if TORCH_TILES in kinds else kinds
-        return self._kinds[num_tokens]
+    def layout(self, num_tokens: int) -> list[int] | None:
+        """Per layer: (block type, kernel) of each product slot at `num_tokens` rows (gguf.kernel_for),
+        then its key set and rotary table; None where a product would run in torch (a long prefill's)."""
+        if num_tokens not in self._layouts:
+            layout: list[int] | None = []
+            for layer_products, numbers in zip(self.products, self.layer_numbers):
+                for weight in layer_products:
+                    kind = 0 if weight is None else kernel_for(weight, num_tokens, torch.float32)
+                    if kind == TORCH_TILES:
+                        layout = None
+                        break
+                    layout += [0 if weight is None else weight.qtype, kind]
+                if layout is None:
+                    break
+                layout += numbers
+            self._layouts[num_tokens] = layout
+        return self._layouts[num_tokens]
 
     def takes(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: object, kernels: object) -> bool:
         """Whether this step is one the operator runs: float32 rows on the CPU, each decoding or
         verifying drafts (no prefill), through the torch backend's metadata and kernels, over a
         cache of a dtype the attention kernel reads."""
-        return (ENABLED and x.dtype == torch.float32 and x.is_cpu and isinstance(meta, AttentionMetadata)
-                and not meta.prefills and isinstance(kernels, TorchKernels) and kv_caches[0].dtype in cpu_ops.SUPPORTED
-                and self.kinds(x.shape[0]) is not None)
+        metas = meta if isinstance(meta, tuple) else (meta,)
+        return (ENABLED and x.dtype == torch.float32 and x.is_cpu and isinstance(kernels, TorchKernels)
+                and all(isinstance(m, AttentionMetadata) and not m.prefills for m in metas)
+                and kv_caches[0].dtype in cpu_ops.SUPPORTED and self.layout(x.shape[0]) is not None)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """x [tokens, hidden] (the embeddings) -> the last layer's hidden state, x + residual."""
-        queries, key_slots, mask = attended_keys(meta.for_window(self.window), x.shape[0])
-        cos, sin = self.rotary(positions, torch.float32)
+                 meta: AttentionMetadata | tuple[AttentionMetadata, ...]) -> torch.Tensor:
+        """x [tokens, hidden] (the embeddings, scaled) -> the last layer's hidden state, x + residual."""
+        metas = meta if isinstance(meta, tuple) else (meta,)
+        num_tokens = x.shape[0]
+        sets = [(metas[group], attended_keys(metas[group].for_window(window), num_tokens))
+                for group, window in self.key_sets]
+        tables = [rope(positions, torch.float32) for rope in self.ropes]
         return cpu_ops.operators().decoder_layers(
-            x, self.weights, self.qtypes, self.kinds(x.shape[0]), kv_caches, cos, sin, meta.slot_mapping, key_slots,
-            mask, queries, self.heads, self.kv_heads, self.scale, self.eps, self.unit_offset)
+            x, self.weights, self.layout(num_tokens), kv_caches, [cos for cos, _ in tables],
+            [sin for _, sin in tables], [m.slot_mapping for m, _ in sets], [keys[1] for _, keys in sets],
+            [keys[2] for _, keys in sets], [keys[0] for _, keys in sets], self.heads, self.kv_heads, self.scale,
+            self.eps, self.unit_offset, self.gelu)
 
 
 def attended_keys(meta: AttentionMetadata, num_tokens: int) -> tuple[int, torch.Tensor, torch.Tensor]:

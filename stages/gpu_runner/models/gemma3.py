@@ -20,6 +20,8 @@ _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layern
 
 
 class Gemma3DecoderLayer(nn.Module):
+    # Its norms as layers/decoder_stack.py runs them: input, attention-out, MLP, MLP-out.
+    STACK_NORMS = _NORMS
     def __init__(self, shard: ModelConfig, tp, window: int | None, kv_group: int) -> None:
         super().__init__()
         for name in _NORMS:

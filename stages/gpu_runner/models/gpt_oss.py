@@ -66,6 +66,8 @@ class GptOssMoE(nn.Module):
 class GptOssDecoderLayer(LlamaDecoderLayer):
     """x -> x + attn(norm(x)) -> x + moe(norm(x)); the forward is the Llama layer's."""
 
+    STACK_NORMS = None  # experts: not a layer layers/decoder_stack.py runs
+
     def __init__(self, shard: ModelConfig, tp: TensorParallel | None, window: int | None, kv_group: int) -> None:
         nn.Module.__init__(self)
         self.input_layernorm = RMSNorm(shard.hidden_size, shard.rms_norm_eps)

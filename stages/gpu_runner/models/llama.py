@@ -19,6 +19,9 @@ from stages.gpu_runner.models.config import ModelConfig
 class LlamaDecoderLayer(nn.Module):
     """x -> x + attn(norm(x)) -> x + mlp(norm(x))."""
 
+    # Its norms as layers/decoder_stack.py runs them: input, attention-out, MLP, MLP-out.
+    STACK_NORMS = ("input_layernorm", None, "post_attention_layernorm", None)
+
     def __init__(self, shard: ModelConfig, tp, window: int | None, kv_group: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shard.hidden_size, shard.rms_norm_eps)

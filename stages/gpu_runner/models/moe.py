@@ -29,6 +29,8 @@ _EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.)?(\
 class MoEDecoderLayer(LlamaDecoderLayer):
     """x -> x + attn(norm(x)) -> x + moe(norm(x)) (a dense MLP where the layer is not sparse)."""
 
+    STACK_NORMS = None  # experts: not a layer layers/decoder_stack.py runs
+
     def __init__(self, shard: ModelConfig, tp, window: int | None, kv_group: int, sparse: bool) -> None:
         nn.Module.__init__(self)
         self.input_layernorm = RMSNorm(shard.hidden_size, shard.rms_norm_eps)
