@@ -13,7 +13,7 @@ nothing.
 `SuffixTree` is one text's trie (a request's prompt and outputs). `SuffixCache` holds the outputs
 of recent requests in one trie, bounded by tokens: the oldest sequence is taken out (its counts
 replayed downwards) when the total goes over the bound. `SuffixDrafter` keeps one tree per row and
-the cache, and drafts from whichever of the two scores more: the runner's suffix proposer drafts
+the cache, and drafts from whichever of the two matches longer (then scores more): the runner's suffix proposer drafts
 with it, and the scheduler keeps its own over the tokens it knows, to decide on the host how many
 drafts a row verifies (none where nothing good matches).
 
@@ -127,15 +127,16 @@ class SuffixTree:
         self._active = active
         self.tokens.extend(int(t) for t in tokens)
 
-    def propose(self, max_tokens: int, min_prob: float, spec_factor: float, ahead: int = 0) -> tuple[list[int], float]:
+    def propose(self, max_tokens: int, min_prob: float, spec_factor: float,
+                ahead: int = 0) -> tuple[list[int], float, int]:
         """Drafts continuing the text from its own earlier occurrences of its longest suffix that
-        recurs, and their score. The active nodes are the text's suffixes (shortest first): the
-        current occurrence is counted in them but has no continuation yet."""
+        recurs, their score and the match's length. The active nodes are the text's suffixes
+        (shortest first): the current occurrence is counted in them but has no continuation yet."""
         for length in range(min(len(self._active), _max_match(self.trie.depth, max_tokens + ahead)), 0, -1):
             node = self._active[length - 1]
             if node.best >= 0:
                 return _after(node, length, max_tokens, min_prob, spec_factor, ahead)
-        return [], 0.0
+        return [], 0.0, 0
 
 
 class SuffixCache:
@@ -175,11 +176,12 @@ class SuffixCache:
         return len(self._sequences)
 
     def propose(self, context: Sequence[int], max_tokens: int, min_prob: float,
-                spec_factor: float, ahead: int = 0) -> tuple[list[int], float]:
-        """Drafts continuing `context` as the cached outputs went on after its longest suffix."""
+                spec_factor: float, ahead: int = 0) -> tuple[list[int], float, int]:
+        """Drafts continuing `context` as the cached outputs went on after its longest suffix, their
+        score and the match's length."""
         node, length = self.trie.longest_match(context, _max_match(self.trie.depth, max_tokens + ahead))
         if node is None:
-            return [], 0.0
+            return [], 0.0, 0
         return _after(node, length, max_tokens, min_prob, spec_factor, ahead)
 
 
@@ -206,12 +208,17 @@ class SuffixDrafter:
         return tree
 
     def draft(self, tree: SuffixTree, max_tokens: int, ahead: int = 0) -> list[int]:
-        """Up to max_tokens drafts after `tree`'s text (and `ahead` tokens more): from its own
-        text or the cache, whichever scores more."""
-        own, own_score = tree.propose(max_tokens, self.min_prob, self.spec_factor, ahead)
+        """Up to max_tokens drafts after `tree`'s text (and `ahead` tokens more): from whichever of
+        its own text and the cache matches a longer suffix of it, and at equal lengths whichever
+        scores more. A longer match is the more specific prediction: a row copying from its own
+        prompt is not drafted for by short common phrases that many cached outputs continued
+        alike (whose counts score high), while outputs that repeat an earlier answer match it at
+        length."""
+        own, own_score, own_length = tree.propose(max_tokens, self.min_prob, self.spec_factor, ahead)
         context = tree.tokens[-(self.depth - 1):]
-        cached, cached_score = self.cache.propose(context, max_tokens, self.min_prob, self.spec_factor, ahead)
-        return cached if cached_score > own_score else own
+        cached, cached_score, cached_length = self.cache.propose(context, max_tokens, self.min_prob,
+                                                                 self.spec_factor, ahead)
+        return cached if (cached_length, cached_score) > (own_length, own_score) else own
 
     def forget(self, row: int) -> None:
         """Drop the row's tree without caching it (its request's outputs were cached already)."""
@@ -232,13 +239,13 @@ class SuffixDrafter:
 
 
 def _after(node: Node, length: int, max_tokens: int, min_prob: float, spec_factor: float,
-           ahead: int) -> tuple[list[int], float]:
+           ahead: int) -> tuple[list[int], float, int]:
     """The drafts below `node` (a match of `length` tokens) that follow its first `ahead` tokens.
     A match seen CONFIDENT_COUNT times is trusted as far as its continuation's probability goes,
     however short: the same words answered the same way again and again (an agent's loop)."""
     budget = max_tokens if node.count >= CONFIDENT_COUNT else _budget(length + ahead, max_tokens, spec_factor)
     tokens, score = node.continuation(ahead + budget, min_prob)
-    return tokens[ahead:], score
+    return tokens[ahead:], score, length
 
 
 def _max_match(depth: int, max_tokens: int) -> int:

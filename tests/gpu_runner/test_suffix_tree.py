@@ -47,7 +47,7 @@ def test_each_node_knows_its_most_frequent_next_token():
 def test_a_text_proposes_what_followed_its_latest_words_before():
     tree = SuffixTree(depth=8)
     tree.append([5, 6, 7, 8, 9, 1, 2, 5, 6, 7])
-    drafts, score = tree.propose(max_tokens=3, min_prob=0.1, spec_factor=1.0)
+    drafts, score, _ = tree.propose(max_tokens=3, min_prob=0.1, spec_factor=1.0)
     assert drafts == [8, 9, 1]  # after "5 6 7": "8 9 1"
     assert score > 0
 
@@ -55,7 +55,7 @@ def test_a_text_proposes_what_followed_its_latest_words_before():
 def test_nothing_is_proposed_without_a_recurring_suffix_or_under_the_probability_floor():
     tree = SuffixTree(depth=8)
     tree.append([1, 2, 3, 4, 5])
-    assert tree.propose(4, 0.1, 1.0) == ([], 0.0)
+    assert tree.propose(4, 0.1, 1.0) == ([], 0.0, 0)
     # "1" was followed by 10 different tokens: each has probability under 1/10
     tree = SuffixTree(depth=8)
     tree.append([t for i in range(10) for t in (1, 100 + i)] + [1])
@@ -78,7 +78,7 @@ def test_the_cache_holds_at_most_its_token_bound_and_drops_the_oldest():
     assert cache.propose([1, 2], 2, 0.1, 2.0)[0] == [3, 4]
     cache.add(third)  # 12 + 12 + 15 > 30: the first leaves
     assert cache.num_tokens == 27 and cache.num_sequences == 2
-    assert cache.propose([1, 2], 2, 0.1, 2.0) == ([], 0.0)
+    assert cache.propose([1, 2], 2, 0.1, 2.0) == ([], 0.0, 0)
     assert counts_of(cache.trie, [1]) == 0 and 1 not in cache.trie.root.children
     assert cache.propose([7, 8], 2, 0.1, 2.0)[0] == [9, 7]
     for sub in ([8, 9, 7], [20, 21], [9]):
@@ -166,3 +166,23 @@ def test_a_short_match_seen_often_is_trusted_as_far_as_its_probability_goes():
     assert cache.propose([9, 7], max_tokens=4, min_prob=0.5, spec_factor=1.0)[0] == [1]  # seen 3 times
     cache.add([7, 1, 2, 3, 4, 5])
     assert cache.propose([9, 7], max_tokens=4, min_prob=0.5, spec_factor=1.0)[0] == [1, 2, 3, 4]
+
+
+def test_the_longer_match_drafts_whether_the_rows_own_or_the_caches():
+    """A row copying from its own prompt keeps its own drafts against many cached outputs that went
+    on alike after a short phrase (their counts score more); a row repeating a cached answer at
+    length drafts that answer."""
+    config = SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 4})
+    drafter = SuffixDrafter(config)
+    for _ in range(8):  # an agent's answer, cached 8 times: after 5, always 6 7 8 9
+        drafter.cache.add([40, 41, 5, 6, 7, 8, 9])
+    document = [21, 22, 23, 5, 30, 31, 32, 33, 34]
+    tree = drafter.grow(0, document + [50, 51, 21, 22, 23, 5], num_prompt=len(document))
+    own, own_score, own_length = tree.propose(4, drafter.min_prob, drafter.spec_factor)
+    cached, cached_score, cached_length = drafter.cache.propose(tree.tokens[-(drafter.depth - 1):], 4,
+                                                                drafter.min_prob, drafter.spec_factor)
+    assert own == [30, 31, 32, 33] and cached == [6, 7, 8, 9]
+    assert cached_score > own_score and own_length == 4 > cached_length == 1  # the cache scores more
+    assert drafter.draft(tree, 4) == [30, 31, 32, 33]
+    repeating = drafter.grow(1, [60, 61, 40, 41, 5], num_prompt=2)
+    assert drafter.draft(repeating, 4) == [6, 7, 8, 9]
