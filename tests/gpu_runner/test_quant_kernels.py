@@ -27,7 +27,7 @@ from stages.gpu_runner.cpu_ops import build as cpu_build
 from stages.gpu_runner.layers.linear import MergedColumnLinear, linear, method_for
 from stages.gpu_runner.layers.quantization.base import QuantizedWeight
 from stages.gpu_runner.layers.quantization import gguf as gguf_method
-from stages.gpu_runner.layers.quantization.gguf import FUSED_ROWS, FUSED_ROWS_K, TILED_ROWS
+from stages.gpu_runner.layers.quantization.gguf import FUSED_ROWS, FUSED_ROWS_K, K_TYPES, TILED_ROWS
 from stages.gpu_runner.loaders.gguf_file import GGUFFile
 from stages.gpu_runner.loaders.gguf_quants import dequantize
 
@@ -81,6 +81,18 @@ def test_decoded_rows_equal_the_reference_decoder_bit_for_bit(qtype):
     ids = torch.tensor([[5, 0], [23, 5]])
     embedded = method_for(weight).embed(weight, ids, torch.float32)
     assert embedded.shape == (2, 2, 512) and torch.equal(embedded, reference[ids])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_fused_kernel_decodes_each_weight_exactly(qtype):
+    """Rows of the identity as activations: each product is one decoded weight times 1 plus zeros,
+    so the fused kernel's out must be the reference decoder's weights to the bit, transposed."""
+    weight = random_weight(qtype, rows=24, cols=512, seed=qtype.value + 100)
+    reference = dequantized(weight)
+    rows = FUSED_ROWS_K if qtype in K_TYPES else FUSED_ROWS
+    for start in range(0, 512, rows):
+        eye = torch.eye(512)[start:start + rows].contiguous()
+        assert torch.equal(quant.matmul(eye, weight.blocks, weight.qtype, 512), reference[:, start:start + rows].T)
 
 
 # Activation rows: 1, FUSED_ROWS_K, 7 and FUSED_ROWS (the fused kernel for 32-value types; 3 and up
