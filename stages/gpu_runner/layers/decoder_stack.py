@@ -29,8 +29,6 @@ from stages.gpu_runner.layers.quantization.gguf import TORCH_TILES, kernel_for
 if TYPE_CHECKING:
     from stages.gpu_runner.models.base import CausalLM
 
-# Switched off by tests that compare the two paths (and by nothing else).
-ENABLED = True
 ACTIVATIONS = {"silu": False, "gelu_pytorch_tanh": True}  # hidden_act -> the operator's `gelu`
 PRODUCTS = 7  # qkv (or q), k, v, o, gate_up (or gate), up, down: the operator's product slots
 
@@ -121,7 +119,7 @@ class DecoderStack:
         verifying drafts (no prefill), through the torch backend's metadata and kernels, over a
         cache of a dtype the attention kernel reads."""
         metas = meta if isinstance(meta, tuple) else (meta,)
-        return (ENABLED and x.dtype == torch.float32 and x.is_cpu and isinstance(kernels, TorchKernels)
+        return (x.dtype == torch.float32 and x.is_cpu and isinstance(kernels, TorchKernels)
                 and all(isinstance(m, AttentionMetadata) and not m.prefills for m in metas)
                 and kv_caches[0].dtype in cpu_ops.SUPPORTED and self.layout(x.shape[0]) is not None)
 
