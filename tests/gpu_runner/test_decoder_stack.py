@@ -107,8 +107,12 @@ def test_per_head_norms_sandwich_norms_and_geglu_go_through_the_stack_too(tiny_c
 
 
 def test_the_stack_is_made_only_for_layers_it_runs(tiny_checkpoint):
-    """Dense weights and q/k/v biases (Qwen2) keep the layer-by-layer forward."""
-    assert engine(tiny_checkpoint("llama"), "none").runner.model.decoder_stack is None
+    """Dense weights and q/k/v biases (Qwen2) keep the layer-by-layer forward; the log line of what
+    the model runs in (and `pipeline status`) says which."""
+    dense = engine(tiny_checkpoint("llama"), "none").runner
+    assert dense.model.decoder_stack is None and "one CPU operator" not in dense.runs_in
+    assert engine(tiny_checkpoint("llama"), "q8_0").runner.runs_in.endswith(
+        "; decode steps: every layer in one CPU operator")
     assert engine(tiny_checkpoint("qwen2"), "q8_0").runner.model.decoder_stack is None
 
 

@@ -56,9 +56,11 @@ def describe_weights(model: nn.Module) -> str:
 
 def describe_runs_in(model: nn.Module, quantization: str, dtype: torch.dtype, kv_dtype: torch.dtype,
                      kv_tokens: int) -> str:
-    """The whole line: weights, the quantization choice and why, the dense dtype and the KV cache."""
+    """The whole line: weights, the quantization choice and why, the dense dtype, the KV cache, and
+    whether decode steps run every layer in one CPU operator (layers/decoder_stack.py)."""
+    stacked = "; decode steps: every layer in one CPU operator" if getattr(model, "decoder_stack", None) else ""
     return (f"weights: {describe_weights(model)}; quantization {quantization}; dense dtype {_name(dtype)}; "
-            f"KV cache {_name(kv_dtype)}, {kv_tokens} tokens")
+            f"KV cache {_name(kv_dtype)}, {kv_tokens} tokens{stacked}")
 
 
 def _name(dtype: torch.dtype) -> str:
