@@ -27,6 +27,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 REFERENCE_USERS = {"tests/daemon/test_real_models.py::": "serving", "tests/gpu_runner/test_gguf_tokenizer.py::": "tokenizers"}
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests that wait on transformers' references run last (their own order kept), so the
+    reference worker, which starts when the session has collected them and runs at the lowest
+    priority, has the whole run to compute them: run first (as pytest-xdist may hand them out),
+    they sit waiting on a worker the busy tests leave no CPU to. Every xdist worker collects, and
+    so orders, the same way."""
+    users = [item for item in items if item.nodeid.startswith(tuple(REFERENCE_USERS))]
+    if users:
+        chosen = set(map(id, users))
+        items[:] = [item for item in items if id(item) not in chosen] + users
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The CPU operators are built (once per machine and source, about a minute) before any test's
     time limit runs, so the first test to use them is not timed with the compiler. When tests that

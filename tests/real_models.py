@@ -207,29 +207,60 @@ def _cache_key(function: object, args: tuple) -> str:
     return digest.hexdigest()[:32]
 
 
+def _use_cache() -> bool:
+    return os.environ.get("PIPELINE_TEST_REFERENCE_CACHE", "1") != "0"
+
+
+def _keep(path: Path, value: object) -> None:
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # a reader never sees half a file
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(value))
+        os.replace(partial, path)
+    except OSError:
+        partial.unlink(missing_ok=True)  # not kept: the next session computes it again
+
+
+def _computed_once(path: str, function: object, args: tuple) -> object:
+    """In the worker: `function(*args)`, computed once however many sessions ask at the same time.
+    Under pytest-xdist every test process collects the same tests and starts a worker of its own;
+    the first to take the key's lock computes and keeps the result, the others wait on the lock
+    (at the lowest priority, costing nothing) and read what it kept."""
+    import fcntl
+
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(target.with_suffix(".lock"), "a")
+    except OSError:
+        lock = None  # no cache folder to lock in: computed here, as by a session alone
+    try:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if _use_cache() and target.is_file():
+                return json.loads(target.read_text())
+        value = function(*args)
+        if lock is not None:
+            _keep(target, value)
+        return value
+    finally:
+        if lock is not None:
+            lock.close()
+
+
 def _reference(function: object, *args: object) -> object:
-    """`function(*args)` from the cache, else asked of the worker (and kept once it is done)."""
+    """`function(*args)` from the cache, else asked of the worker (which keeps it once it is done)."""
     global _pool
     from pipeline.models.checkpoints import cache_dir
 
     path = cache_dir() / "test-references" / f"{function.__name__}-{_cache_key(function, args)}.json"
-    if os.environ.get("PIPELINE_TEST_REFERENCE_CACHE", "1") != "0" and path.is_file():
+    if _use_cache() and path.is_file():
         return _Kept(json.loads(path.read_text()))
     if _pool is None:
         import multiprocessing
 
         _pool = multiprocessing.get_context("spawn").Pool(1, initializer=_start_worker)
-
-    def keep(value: object) -> None:
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # a reader never sees half a file
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial.write_text(json.dumps(value))
-            os.replace(partial, path)
-        except OSError:
-            partial.unlink(missing_ok=True)  # not kept: the next session computes it again
-
-    return _pool.apply_async(function, args, callback=keep)
+    return _pool.apply_async(_computed_once, (str(path), function, args))
 
 
 def start_references(*kinds: str) -> dict[str, object]:
