@@ -158,8 +158,18 @@ def start_daemon(model: Path, directory: Path, extra: list[str] | None = None, b
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(daemon_command(model, socket_path, extra or [], backend), stdout=log_file,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    wait_until_serving(socket_path, process, log_path)
-    return LiveDaemon(socket_path, process, model, log_path)
+    daemon = LiveDaemon(socket_path, process, model, log_path)
+    try:
+        wait_until_serving(socket_path, process, log_path)
+    except BaseException:
+        # Not serving (or the test's time limit struck during the wait): no caller holds the
+        # process to stop it, so it is stopped here rather than left running with its stages.
+        try:
+            daemon.stop()
+        except subprocess.TimeoutExpired:
+            pass  # stop() killed it
+        raise
+    return daemon
 
 
 @pytest.fixture(scope="session")
