@@ -47,14 +47,17 @@ static int products(const quant_weight *parts, int count, const float *x, int64_
     return 0;
 }
 
-/* q, k, v of the layer's qkv product: where each begins and its row stride. */
+/* q, k, v of the layer's qkv product: where each begins, and the row strides of q and of k and v
+ * (the merged product's width, or each part's own). */
 static void qkv_views(const decoder_layer *layer, float *qkv, int64_t n, int64_t q_size, int64_t kv_size,
-                      float **q, float **k, float **v, int64_t *stride) {
+                      float **q, float **k, float **v, int64_t *q_stride, int64_t *kv_stride) {
     if (layer->qkv_parts == 1) {
-        *q = qkv, *k = qkv + q_size, *v = qkv + q_size + kv_size, *stride = q_size + 2 * kv_size;
+        *q = qkv, *k = qkv + q_size, *v = qkv + q_size + kv_size;
+        *q_stride = *kv_stride = q_size + 2 * kv_size;
         return;
     }
-    *q = qkv, *k = qkv + n * q_size, *v = qkv + n * (q_size + kv_size), *stride = 0; /* 0: each its own width */
+    *q = qkv, *k = qkv + n * q_size, *v = qkv + n * (q_size + kv_size);
+    *q_stride = q_size, *kv_stride = kv_size;
 }
 
 int decoder_layers(const decoder_layer *layers, int64_t num_layers, const decode_shape *s, const float *x,
@@ -69,7 +72,7 @@ int decoder_layers(const decoder_layer *layers, int64_t num_layers, const decode
     int status = 0;
     if (!residual || !h || !cur || !qkv || !normed || !q || !k || !attended || !gate_up || !act) abort();
     memcpy(cur, x, sizeof(float) * t * hidden);
-    for (int64_t i = 0; i < num_layers && status == 0; i++) {
+    for (int64_t i = 0; i < num_layers; i++) { /* a product that fails (status -1) breaks out */
         const decoder_layer *layer = layers + i;
         const key_set *keys = s->key_sets + layer->key_set;
         const float *cos = s->cos[layer->rope], *sin = s->sin[layer->rope];
@@ -83,9 +86,8 @@ int decoder_layers(const decoder_layer *layers, int64_t num_layers, const decode
         }
         if ((status = products(layer->qkv, layer->qkv_parts, h, t, qkv)) != 0) break;
         float *qs, *ks, *vs;
-        int64_t stride;
-        qkv_views(layer, qkv, t, q_size, kv_size, &qs, &ks, &vs, &stride);
-        const int64_t q_stride = stride ? stride : q_size, kv_stride = stride ? stride : kv_size;
+        int64_t q_stride, kv_stride;
+        qkv_views(layer, qkv, t, q_size, kv_size, &qs, &ks, &vs, &q_stride, &kv_stride);
         if (layer->q_norm != NULL) { /* per head, each head's values a row; then rotary reads them packed */
             float *k_normed = attended; /* free until the attention */
             for (int64_t token = 0; token < t; token++) {

@@ -27,7 +27,10 @@ using at::Tensor;
 using namespace pipeline_checks;
 
 constexpr int64_t kWeights = 13;
-constexpr int64_t kLayout = 16;
+constexpr int64_t kProducts = 7;                   // qkv, k, v, o, gate_up, up, down: a (type, kernel) pair each
+constexpr int64_t kKeySetAt = 2 * kProducts;       // then the layer's key set
+constexpr int64_t kRopeAt = kKeySetAt + 1;         // and its rotary table
+constexpr int64_t kLayout = kRopeAt + 1;
 enum Slot { kInputNorm, kAttentionOutNorm, kMlpNorm, kMlpOutNorm, kQNorm, kKNorm, kQkv, kK, kV, kO, kGateUp, kUp,
             kDown };
 const char* kNames[kWeights] = {"input norm", "attention-out norm", "MLP norm", "MLP-out norm", "q norm", "k norm",
@@ -70,7 +73,7 @@ class Layer {
     return weight.const_data_ptr<float>();
   }
 
-  // Product slots in order: qkv, k, v, o, gate_up, up, down (layout pairs 0..6).
+  // Product slots in order: qkv, k, v, o, gate_up, up, down (layout pairs 0 .. kProducts - 1).
   quant_weight product(Slot slot, int64_t rows, int64_t cols) const {
     const char* op = "decoder_layers";
     const int64_t pair = slot - kQkv;
@@ -87,7 +90,8 @@ class Layer {
                         static_cast<int>(kind)};
   }
 
-  int64_t number(int64_t at) const { return layout_[at]; }
+  int64_t key_set() const { return layout_[kKeySetAt]; }
+  int64_t rope() const { return layout_[kRopeAt]; }
 
  private:
   const c10::List<std::optional<Tensor>>& weights_;
@@ -193,7 +197,7 @@ Tensor decoder_layers_op(const Tensor& x, const c10::List<std::optional<Tensor>>
                       op, ": layer ", i, "'s cache must be contiguous [2, ..., ", kv_heads, ", ", head_dim, "] ",
                       dtype_name(first.scalar_type()), " like layer 0's, not ", cache.sizes(), " ",
                       dtype_name(cache.scalar_type()));
-    const int64_t set = w.number(14), rope = w.number(15);
+    const int64_t set = w.key_set(), rope = w.rope();
     TORCH_CHECK_INDEX(set >= 0 && set < static_cast<int64_t>(sets.size()) && rope >= 0 &&
                           rope < static_cast<int64_t>(cos_tables.size()), op, ": layer ", i, "'s key set ", set,
                       " and rotary table ", rope, " must be below ", sets.size(), " and ", cos_tables.size());

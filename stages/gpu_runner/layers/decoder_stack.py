@@ -15,22 +15,16 @@ attention-out or None, MLP, MLP-out or None), the Llama layer's two or Gemma 3's
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from stages.gpu_runner import cpu_ops
 from stages.gpu_runner.attention.torch_metadata import AttentionMetadata
-from stages.gpu_runner.layers.kernels import TorchKernels
 from stages.gpu_runner.layers.mlp import GatedMLP
 from stages.gpu_runner.layers.quantization.base import QuantizedWeight
 from stages.gpu_runner.layers.quantization.gguf import TORCH_TILES, kernel_for
 
-if TYPE_CHECKING:
-    from stages.gpu_runner.models.base import CausalLM
-
 ACTIVATIONS = {"silu": False, "gelu_pytorch_tanh": True}  # hidden_act -> the operator's `gelu`
-PRODUCTS = 7  # qkv (or q), k, v, o, gate_up (or gate), up, down: the operator's product slots
 
 
 def _parts(weight: object, count: int) -> list[QuantizedWeight] | None:
@@ -44,10 +38,11 @@ def _parts(weight: object, count: int) -> list[QuantizedWeight] | None:
 
 
 class DecoderStack:
-    """The model's layers as the operator's arguments, gathered once (`of` says whether it applies)."""
+    """The model's layers as the operator's arguments, gathered once (`of` says whether it applies).
+    `model` is a models/base.CausalLM: its config, shard, layers and rotary tables are read."""
 
-    def __init__(self, model: CausalLM, weights: list, products: list, key_sets: list, ropes: list,
-                 layer_numbers: list[int], gelu: bool) -> None:
+    def __init__(self, model: nn.Module, weights: list, products: list, key_sets: list, ropes: list,
+                 layer_numbers: list[tuple[int, int]], gelu: bool) -> None:
         config = model.shard
         self.weights, self.products, self.gelu = weights, products, gelu
         self.key_sets = key_sets  # (KV group, window) of each key set
@@ -58,7 +53,7 @@ class DecoderStack:
         self._layouts: dict[int, list[int] | None] = {}  # by number of tokens
 
     @classmethod
-    def of(cls, model: CausalLM) -> DecoderStack | None:
+    def of(cls, model: nn.Module) -> DecoderStack | None:
         """The stack of `model`'s layers, or None where the operator does not take them (see above)."""
         config = model.config
         if (model.tp is not None or cpu_ops.library() is None or config.qkv_bias or config.o_bias
@@ -69,7 +64,7 @@ class DecoderStack:
         products: list[QuantizedWeight | None] = []
         key_sets: list[tuple[int, int | None]] = []
         ropes: list[str] = []
-        numbers: list[int] = []
+        numbers: list[tuple[int, int]] = []
         for layer in model.layers:
             names = getattr(layer, "STACK_NORMS", None)
             attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -81,10 +76,11 @@ class DecoderStack:
                                          or norm.unit_offset != config.norm_unit_offset) for norm in norms):
                 return None
             qkv, gate_up = _parts(attention.qkv_proj.weight, 3), _parts(mlp.gate_up_proj.weight, 2)
-            held = [qkv, [attention.o_proj.weight], gate_up, [mlp.down_proj.weight]]
-            if qkv is None or gate_up is None or not all(isinstance(w[0], QuantizedWeight) for w in held):
+            o, down = attention.o_proj.weight, mlp.down_proj.weight
+            whole = all(isinstance(weight, QuantizedWeight) for weight in (o, down))
+            if qkv is None or gate_up is None or not whole:
                 return None
-            layer_products = [*qkv, attention.o_proj.weight, *gate_up, mlp.down_proj.weight]
+            layer_products = [*qkv, o, *gate_up, down]
             weights += [None if norm is None else norm.weight for norm in norms]
             weights += [None if weight is None else weight.blocks for weight in layer_products]
             products.append(layer_products)
@@ -114,12 +110,12 @@ class DecoderStack:
             self._layouts[num_tokens] = layout
         return self._layouts[num_tokens]
 
-    def takes(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: object, kernels: object) -> bool:
+    def takes(self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: object) -> bool:
         """Whether this step is one the operator runs: float32 rows on the CPU, each decoding or
-        verifying drafts (no prefill), through the torch backend's metadata and kernels, over a
-        cache of a dtype the attention kernel reads."""
+        verifying drafts (no prefill), over a cache of a dtype the attention kernel reads. (The
+        model builds its stack for the torch backend and kernels only: CausalLM.use_kernels.)"""
         metas = meta if isinstance(meta, tuple) else (meta,)
-        return (x.dtype == torch.float32 and x.is_cpu and isinstance(kernels, TorchKernels)
+        return (x.dtype == torch.float32 and x.is_cpu
                 and all(isinstance(m, AttentionMetadata) and not m.prefills for m in metas)
                 and kv_caches[0].dtype in cpu_ops.SUPPORTED and self.layout(x.shape[0]) is not None)
 

@@ -60,7 +60,8 @@ class CausalLM(nn.Module):
         (layers/decoder_stack.py)."""
         self.attention_backend = attention_backend
         self.layer_kernels = layer_kernels
-        self.decoder_stack = DecoderStack.of(self) if attention_backend.name == "torch" else None
+        plain = attention_backend.name == "torch" and isinstance(layer_kernels, TorchKernels)
+        self.decoder_stack = DecoderStack.of(self) if plain else None
 
     def make_layer(self, index: int) -> nn.Module:
         raise NotImplementedError
@@ -74,7 +75,7 @@ class CausalLM(nn.Module):
         if self.config.embedding_scale:
             # The factor is rounded to the activations' dtype first, as the reference does.
             x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
-        if self.decoder_stack is not None and self.decoder_stack.takes(x, kv_caches, meta, kernels):
+        if self.decoder_stack is not None and self.decoder_stack.takes(x, kv_caches, meta):
             return self.decoder_stack(x, positions, kv_caches, meta)
         ropes = {kind: kernels.rope(positions, table, x.dtype) for kind, table in self.rotary.items()}
         ctx = ForwardContext(self.attention_backend, kernels, meta if isinstance(meta, tuple) else (meta,), ropes)
