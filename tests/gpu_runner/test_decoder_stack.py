@@ -23,7 +23,7 @@ from stages.gpu_runner.layers.quantization import gguf
 pytestmark = pytest.mark.timeout(180)
 
 PROMPTS = [[1, 5, 9, 22, 7, 100, 200, 300], [4, 8, 15, 16, 23, 42], [300, 2, 77, 90, 91, 92, 93, 94, 95, 96, 97]]
-needs_vnni = pytest.mark.skipif(not quant.x8_available(2), reason="8-bit activations need AVX-512 VNNI")
+needs_x8 = pytest.mark.skipif(not quant.x8_available(2), reason="8-bit activations need AVX-512 VNNI or AVX2")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -59,7 +59,7 @@ def both_paths(make: Callable[[], LLM], monkeypatch, prompts=PROMPTS, max_tokens
 
 @pytest.mark.parametrize("quantization, activations, kv", [
     ("q8_0", "float32", "auto"), ("q4_0", "float32", "bfloat16"),
-    pytest.param("q4_0", "int8", "auto", marks=needs_vnni), pytest.param("q8_0", "int8", "bfloat16", marks=needs_vnni)])
+    pytest.param("q4_0", "int8", "auto", marks=needs_x8), pytest.param("q8_0", "int8", "bfloat16", marks=needs_x8)])
 def test_the_stack_gives_the_layers_tokens_and_logprobs_to_the_bit(tiny_checkpoint, monkeypatch, quantization,
                                                                      activations, kv):
     fused, layered, calls = both_paths(lambda: engine(tiny_checkpoint("llama"), quantization, activations, kv),
@@ -83,8 +83,8 @@ def test_a_sliding_window_reads_only_its_keys_in_the_stack_too(tiny_checkpoint, 
 
 
 @pytest.mark.parametrize("file_of, prompts_of, activations", [
-    (smollm2_gguf, smollm2_prompts, "float32"), pytest.param(smollm2_gguf, smollm2_prompts, "int8", marks=needs_vnni),
-    (gemma3_gguf, gemma3_prompts, "float32"), pytest.param(gemma3_gguf, gemma3_prompts, "int8", marks=needs_vnni)],
+    (smollm2_gguf, smollm2_prompts, "float32"), pytest.param(smollm2_gguf, smollm2_prompts, "int8", marks=needs_x8),
+    (gemma3_gguf, gemma3_prompts, "float32"), pytest.param(gemma3_gguf, gemma3_prompts, "int8", marks=needs_x8)],
     ids=["smollm2-float32", "smollm2-int8", "gemma3-float32", "gemma3-int8"])
 def test_the_real_files_decode_the_same_through_the_stack(monkeypatch, file_of, prompts_of, activations):
     """The default model's Q4_1 layers; Gemma 3's Q5_0, Q8_0, Q4_K and Q6_K ones (q, k and v held

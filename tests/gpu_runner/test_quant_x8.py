@@ -16,6 +16,8 @@ twice those: GAP_TOLERANCE for a parting, LOGPROB_TOLERANCE for the log-probabil
 """
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -37,8 +39,9 @@ U = 2.0 ** -24
 GAP_TOLERANCE = 0.2
 LOGPROB_TOLERANCE = 0.75
 
-needs_vnni = pytest.mark.skipif(not quant.x8_available(QType.Q8_0),
-                                reason="this CPU has no AVX-512 VNNI: the int8 kernel is not built (test below)")
+needs_x8 = pytest.mark.skipif(not quant.x8_available(QType.Q8_0),
+                              reason="this CPU has neither AVX-512 VNNI nor AVX2: the int8 kernel is not built "
+                                     "(test below)")
 
 
 def quantized_activations(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -69,7 +72,7 @@ def check_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert excess <= 0, f"{excess} beyond the activations' rounding bound"
 
 
-@needs_vnni
+@needs_x8
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("cols", [544, 768], ids=["odd-blocks", "even-blocks"])
 def test_int8_products_are_the_quantized_activations_times_the_weight(qtype, cols):
@@ -88,7 +91,7 @@ def test_int8_products_are_the_quantized_activations_times_the_weight(qtype, col
             "the int8 path was not taken"
 
 
-@needs_vnni
+@needs_x8
 def test_more_rows_than_x8_rows_stay_exact():
     weight = dataclass_int8(random_weight(QType.Q4_1, rows=20, cols=256, seed=1))
     x = torch.randn(gguf_method.X8_ROWS + 1, 256, generator=torch.Generator().manual_seed(0))
@@ -96,7 +99,7 @@ def test_more_rows_than_x8_rows_stay_exact():
     assert torch.equal(linear(x, weight, None), linear(x, plain, None))
 
 
-@needs_vnni
+@needs_x8
 @pytest.mark.parametrize("file_of, name, qtype", [
     (smollm2_gguf, "blk.0.attn_q.weight", QType.Q4_1), (smollm2_gguf, "token_embd.weight", QType.Q8_0),
     (gemma3_gguf, "blk.0.attn_q.weight", QType.Q5_0), (gemma3_gguf, "blk.0.attn_output.weight", QType.Q4_K),
@@ -114,19 +117,64 @@ def test_real_tensors(file_of, name, qtype):
     check_product(linear(x, weight, None), x, dequantized(weight))
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_avx2_products_are_the_quantized_activations_times_the_weight(qtype, avx2_x8):
+    """quant_x8_avx2.c, built without AVX-512 (what the operators build where the CPU has only AVX2),
+    on every type: an odd count of 32-value blocks (a lone last block), 1-9 rows (passes of 4 and
+    the rest), a block of zeros and a block far larger than the others."""
+    import ctypes
+
+    cols = 512 if qtype in K_TYPES else 544
+    weight = random_weight(qtype, rows=37, cols=cols, seed=qtype.value)
+    w = dequantized(weight)
+    assert avx2_x8.quant_x8_available(int(qtype)) == 1
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 3
+        x[0, :32] = 0
+        x[-1, 32:64] *= 1e4
+        out = torch.full((rows, 37), float("nan"))
+        assert avx2_x8.quant_matmul_x8(ctypes.c_void_p(weight.blocks.data_ptr()), int(qtype), weight.blocks.shape[1],
+                                       37, cols, ctypes.c_void_p(x.data_ptr()), rows,
+                                       ctypes.c_void_p(out.data_ptr())) == 0
+        check_product(out, x, w)
+
+
+@pytest.fixture(scope="module")
+def avx2_x8(tmp_path_factory):
+    """quant_x8*.c compiled with AVX-512 turned off, as a ctypes library."""
+    import ctypes
+    import platform
+    import subprocess
+
+    from stages.gpu_runner.cpu_ops import build as cpu_build
+
+    if platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu_build.instruction_set().split():
+        pytest.skip("needs an x86 CPU with AVX2")
+    sources = [str(path) for path in cpu_build.C_SOURCES if path.name.startswith("quant_x8")]
+    built_lib = tmp_path_factory.mktemp("x8") / "quant_x8_avx2.so"
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    subprocess.run([compiler, "-O3", "-march=native", "-mno-avx512f", "-ffp-contract=off", "-fopenmp", "-shared",
+                    "-fPIC", "-std=c11", *sources, "-o", str(built_lib), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(built_lib))
+    size = ctypes.c_int64
+    lib.quant_matmul_x8.argtypes = [ctypes.c_void_p, ctypes.c_int, size, size, size, ctypes.c_void_p, size,
+                                    ctypes.c_void_p]
+    return lib
+
+
 def dataclass_int8(weight: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(weight.qtype, weight.blocks, weight.shape, True)
 
 
 def test_int8_is_refused_where_the_kernel_is_not_built(monkeypatch):
     monkeypatch.setattr(quant, "x8_available", lambda qtype: False)
-    with pytest.raises(ValueError, match="quantized_activations int8 needs .*AVX-512 VNNI"):
+    with pytest.raises(ValueError, match="quantized_activations int8 needs .*AVX-512 VNNI or AVX2"):
         gguf_method.check_int8_activations("int8")
     gguf_method.check_int8_activations("float32")
     assert not gguf_method.int8_activations_for("int8", QType.Q4_1)
 
 
-@needs_vnni
+@needs_x8
 def test_the_operator_checks_its_blocks():
     weight = random_weight(QType.Q4_K, rows=4, cols=256, seed=0)
     with pytest.raises(ValueError, match="blocks of type 12 for 512 columns"):
@@ -141,7 +189,7 @@ def test_the_setting_is_checked():
         EngineConfig(model="m", quantized_activations="int4")
 
 
-@needs_vnni
+@needs_x8
 @pytest.mark.parametrize("file_of, tokens", [(smollm2_gguf, 32), (gemma3_gguf, 16)], ids=["smollm2", "gemma3"])
 def test_int8_engine_follows_the_float32_engine_until_a_near_tie(file_of, tokens):
     """On the suite's real prompts: the same greedy tokens until float32's two best are within

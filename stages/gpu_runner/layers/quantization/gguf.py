@@ -30,7 +30,7 @@ from stages.gpu_runner.layers.quantization.base import LinearMethod, QuantizedWe
 # 71 and 90; at 12 even), which a row verifying 4 drafts, or a few streams, needs; K types go to
 # quant_gemm.c from 3 rows (Q4_K 640x1024 at 3: 0.37 ms fused, 0.32 tiled). quant_gemm.c is ahead of
 # decoding tiles for torch's matmul up to ~128 rows; above ~192 rows torch's GEMM wins.
-# With --quantized-activations int8 (on a CPU with AVX-512 VNNI), up to X8_ROWS rows of every
+# With --quantized-activations int8 (on a CPU with AVX-512 VNNI or AVX2), up to X8_ROWS rows of every
 # type go through quant_x8.c: 8-bit activations and integer dots, all the rows in one pass over the
 # blocks. One forward step's products (tools/micro/bench_quant_matmul.py --rows 1 2 4 5 6 8, one
 # thread, thread CPU ms, float32 kernels / x8): SmolLM2 at 1 row 28.6 / 15.8, 4 rows 41.9 / 32.5,
@@ -106,8 +106,8 @@ def int8_activations_for(mode: str, qtype: int) -> bool:
 def check_int8_activations(mode: str) -> None:
     """ValueError where int8 is asked for on a CPU whose kernels cannot take it."""
     if mode == "int8" and not any(quant.x8_available(qtype) for qtype in X8_TYPES):
-        raise ValueError("quantized_activations int8 needs the CPU kernels built for AVX-512 VNNI, which this "
-                         "CPU or build lacks; use float32")
+        raise ValueError("quantized_activations int8 needs the CPU kernels built for AVX-512 VNNI or AVX2, "
+                         "which this CPU or build lacks; use float32")
 
 
 X8_TYPES = (2, 3, 6, 7, 8, 12, 13, 14)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
