@@ -5,7 +5,8 @@
  * tiles); quant_matmul is the decode step's fused dequantize-and-dot: out[j, r] = x[j] . W[r],
  * output rows shared by the OpenMP threads. With AVX-512 every block is decoded 16 values a
  * register and multiplied there with up to 8 (32-value types) or 4 (Q4_K, Q5_K, Q6_K) activation
- * rows at a time; without it a row is decoded by the scalar code, then dotted (AVX2 or scalar).
+ * rows at a time; without it a row is decoded (8 values a register with AVX2, quant_decode_avx2.c,
+ * else by the scalar code), then dotted.
  * Activations stay float32, and the only rounding is the dot's (8-bit activations with integer
  * dots, llama.cpp's shortcut, are quant_x8.c: --quantized-activations int8).
  *
@@ -20,6 +21,7 @@
 #include <string.h>
 
 #include "k_scales.h"
+#include "kernels.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__) || defined(__SSE__)
 #include <immintrin.h>
@@ -356,6 +358,7 @@ void quant_decode_row(const uint8_t *row, int qtype, int64_t cols, float *w) {
     for (int64_t k = 0; k < cols / 256; k++) block256(row + k * bytes, qtype, w + k * 256);
     return;
 #endif
+    if (quant_decode_row_avx2(row, qtype, cols, w)) return; /* AVX2 without AVX-512 */
     for (int64_t k = 0; k < cols / values; k++) {
         const uint8_t *b = row + k * bytes;
         float *out = w + k * values;
