@@ -75,18 +75,25 @@ static inline __attribute__((always_inline)) __m256i dot32(const __m256i w, cons
 
 /* The weight's 64 values w (in pair8's order) times pair p of x[j], for j < m, added into acc[j]:
  * the sums of lanes l scaled by wd (lo, hi: lanes 0-7, 8-15) and the activations' d; mins[j] +=
- * minimums * x's s (the types with a minimum). */
+ * minimums * x's s (the types with a minimum). Where lo's lanes and hi's hold the same blocks
+ * (`same_blocks`: the 4- and 5-bit 32-value types; wd_hi is then wd_lo), their integer sums are
+ * added first and scaled once. */
 static inline __attribute__((always_inline)) void accumulate(const bytes64 w, const __m256 wd_lo, const __m256 wd_hi,
                                                              const __m128 minimums, const int is_signed,
-                                                             const int with_min, const pair8 *x, int64_t pairs,
-                                                             const int m, __m256 acc[MAX_ROWS],
-                                                             __m128 mins[MAX_ROWS]) {
+                                                             const int with_min, const int same_blocks,
+                                                             const pair8 *x, int64_t pairs, const int m,
+                                                             __m256 acc[MAX_ROWS], __m128 mins[MAX_ROWS]) {
     for (int j = 0; j < m; j++) {
         const pair8 *xp = x + j * pairs;
         const __m256i lo = dot32(w.lo, _mm256_loadu_si256((const __m256i *)xp->q), is_signed);
         const __m256i hi = dot32(w.hi, _mm256_loadu_si256((const __m256i *)(xp->q + 32)), is_signed);
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(wd_lo, _mm256_loadu_ps(xp->d)), acc[j]);
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(wd_hi, _mm256_loadu_ps(xp->d + 8)), acc[j]);
+        if (same_blocks) {
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)),
+                                     _mm256_mul_ps(wd_lo, _mm256_loadu_ps(xp->d)), acc[j]);
+        } else {
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(wd_lo, _mm256_loadu_ps(xp->d)), acc[j]);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(wd_hi, _mm256_loadu_ps(xp->d + 8)), acc[j]);
+        }
         if (with_min) mins[j] = _mm_fmadd_ps(minimums, _mm_loadu_ps(xp->s), mins[j]);
     }
 }
@@ -100,10 +107,10 @@ static inline __attribute__((always_inline)) void pair_dot(const uint8_t *b0, co
     const __m256 wide = _mm256_castps128_ps256(scales);
     if (qtype == Q8_0) /* block 0 in lo, block 1 in hi */
         accumulate(w, _mm256_permutevar8x32_ps(wide, _mm256_set1_epi32(0)),
-                   _mm256_permutevar8x32_ps(wide, _mm256_set1_epi32(2)), scales, 1, 0, x, pairs, m, acc, mins);
+                   _mm256_permutevar8x32_ps(wide, _mm256_set1_epi32(2)), scales, 1, 0, 0, x, pairs, m, acc, mins);
     else { /* lanes 0-3 block 0's, 4-7 block 1's, in lo and hi alike */
         const __m256 wd = _mm256_permutevar8x32_ps(wide, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
-        accumulate(w, wd, wd, scales, signed_type(qtype), has_min(qtype), x, pairs, m, acc, mins);
+        accumulate(w, wd, wd, scales, signed_type(qtype), has_min(qtype), 1, x, pairs, m, acc, mins);
     }
 }
 
@@ -136,7 +143,7 @@ static inline __attribute__((always_inline)) void block256_dot(const uint8_t *b,
             w.lo = _mm256_sub_epi8(_mm256_or_si256(w.lo, h0), _mm256_set1_epi8(32));
             w.hi = _mm256_sub_epi8(_mm256_or_si256(w.hi, h1), _mm256_set1_epi8(32));
             accumulate(w, two_scales(scale[4 * c], scale[4 * c + 1]), two_scales(scale[4 * c + 2], scale[4 * c + 3]),
-                       _mm_setzero_ps(), 1, 0, x + c, pairs, m, acc, mins);
+                       _mm_setzero_ps(), 1, 0, 0, x + c, pairs, m, acc, mins);
         }
         return;
     }
@@ -155,7 +162,7 @@ static inline __attribute__((always_inline)) void block256_dot(const uint8_t *b,
             w.hi = with_fifth_bit(w.hi, _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_hi), bit_hi));
         }
         accumulate(w, _mm256_set1_ps(scale[2 * c]), _mm256_set1_ps(scale[2 * c + 1]),
-                   _mm_set_ps(-minimum[2 * c + 1], 0.0f, -minimum[2 * c], 0.0f), 0, 1, x + c, pairs, m, acc, mins);
+                   _mm_set_ps(-minimum[2 * c + 1], 0.0f, -minimum[2 * c], 0.0f), 0, 1, 0, x + c, pairs, m, acc, mins);
     }
 }
 
