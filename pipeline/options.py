@@ -132,7 +132,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="how quantized weights multiply a decode step's few rows on the CPU: float32 keeps "
                              "every product within float32 rounding of the dequantized weights' (the default); "
                              "int8 quantizes each 32 activations to 8 bits and dots in integers, as llama.cpp "
-                             "does (AVX-512 VNNI): a third less time a "
+                             "does (AVX-512 VNNI or AVX2): a third less time a "
                              "token on SmolLM2, but greedy text may part from float32's where two tokens are "
                              "close")
     parser.add_argument("--max-num-seqs", type=positive_int, default=256, help="requests decoded together at most")

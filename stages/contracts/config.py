@@ -25,7 +25,7 @@ WHOLE_WEIGHT_QUANTIZATIONS = ("gguf", "q8_0", "q4_0")  # weights held whole: no 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 # How quantized weights (CPU) multiply a decode step's few activation rows: float32 keeps every product
 # within float32 rounding of the dequantized weights'; int8 quantizes each 32 activations to 8 bits
-# and dots in integers (AVX-512 VNNI; every block type the kernels take), faster and within the
+# and dots in integers (AVX-512 VNNI or AVX2; every block type the kernels take), faster and within the
 # activations' rounding, which moves near-ties of greedy decoding.
 QUANTIZED_ACTIVATIONS = ("float32", "int8")
 KV_CONNECTORS = ("offload",)

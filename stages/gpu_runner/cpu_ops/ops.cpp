@@ -210,12 +210,12 @@ Tensor quant_matmul_op(const Tensor& x, const Tensor& blocks, int64_t qtype, int
   return out;
 }
 
-// quant_matmul with the activations quantized to 8 bits a block (quant_x8.c): 32-value types, VNNI CPUs.
+// quant_matmul with the activations quantized to 8 bits a block (quant_x8.c): AVX-512 VNNI or AVX2 CPUs.
 Tensor quant_matmul_x8_op(const Tensor& x, const Tensor& blocks, int64_t qtype, int64_t cols) {
   const char* op = "quant matmul_x8";
   check_blocks(blocks, qtype, cols, op);
   TORCH_CHECK_VALUE(quant_x8_available(static_cast<int>(qtype)), op, ": block type ", qtype,
-                    " has no 8-bit activation kernel on this CPU (it needs AVX-512 VNNI)");
+                    " has no 8-bit activation kernel on this CPU (it needs AVX-512 VNNI or AVX2)");
   const Tensor a = activations(x, cols, op);
   Tensor out = at::empty({a.size(0), blocks.size(0)}, a.options());
   quant_matmul_x8(blocks.const_data_ptr<uint8_t>(), static_cast<int>(qtype), blocks.size(1), blocks.size(0), cols,

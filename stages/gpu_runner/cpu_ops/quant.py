@@ -47,7 +47,7 @@ def _quant_matmul():
 
 
 def x8_available(qtype: int) -> bool:
-    """Whether matmul_x8 takes `qtype` on this CPU (AVX-512 VNNI; the 32-value block types)."""
+    """Whether matmul_x8 takes `qtype` on this CPU (AVX-512 VNNI or AVX2; every type quant_x8.c takes)."""
     ops = library()
     return ops is not None and bool(ops.quant_x8_available(int(qtype)))
 
