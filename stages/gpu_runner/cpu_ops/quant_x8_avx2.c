@@ -192,38 +192,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *row, c
     }
 }
 
-#define DOT_ROWS_CASE(QTYPE, BYTES, M)                                                                         \
-    case M: dot_rows(row, QTYPE, BYTES, blocks, x + j0 * pairs, pairs, M, out + j0 * out_stride, out_stride); break;
-#define DOT_ROWS_OF(QTYPE, BYTES)                                                                                    \
-    static void dot_rows_##QTYPE(const uint8_t *row, int64_t blocks, const pair8 *x, int64_t pairs, int64_t n,    \
-                                 float *out, int64_t out_stride) {                                                \
-        int64_t j0 = 0;                                                                                           \
-        for (; j0 + MAX_ROWS <= n; j0 += MAX_ROWS)                                                                \
-            dot_rows(row, QTYPE, BYTES, blocks, x + j0 * pairs, pairs, MAX_ROWS, out + j0 * out_stride, out_stride); \
-        switch (n - j0) {                                                                                         \
-            DOT_ROWS_CASE(QTYPE, BYTES, 1) DOT_ROWS_CASE(QTYPE, BYTES, 2) DOT_ROWS_CASE(QTYPE, BYTES, 3)          \
-        }                                                                                                         \
-    }
-DOT_ROWS_OF(Q8_0, 34)
-DOT_ROWS_OF(Q4_0, 18)
-DOT_ROWS_OF(Q4_1, 20)
-DOT_ROWS_OF(Q5_0, 22)
-DOT_ROWS_OF(Q5_1, 24)
-DOT_ROWS_OF(Q4_K, 144)
-DOT_ROWS_OF(Q5_K, 176)
-DOT_ROWS_OF(Q6_K, 210)
-
-void x8_row_products(const uint8_t *row, int qtype, int64_t blocks_per_row, const pair8 *x, int64_t pairs,
-                     int64_t n, float *out, int64_t out_stride) {
-    switch (qtype) {
-    case Q8_0: dot_rows_Q8_0(row, blocks_per_row, x, pairs, n, out, out_stride); break;
-    case Q4_0: dot_rows_Q4_0(row, blocks_per_row, x, pairs, n, out, out_stride); break;
-    case Q4_1: dot_rows_Q4_1(row, blocks_per_row, x, pairs, n, out, out_stride); break;
-    case Q5_0: dot_rows_Q5_0(row, blocks_per_row, x, pairs, n, out, out_stride); break;
-    case Q5_1: dot_rows_Q5_1(row, blocks_per_row, x, pairs, n, out, out_stride); break;
-    case Q4_K: dot_rows_Q4_K(row, blocks_per_row, x, pairs, n, out, out_stride); break;
-    case Q5_K: dot_rows_Q5_K(row, blocks_per_row, x, pairs, n, out, out_stride); break;
-    default: dot_rows_Q6_K(row, blocks_per_row, x, pairs, n, out, out_stride); break;
-    }
-}
+#define REST_CASES(QTYPE, BYTES) \
+    DOT_ROWS_CASE(QTYPE, BYTES, 1) DOT_ROWS_CASE(QTYPE, BYTES, 2) DOT_ROWS_CASE(QTYPE, BYTES, 3)
+X8_KERNELS
 #endif
