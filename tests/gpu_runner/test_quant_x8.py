@@ -10,9 +10,14 @@ of its arithmetic; (2) is the bound users get.
 On the real files the int8 engine's greedy text follows the float32 engine's until two tokens are
 close: measured on the suite's real prompts (SmolLM2's 4, Gemma-3's 3, 32 tokens each), 5 of the 7
 texts parted, where float32's two best log-probabilities were 0.008-0.094 nats apart, and before
-that every top-5 log-probability was within 0.07-0.37 nats of float32's (the largest differences
-on unlikely tokens). The tolerances below are
-twice those: GAP_TOLERANCE for a parting, LOGPROB_TOLERANCE for the log-probabilities.
+that every top-5 log-probability was within 0.07-0.37 nats of float32's on an AVX-512 VNNI CPU.
+The activations' rounding moves a logit by an absolute amount, so a token far down the top 5 moves
+its log-probability most and its probability least: on an AVX2 CPU (quant_x8_avx2.c, another order
+of summation, so other roundings downstream) one SmolLM2 token at float32 log-probability -7.7
+(0.04%) moved by 0.86 nats, while every top-5 token above LIKELY (-6, 0.25%) stayed within 0.44
+(SmolLM2) and 0.10 (Gemma-3). So the log-probabilities compared are those above LIKELY, within
+LOGPROB_TOLERANCE (1.7 times the worst of both CPUs); GAP_TOLERANCE, for a parting, is twice the
+widest gap measured.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ K_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
 U = 2.0 ** -24
 GAP_TOLERANCE = 0.2
 LOGPROB_TOLERANCE = 0.75
+LIKELY = -6.0
 
 needs_x8 = pytest.mark.skipif(not quant.x8_available(QType.Q8_0),
                               reason="this CPU has neither AVX-512 VNNI nor AVX2: the int8 kernel is not built "
@@ -193,7 +199,7 @@ def test_the_setting_is_checked():
 @pytest.mark.parametrize("file_of, tokens", [(smollm2_gguf, 32), (gemma3_gguf, 16)], ids=["smollm2", "gemma3"])
 def test_int8_engine_follows_the_float32_engine_until_a_near_tie(file_of, tokens):
     """On the suite's real prompts: the same greedy tokens until float32's two best are within
-    GAP_TOLERANCE, and until then every top-5 log-probability within LOGPROB_TOLERANCE."""
+    GAP_TOLERANCE, and until then every top-5 log-probability above LIKELY within LOGPROB_TOLERANCE."""
     from pipeline import LLM, SamplingParams
     from real_models import gemma3_prompts, smollm2_prompts
 
@@ -213,7 +219,8 @@ def test_int8_engine_follows_the_float32_engine_until_a_near_tie(file_of, tokens
     for exact, int8 in zip(outputs["float32"], outputs["int8"]):
         for position, (want, got) in enumerate(zip(exact.token_ids, int8.token_ids)):
             lp_exact, lp_int8 = exact.logprobs[position], int8.logprobs[position]
-            worst = max(abs(lp_exact[t] - lp_int8[t]) for t in set(lp_exact) & set(lp_int8))
+            worst = max((abs(lp_exact[t] - lp_int8[t]) for t in set(lp_exact) & set(lp_int8) if lp_exact[t] > LIKELY),
+                        default=0.0)
             assert worst <= LOGPROB_TOLERANCE, (position, worst)
             if want != got:
                 gap = lp_exact[want] - lp_exact.get(got, float("-inf"))
