@@ -34,8 +34,9 @@ void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t r
                   int64_t n, float *out);
 void quant_decode_row(const uint8_t *row, int qtype, int64_t cols, float *w);
 
-/* quant_decode_avx2.c: quant_decode_row's values on AVX2 without AVX-512; 0 where not built (or the type unknown) */
-int quant_decode_row_avx2(const uint8_t *row, int qtype, int64_t cols, float *w);
+/* quant_decode_avx2.c: one block's values as quant_decode_row gives them, on AVX2 without AVX-512
+ * (built there only) */
+void quant_decode_block_avx2(const uint8_t *b, int qtype, float *w);
 
 /* quant_x8.c */
 int quant_x8_available(int qtype);

@@ -345,6 +345,7 @@ int quant_block_bytes(int qtype) { return block_bytes(qtype); } /* 0: a type not
 /* One row of `cols` values decoded into w (quant_gemm.c's tiles use it too). */
 void quant_decode_row(const uint8_t *row, int qtype, int64_t cols, float *w) {
     const int values = block_values(qtype), bytes = block_bytes(qtype);
+    if (bytes == 0) return; /* a type not decoded here: the operators refuse it first */
 #if defined(__AVX512F__)
     if (values == 32) {
         for (int64_t k = 0; k < cols / 32; k++) {
@@ -357,8 +358,10 @@ void quant_decode_row(const uint8_t *row, int qtype, int64_t cols, float *w) {
     }
     for (int64_t k = 0; k < cols / 256; k++) block256(row + k * bytes, qtype, w + k * 256);
     return;
+#elif defined(__AVX2__) && defined(__F16C__)
+    for (int64_t k = 0; k < cols / values; k++) quant_decode_block_avx2(row + k * bytes, qtype, w + k * values);
+    return;
 #endif
-    if (quant_decode_row_avx2(row, qtype, cols, w)) return; /* AVX2 without AVX-512 */
     for (int64_t k = 0; k < cols / values; k++) {
         const uint8_t *b = row + k * bytes;
         float *out = w + k * values;

@@ -1,12 +1,13 @@
 /* quant.c's row decoding on a CPU with AVX2 but not AVX-512 (where quant.c decodes in 16-value
  * registers itself): 8 values a register instead of the scalar code's one. Every value is the
  * float32 the scalar code gives, bit for bit: the same integers, then the same float operations in
- * the same order, each rounded (-ffp-contract=off). quant_matmul's decode-then-dot and
- * quant_gemm.c's tiles both decode through it. */
+ * the same order, each rounded (-ffp-contract=off). quant.c's quant_decode_row calls it a block at
+ * a time, so quant_matmul's decode-then-dot and quant_gemm.c's tiles both decode through it. */
 #include <stdint.h>
 #include <string.h>
 
 #include "k_scales.h"
+#include "kernels.h"
 
 #if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
 #include <immintrin.h>
@@ -81,21 +82,10 @@ static inline void block256(const uint8_t *b, int qtype, float *w) {
         }
 }
 
-int quant_decode_row_avx2(const uint8_t *row, int qtype, int64_t cols, float *w) {
-    static const int bytes_of[15] = {[Q4_0] = 18, [Q4_1] = 20, [Q5_0] = 22, [Q5_1] = 24, [Q8_0] = 34,
-                                     [Q4_K] = 144, [Q5_K] = 176, [Q6_K] = 210};
-    if (qtype < 0 || qtype > Q6_K || bytes_of[qtype] == 0) return 0;
-    const int bytes = bytes_of[qtype];
-    if (qtype == Q4_K || qtype == Q5_K || qtype == Q6_K) {
-        for (int64_t k = 0; k < cols / 256; k++) block256(row + k * bytes, qtype, w + k * 256);
-    } else {
-        for (int64_t k = 0; k < cols / 32; k++) block32(row + k * bytes, qtype, w + k * 32);
-    }
-    return 1;
-}
-#else
-int quant_decode_row_avx2(const uint8_t *row, int qtype, int64_t cols, float *w) {
-    (void)row; (void)qtype; (void)cols; (void)w;
-    return 0;
+void quant_decode_block_avx2(const uint8_t *b, int qtype, float *w) {
+    if (qtype == Q4_K || qtype == Q5_K || qtype == Q6_K)
+        block256(b, qtype, w);
+    else
+        block32(b, qtype, w);
 }
 #endif
