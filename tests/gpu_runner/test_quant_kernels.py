@@ -238,26 +238,33 @@ def test_gguf_quantization_is_refused_under_tensor_parallelism():
         EngineConfig(model="m", quantization="q8")
 
 
+def quant_library(flags: list[str], built: Path, prefix: str = "quant") -> object:
+    """The C files of cpu_ops whose names start with `prefix`, compiled for this CPU less what
+    `flags` turn off, as a ctypes library at `built`."""
+    import ctypes
+    import subprocess
+
+    sources = [str(path) for path in cpu_build.C_SOURCES if path.name.startswith(prefix)]
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    subprocess.run([compiler, "-O3", "-march=native", *flags, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
+                    "-std=c11", *sources, "-o", str(built), "-lm"], check=True, capture_output=True)
+    return ctypes.CDLL(str(built))
+
+
 @pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]],
                          ids=["avx2", "scalar"])
 def test_the_paths_for_other_cpus_decode_multiply_and_quantize_the_same(flags, tmp_path):
-    """The quant*.c kernels built without AVX-512 (AVX2 dots and micro-kernel, scalar decoding) and
-    without any vector extension: the same decoded values and blocks bit for bit, products within
-    the same bound."""
+    """The quant*.c kernels built without AVX-512 (AVX2 decoding, dots and micro-kernel) and
+    without any vector extension (scalar decoding): the same decoded values and blocks bit for
+    bit, products within the same bound."""
     import ctypes
     import platform
-    import subprocess
 
     from gguf.quants import quantize
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the flags name x86 extensions")
-    sources = [str(path) for path in cpu_build.C_SOURCES if path.name.startswith("quant")]
-    built_lib = tmp_path / "quant.so"
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    subprocess.run([compiler, "-O3", "-march=native", *flags, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
-                    "-std=c11", *sources, "-o", str(built_lib), "-lm"], check=True, capture_output=True)
-    lib = ctypes.CDLL(str(built_lib))
+    lib = quant_library(flags, tmp_path / "quant.so")
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.quant_dequantize_rows.argtypes = [pointer, ctypes.c_int, size, size, pointer, size, size, pointer]
     lib.quant_matmul.argtypes = [pointer, ctypes.c_int, size, size, size, pointer, size, pointer]

@@ -21,14 +21,12 @@ widest gap measured.
 """
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 from real_models import gemma3_gguf, smollm2_gguf
-from test_quant_kernels import built, dequantized, random_weight  # noqa: F401 (built: the module's fixture)
+from test_quant_kernels import built, dequantized, quant_library, random_weight  # noqa: F401 (built: the module's fixture)
 
 from stages.contracts.config import EngineConfig
 from stages.gpu_runner.cpu_ops import quant
@@ -150,18 +148,12 @@ def avx2_x8(tmp_path_factory):
     """quant_x8*.c compiled with AVX-512 turned off, as a ctypes library."""
     import ctypes
     import platform
-    import subprocess
 
     from stages.gpu_runner.cpu_ops import build as cpu_build
 
     if platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu_build.instruction_set().split():
         pytest.skip("needs an x86 CPU with AVX2")
-    sources = [str(path) for path in cpu_build.C_SOURCES if path.name.startswith("quant_x8")]
-    built_lib = tmp_path_factory.mktemp("x8") / "quant_x8_avx2.so"
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    subprocess.run([compiler, "-O3", "-march=native", "-mno-avx512f", "-ffp-contract=off", "-fopenmp", "-shared",
-                    "-fPIC", "-std=c11", *sources, "-o", str(built_lib), "-lm"], check=True, capture_output=True)
-    lib = ctypes.CDLL(str(built_lib))
+    lib = quant_library(["-mno-avx512f"], tmp_path_factory.mktemp("x8") / "quant_x8_avx2.so", prefix="quant_x8")
     size = ctypes.c_int64
     lib.quant_matmul_x8.argtypes = [ctypes.c_void_p, ctypes.c_int, size, size, size, ctypes.c_void_p, size,
                                     ctypes.c_void_p]
