@@ -53,6 +53,12 @@ def test_a_draft_models_decoding_is_measured_in_the_targets_tokens(step) -> None
     # where the target's fits all say no draft pays (a busy machine), the draft's decoding is still reported
     costs = verify_cost.measure(step(-2, 1.0), 16, 4, torch.device("cpu"), draft_step=step(4, 0.25))
     assert costs.free_tokens == 0.0 and costs.draft_step == pytest.approx((4, 0.25))
+    # where the target's extra tokens cost nothing measurable (F at its cap), the draft's decoding is
+    # still a cost, in the c1 that F implies: c1 = 10 ms / (cap + 16)
+    costs = verify_cost.measure(step(10, 0.0), 16, 4, torch.device("cpu"), draft_step=step(4, 0.25))
+    unit = 10 / (verify_cost.MAX_FREE_TOKENS + 16)
+    assert costs.free_tokens == verify_cost.MAX_FREE_TOKENS
+    assert costs.draft_step == pytest.approx((4 / unit, 0.25 / unit))
 
 
 def test_a_speculative_runner_measures_what_a_verified_draft_costs(tiny_checkpoint,

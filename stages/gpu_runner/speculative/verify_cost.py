@@ -68,14 +68,18 @@ def measure(step: Step, rows: int, k: int, device: torch.device, draft_step: Ste
     times the tokens: a busy machine's noise, or a step with no fixed cost to share) are taken again,
     FITS times in all; if every fit says so, F is 0: extra tokens cost at least their share of the
     step, so no draft pays (never "free": drafts taken as free on a busy machine slow it down); a
-    draft model's decoding is then still measured against the last fit's c1."""
+    draft model's decoding is then still measured against the last fit's c1. A step whose extra
+    tokens cost nothing measurable has F = MAX_FREE_TOKENS, and a draft model's decoding is measured
+    in the c1 that F implies (never free either)."""
     small, large = rows, rows * (1 + k)
     for _ in range(FITS):
         # the two models' timings interleaved: a machine whose load changes meanwhile weighs both alike
         fits = _fit([step] if draft_step is None else [step, draft_step], small, large, device)
         c0, c1 = fits[0]
-        if c1 <= 0:
-            return StepCosts(MAX_FREE_TOKENS)
+        if c1 <= 0:  # extra tokens cost nothing measurable: F is the cap, and c1 the small step's
+            c1 = (c0 + c1 * small) / (MAX_FREE_TOKENS + small)  # share at that F (a draft's unit)
+            free = MAX_FREE_TOKENS
+            break
         if c0 > 0:
             free = min(c0 / c1, MAX_FREE_TOKENS)
             break
