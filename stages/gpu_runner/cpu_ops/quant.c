@@ -5,8 +5,8 @@
  * tiles); quant_matmul is the decode step's fused dequantize-and-dot: out[j, r] = x[j] . W[r],
  * output rows shared by the OpenMP threads. With AVX-512 every block is decoded 16 values a
  * register and multiplied there with up to 8 (32-value types) or 4 (Q4_K, Q5_K, Q6_K) activation
- * rows at a time; without it a row is decoded (8 values a register with AVX2, quant_decode_avx2.c,
- * else by the scalar code), then dotted.
+ * rows at a time; with AVX2 (quant_decode_avx2.c) 8 values a register, multiplied there with up to
+ * 4 rows; else a row is decoded by the scalar code, then dotted.
  * Activations stay float32, and the only rounding is the dot's (8-bit activations with integer
  * dots, llama.cpp's shortcut, are quant_x8.c: --quantized-activations int8).
  *
@@ -358,7 +358,7 @@ void quant_decode_row(const uint8_t *row, int qtype, int64_t cols, float *w) {
     }
     for (int64_t k = 0; k < cols / 256; k++) block256(row + k * bytes, qtype, w + k * 256);
     return;
-#elif defined(__AVX2__) && defined(__F16C__)
+#elif defined(QUANT_AVX2)
     for (int64_t k = 0; k < cols / values; k++) quant_decode_block_avx2(row + k * bytes, qtype, w + k * values);
     return;
 #endif
@@ -439,6 +439,9 @@ void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t r
                 dot_row32(blocks + r * row_bytes, qtype, cols, x, n, out + r, rows);
             else
                 dot_row256(blocks + r * row_bytes, qtype, cols, x, n, out + r, rows);
+            continue;
+#elif defined(QUANT_AVX2)
+            quant_dot_row_avx2(blocks + r * row_bytes, qtype, cols, x, n, out + r, rows);
             continue;
 #endif
             quant_decode_row(blocks + r * row_bytes, qtype, cols, w);

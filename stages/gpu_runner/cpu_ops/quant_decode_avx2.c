@@ -1,18 +1,23 @@
-/* quant.c's row decoding on a CPU with AVX2 but not AVX-512 (where quant.c decodes in 16-value
- * registers itself): 8 values a register instead of the scalar code's one. Every value is the
- * float32 the scalar code gives, bit for bit: the same integers, then the same float operations in
- * the same order, each rounded (-ffp-contract=off). quant.c's quant_decode_row calls it a block at
- * a time, so quant_matmul's decode-then-dot and quant_gemm.c's tiles both decode through it. */
+/* quant.c's blocks on a CPU with AVX2 but not AVX-512 (where quant.c decodes in 16-value registers
+ * itself): 8 values a register instead of the scalar code's one. Every value is the float32 the
+ * scalar code gives, bit for bit: the same integers, then the same float operations in the same
+ * order, each rounded (-ffp-contract=off). Two uses, one decoder (block32_emit, block256_emit):
+ *   - quant_decode_block_avx2: a block stored as floats (quant_decode_row, so quant_gemm.c's tiles);
+ *   - quant_dot_row_avx2: the decode step's fused dequantize-and-dot (quant_matmul), each decoded
+ *     register multiplied there with up to 4 activation rows, never stored. */
 #include <stdint.h>
 #include <string.h>
 
 #include "k_scales.h"
 #include "kernels.h"
 
-#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+#if defined(QUANT_AVX2)
 #include <immintrin.h>
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+#define MAX_ROWS 4 /* activation rows a pass: 2 accumulators each, and the decoding's registers, fit 16 */
+#define INLINE static inline __attribute__((always_inline))
 
 static inline float half_at(const uint8_t *at) { return _cvtsh_ss((uint16_t)(at[0] | (at[1] << 8))); }
 
@@ -22,13 +27,23 @@ static inline __m256i bits_of(const uint8_t *at, int shift, int mask) {
     return _mm256_cvtepu8_epi32(_mm_and_si128(bytes, _mm_set1_epi8((char)mask)));
 }
 
-/* A 32-value block into w[0..31]. */
-static inline void block32(const uint8_t *b, int qtype, float *w) {
+/* 8 decoded values, at `at` in the row: stored into w (x NULL), or multiplied with x[j]'s values
+ * there for j < m and added into acc[j][chain]. */
+INLINE void emit8(__m256 v, float *w, int64_t at, const float *x, int64_t cols, const int m, const int chain,
+                  __m256 acc[][2]) {
+    if (x == NULL) _mm256_storeu_ps(w + at, v);
+    else
+        for (int j = 0; j < m; j++) acc[j][chain] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + j * cols + at), acc[j][chain]);
+}
+
+/* Block k of a row of 32-value blocks (at b), emitted as values k * 32.. (see emit8). */
+INLINE void block32_emit(const uint8_t *b, const int qtype, float *w, int64_t k, const float *x, int64_t cols,
+                         const int m, __m256 acc[][2]) {
     const __m256 d = _mm256_set1_ps(half_at(b));
     if (qtype == Q8_0) {
         for (int i = 0; i < 4; i++) {
             const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i)));
-            _mm256_storeu_ps(w + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+            emit8(_mm256_mul_ps(_mm256_cvtepi32_ps(q), d), w, k * 32 + 8 * i, x, cols, m, i % 2, acc);
         }
         return;
     }
@@ -36,7 +51,7 @@ static inline void block32(const uint8_t *b, int qtype, float *w) {
     uint32_t qh = 0;
     if (qtype == Q5_0 || qtype == Q5_1) memcpy(&qh, qs - 4, 4);
     const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    const __m256 m = _mm256_set1_ps(qtype == Q4_1 || qtype == Q5_1 ? half_at(b + 2) : 0.0f);
+    const __m256 min = _mm256_set1_ps(qtype == Q4_1 || qtype == Q5_1 ? half_at(b + 2) : 0.0f);
     for (int i = 0; i < 4; i++) { /* values 8i..8i+7: bytes 0-7 or 8-15, low nibbles (i < 2) or high */
         __m256i q = bits_of(qs + 8 * (i % 2), 4 * (i / 2), 0xf);
         if (qtype == Q5_0 || qtype == Q5_1) { /* value v's fifth bit is bit v of qh */
@@ -47,13 +62,15 @@ static inline void block32(const uint8_t *b, int qtype, float *w) {
         __m256 out;
         if (qtype == Q4_0) out = _mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(8.0f)), d);
         else if (qtype == Q5_0) out = _mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(16.0f)), d);
-        else out = _mm256_add_ps(_mm256_mul_ps(v, d), m);
-        _mm256_storeu_ps(w + 8 * i, out);
+        else out = _mm256_add_ps(_mm256_mul_ps(v, d), min);
+        emit8(out, w, k * 32 + 8 * i, x, cols, m, i % 2, acc);
     }
 }
 
-/* A 256-value block into w[0..255], as quant.c's qk_45 and q6_k. */
-static inline void block256(const uint8_t *b, int qtype, float *w) {
+/* Block k of a row of 256-value blocks (Q4_K, Q5_K, Q6_K, as quant.c's qk_45 and q6_k), emitted as
+ * values k * 256.. (see emit8). */
+INLINE void block256_emit(const uint8_t *b, const int qtype, float *w, int64_t k, const float *x, int64_t cols,
+                          const int m, __m256 acc[][2]) {
     if (qtype == Q6_K) {
         const int8_t *scales = (const int8_t *)(b + 192);
         const float d = half_at(b + 208);
@@ -65,8 +82,8 @@ static inline void block256(const uint8_t *b, int qtype, float *w) {
                     const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)),
                                                        _mm256_set1_epi32(32));
                     const float scale = d * (float)scales[half * 8 + part * 2 + g / 2];
-                    _mm256_storeu_ps(w + half * 128 + part * 32 + 8 * g,
-                                     _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scale)));
+                    emit8(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scale)), w,
+                          k * 256 + half * 128 + part * 32 + 8 * g, x, cols, m, g % 2, acc);
                 }
         return;
     }
@@ -78,14 +95,65 @@ static inline void block256(const uint8_t *b, int qtype, float *w) {
             __m256i q = bits_of(qs + (j / 2) * 32 + 8 * g, (j % 2) * 4, 0xf);
             if (qtype == Q5_K) q = _mm256_or_si256(q, _mm256_slli_epi32(bits_of(b + 16 + 8 * g, j, 1), 4));
             const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scale[j]));
-            _mm256_storeu_ps(w + j * 32 + 8 * g, _mm256_sub_ps(v, _mm256_set1_ps(min[j])));
+            emit8(_mm256_sub_ps(v, _mm256_set1_ps(min[j])), w, k * 256 + j * 32 + 8 * g, x, cols, m, g % 2, acc);
         }
 }
 
 void quant_decode_block_avx2(const uint8_t *b, int qtype, float *w) {
     if (qtype == Q4_K || qtype == Q5_K || qtype == Q6_K)
-        block256(b, qtype, w);
+        block256_emit(b, qtype, w, 0, NULL, 0, 0, NULL);
     else
-        block32(b, qtype, w);
+        block32_emit(b, qtype, w, 0, NULL, 0, 0, NULL);
+}
+
+/* out[j * out_stride] = x[j] . the row, for j < m (a constant where inlined: the accumulators stay
+ * in registers, and each call site below is compiled for its block type). */
+INLINE void dot_rows(const uint8_t *row, const int qtype, const int bytes, int64_t cols, const float *x, const int m,
+                     float *out, int64_t out_stride) {
+    __m256 acc[MAX_ROWS][2];
+    for (int j = 0; j < m; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    if (qtype == Q4_K || qtype == Q5_K || qtype == Q6_K)
+        for (int64_t k = 0; k < cols / 256; k++) block256_emit(row + k * bytes, qtype, NULL, k, x, cols, m, acc);
+    else
+        for (int64_t k = 0; k < cols / 32; k++) block32_emit(row + k * bytes, qtype, NULL, k, x, cols, m, acc);
+    for (int j = 0; j < m; j++) {
+        const __m256 eight = _mm256_add_ps(acc[j][0], acc[j][1]);
+        __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+        four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+        out[j * out_stride] = _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
+    }
+}
+
+#define DOT_ROWS_CASE(QTYPE, BYTES, M) \
+    case M: dot_rows(row, QTYPE, BYTES, cols, x + j0 * cols, M, out + j0 * out_stride, out_stride); break;
+#define DOT_ROWS_OF(QTYPE, BYTES)                                                                               \
+    static void dot_rows_##QTYPE(const uint8_t *row, int64_t cols, const float *x, int64_t n, float *out,      \
+                                 int64_t out_stride) {                                                         \
+        int64_t j0 = 0;                                                                                        \
+        for (; j0 + MAX_ROWS <= n; j0 += MAX_ROWS)                                                             \
+            dot_rows(row, QTYPE, BYTES, cols, x + j0 * cols, MAX_ROWS, out + j0 * out_stride, out_stride);     \
+        switch (n - j0) { DOT_ROWS_CASE(QTYPE, BYTES, 1) DOT_ROWS_CASE(QTYPE, BYTES, 2) DOT_ROWS_CASE(QTYPE, BYTES, 3) } \
+    }
+DOT_ROWS_OF(Q8_0, 34)
+DOT_ROWS_OF(Q4_0, 18)
+DOT_ROWS_OF(Q4_1, 20)
+DOT_ROWS_OF(Q5_0, 22)
+DOT_ROWS_OF(Q5_1, 24)
+DOT_ROWS_OF(Q4_K, 144)
+DOT_ROWS_OF(Q5_K, 176)
+DOT_ROWS_OF(Q6_K, 210)
+
+void quant_dot_row_avx2(const uint8_t *row, int qtype, int64_t cols, const float *x, int64_t n, float *out,
+                        int64_t out_stride) {
+    switch (qtype) {
+    case Q8_0: dot_rows_Q8_0(row, cols, x, n, out, out_stride); return;
+    case Q4_0: dot_rows_Q4_0(row, cols, x, n, out, out_stride); return;
+    case Q4_1: dot_rows_Q4_1(row, cols, x, n, out, out_stride); return;
+    case Q5_0: dot_rows_Q5_0(row, cols, x, n, out, out_stride); return;
+    case Q5_1: dot_rows_Q5_1(row, cols, x, n, out, out_stride); return;
+    case Q4_K: dot_rows_Q4_K(row, cols, x, n, out, out_stride); return;
+    case Q5_K: dot_rows_Q5_K(row, cols, x, n, out, out_stride); return;
+    default: dot_rows_Q6_K(row, cols, x, n, out, out_stride); return;
+    }
 }
 #endif
