@@ -21,7 +21,7 @@
 #include "bf16.h"
 #include "exp.h"
 #include "kernels.h"
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -31,6 +31,18 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     __m512 sum = _mm512_setzero_ps();
     for (int64_t e = 0; e < n; e += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + e), _mm512_loadu_ps(b + e), sum);
     return _mm512_reduce_add_ps(sum);
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* AVX-512's 16 lanes as two registers, summed in _mm512_reduce_add_ps's order (l + 8, l + 4,
+     * l + 2, l + 1): the same float as the AVX-512 path */
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t e = 0; e < n; e += 16) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 8), _mm256_loadu_ps(b + e + 8), hi);
+    }
+    const __m256 eight = _mm256_add_ps(hi, lo);
+    __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
+    four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
 #else
     float lanes[16] = {0};
     for (int64_t e = 0; e < n; e += 16)

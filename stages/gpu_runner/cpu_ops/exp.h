@@ -9,10 +9,10 @@
  * polynomial, 2^n put into the exponent bits. 0 below -87 (where exp leaves float32's normal
  * range), for -inf and for NaN; inf above 88. */
 static inline float exp_approx(float x) {
-    if (!(x >= -87.0f)) return 0.0f;
-    if (x > 88.0f) return __builtin_inff();
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+    /* branch-free (the edges are selected, not branched to), so that the callers' loops vectorize */
+    const float y = (x >= -87.0f) & (x <= 88.0f) ? x : 0.0f;
+    const float n = __builtin_rintf(y * 1.44269504088896341f);
+    const float r = (y - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
     float p = 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
     p = p * r + 1.0f / 24.0f;
@@ -23,7 +23,8 @@ static inline float exp_approx(float x) {
     const int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    const float value = x >= -87.0f ? p * scale : 0.0f;
+    return x > 88.0f ? __builtin_inff() : value;
 }
 
 #endif
