@@ -254,7 +254,7 @@ def quant_library(flags: list[str], built: Path, prefix: str = "quant") -> objec
 @pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]],
                          ids=["avx2", "scalar"])
 def test_the_paths_for_other_cpus_decode_multiply_and_quantize_the_same(flags, tmp_path):
-    """The quant*.c kernels built without AVX-512 (AVX2 decoding, dots and micro-kernel) and
+    """The quant*.c kernels built without AVX-512 (AVX2 decoding, fused products and micro-kernel) and
     without any vector extension (scalar decoding): the same decoded values and blocks bit for
     bit, products within the same bound."""
     import ctypes
@@ -285,6 +285,13 @@ def test_the_paths_for_other_cpus_decode_multiply_and_quantize_the_same(flags, t
             else:
                 lib.quant_matmul(blocks, int(qtype), weight.blocks.shape[1], 9, 512, x.data_ptr(), 5, out.data_ptr())
             assert_within_float32_rounding(out, x, reference)
+        # Rows of the identity: each weight decoded exactly, through every count of rows a pass takes
+        # (AVX2's fused products: passes of 4, then 1, 2 or 3).
+        for start, count in ((0, 1), (1, 2), (3, 3), (6, 4), (10, 6), (16, 7)):
+            eye = torch.eye(512)[start:start + count].contiguous()
+            out = torch.empty(count, 9)
+            lib.quant_matmul(blocks, int(qtype), weight.blocks.shape[1], 9, 512, eye.data_ptr(), count, out.data_ptr())
+            assert torch.equal(out, reference[:, start:start + count].T), (qtype.name, count)
     values = torch.randn(6, 256)
     for qtype in (QType.Q8_0, QType.Q4_0):
         made = torch.empty(6, 256 // 32 * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
