@@ -14,6 +14,8 @@
 #if defined(QUANT_AVX2)
 #include <immintrin.h>
 
+#include "bits_avx2.h"
+
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 #define MAX_ROWS 4 /* activation rows a pass: 2 accumulators each, and the decoding's registers, fit 16 */
@@ -48,17 +50,20 @@ INLINE void block32_emit(const uint8_t *b, const int qtype, float *w, int64_t k,
         return;
     }
     const uint8_t *qs = b + (qtype == Q4_0 ? 2 : qtype == Q4_1 ? 4 : qtype == Q5_0 ? 6 : 8);
-    uint32_t qh = 0;
-    if (qtype == Q5_0 || qtype == Q5_1) memcpy(&qh, qs - 4, 4);
-    const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     const __m256 min = _mm256_set1_ps(qtype == Q4_1 || qtype == Q5_1 ? half_at(b + 2) : 0.0f);
-    for (int i = 0; i < 4; i++) { /* values 8i..8i+7: bytes 0-7 or 8-15, low nibbles (i < 2) or high */
-        __m256i q = bits_of(qs + 8 * (i % 2), 4 * (i / 2), 0xf);
-        if (qtype == Q5_0 || qtype == Q5_1) { /* value v's fifth bit is bit v of qh */
-            const __m256i bit = _mm256_and_si256(_mm256_set1_epi32((int)(qh >> (8 * i))), lane_bits);
-            q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi32(bit, lane_bits), _mm256_set1_epi32(16)));
-        }
-        const __m256 v = _mm256_cvtepi32_ps(q);
+    /* values 0-15 in the low nibbles of the 16 bytes, 16-31 in the high ones */
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs), nibble = _mm_set1_epi8(0xf);
+    __m128i low = _mm_and_si128(raw, nibble), high = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+    if (qtype == Q5_0 || qtype == Q5_1) { /* value v's fifth bit is bit v of qh: 16 in byte v */
+        uint32_t qh;
+        memcpy(&qh, qs - 4, 4);
+        const __m256i fifth = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(16));
+        low = _mm_or_si128(low, _mm256_castsi256_si128(fifth));
+        high = _mm_or_si128(high, _mm256_extracti128_si256(fifth, 1));
+    }
+    for (int i = 0; i < 4; i++) { /* values 8i..8i+7 */
+        const __m128i bytes = i < 2 ? low : high;
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(i % 2 ? _mm_srli_si128(bytes, 8) : bytes));
         __m256 out;
         if (qtype == Q4_0) out = _mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(8.0f)), d);
         else if (qtype == Q5_0) out = _mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(16.0f)), d);

@@ -7,6 +7,7 @@
 #include "quant_x8.h"
 
 #if defined(QUANT_X8_AVX2)
+#include "bits_avx2.h"
 #include "k_scales.h"
 
 /* Activation rows dotted with each weight row in one pass: 4, so that their accumulators and the
@@ -16,14 +17,6 @@
 typedef struct {
     __m256i lo, hi;
 } bytes64;
-
-/* 0xff in byte i where bit i of `bits` is set, else 0. */
-static inline __m256i bytes_from_bits(uint32_t bits) {
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
-                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
-                                                                  0x0303030303030303));
-    return _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
-}
 
 /* `w` with 16 added in the bytes `high` marks (their low four bits are below 16). */
 static inline __m256i with_fifth_bit(__m256i w, __m256i high) {
