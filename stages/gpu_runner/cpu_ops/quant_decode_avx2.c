@@ -23,10 +23,16 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 
 static inline float half_at(const uint8_t *at) { return _cvtsh_ss((uint16_t)(at[0] | (at[1] << 8))); }
 
-/* 8 bytes at `at`, each shifted right by `shift` and masked, as 8 int32 lanes. */
-static inline __m256i bits_of(const uint8_t *at, int shift, int mask) {
-    const __m128i bytes = _mm_srl_epi16(_mm_loadl_epi64((const __m128i *)at), _mm_cvtsi32_si128(shift));
-    return _mm256_cvtepu8_epi32(_mm_and_si128(bytes, _mm_set1_epi8((char)mask)));
+/* The 32 bytes at `at`, each shifted right by `shift` and masked. */
+static inline __m256i bytes_of(const uint8_t *at, int shift, int mask) {
+    const __m256i bytes = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)at), _mm_cvtsi32_si128(shift));
+    return _mm256_and_si256(bytes, _mm256_set1_epi8((char)mask));
+}
+
+/* Bytes 8g..8g+7 of `bytes` (g < 4), in the low 8 bytes. */
+static inline __m128i eight_of(__m256i bytes, int g) {
+    const __m128i half = g < 2 ? _mm256_castsi256_si128(bytes) : _mm256_extracti128_si256(bytes, 1);
+    return g % 2 ? _mm_srli_si128(half, 8) : half;
 }
 
 /* 8 decoded values, at `at` in the row: stored into w (x NULL), or multiplied with x[j]'s values
@@ -80,28 +86,29 @@ INLINE void block256_emit(const uint8_t *b, const int qtype, float *w, int64_t k
         const int8_t *scales = (const int8_t *)(b + 192);
         const float d = half_at(b + 208);
         for (int half = 0; half < 2; half++)
-            for (int part = 0; part < 4; part++)
+            for (int part = 0; part < 4; part++) { /* 32 values: 4 bits of ql, 2 of qh, less 32 (fits a byte) */
+                const __m256i low = bytes_of(b + half * 64 + (part % 2) * 32, (part / 2) * 4, 0xf);
+                const __m256i high = bytes_of(b + 128 + half * 32, part * 2, 3);
+                const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
                 for (int g = 0; g < 4; g++) {
-                    const __m256i low = bits_of(b + half * 64 + (part % 2) * 32 + 8 * g, (part / 2) * 4, 0xf);
-                    const __m256i high = bits_of(b + 128 + half * 32 + 8 * g, part * 2, 3);
-                    const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)),
-                                                       _mm256_set1_epi32(32));
                     const float scale = d * (float)scales[half * 8 + part * 2 + g / 2];
-                    emit8(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scale)), w,
-                          k * 256 + half * 128 + part * 32 + 8 * g, x, cols, m, g % 2, acc);
+                    emit8(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight_of(q, g))), _mm256_set1_ps(scale)),
+                          w, k * 256 + half * 128 + part * 32 + 8 * g, x, cols, m, g % 2, acc);
                 }
+            }
         return;
     }
     float scale[8], min[8];
     k_scales_of(b, half_at(b), half_at(b + 2), scale, min);
     const uint8_t *qs = b + (qtype == Q4_K ? 16 : 48);
-    for (int j = 0; j < 8; j++)
+    for (int j = 0; j < 8; j++) { /* sub-block j: the low (j even) or high nibbles of a run of 32 bytes */
+        __m256i q = bytes_of(qs + (j / 2) * 32, (j % 2) * 4, 0xf);
+        if (qtype == Q5_K) q = _mm256_or_si256(q, _mm256_slli_epi16(bytes_of(b + 16, j, 1), 4)); /* bit j of qh[i] */
         for (int g = 0; g < 4; g++) {
-            __m256i q = bits_of(qs + (j / 2) * 32 + 8 * g, (j % 2) * 4, 0xf);
-            if (qtype == Q5_K) q = _mm256_or_si256(q, _mm256_slli_epi32(bits_of(b + 16 + 8 * g, j, 1), 4));
-            const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scale[j]));
+            const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight_of(q, g))), _mm256_set1_ps(scale[j]));
             emit8(_mm256_sub_ps(v, _mm256_set1_ps(min[j])), w, k * 256 + j * 32 + 8 * g, x, cols, m, g % 2, acc);
         }
+    }
 }
 
 void quant_decode_block_avx2(const uint8_t *b, int qtype, float *w) {
