@@ -21,8 +21,10 @@
 #include "bf16.h"
 #include "exp.h"
 #include "kernels.h"
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__)
+#include "avx2.h"
 #endif
 
 /* a . b over n floats, n a multiple of 16 (paged_attention's caller checks head_dim). */
@@ -39,10 +41,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
         lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), lo);
         hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 8), _mm256_loadu_ps(b + e + 8), hi);
     }
-    const __m256 eight = _mm256_add_ps(hi, lo);
-    __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
-    four = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    return _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
+    return sum8(_mm256_add_ps(hi, lo));
 #else
     float lanes[16] = {0};
     for (int64_t e = 0; e < n; e += 16)

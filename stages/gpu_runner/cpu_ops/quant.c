@@ -378,27 +378,10 @@ void quant_decode_row(const uint8_t *row, int qtype, int64_t cols, float *w) {
     }
 }
 
+/* The scalar path's dot (AVX-512 and AVX2 multiply decoded registers in place, never a stored row). */
 static float dot(const float *a, const float *b, int64_t n) {
-    int64_t i = 0;
     float sum = 0.0f;
-#if defined(__AVX512F__)
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    for (; i + 32 <= n; i += 32) {
-        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
-    }
-    sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-#elif defined(__AVX2__)
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));
-    for (int l = 0; l < 8; l++) sum += lanes[l];
-#endif
-    for (; i < n; i++) sum += a[i] * b[i];
+    for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
     return sum;
 }
 

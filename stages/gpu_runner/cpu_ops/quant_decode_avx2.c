@@ -14,7 +14,7 @@
 #if defined(QUANT_AVX2)
 #include <immintrin.h>
 
-#include "bits_avx2.h"
+#include "avx2.h"
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -57,19 +57,16 @@ INLINE void block32_emit(const uint8_t *b, const int qtype, float *w, int64_t k,
     }
     const uint8_t *qs = b + (qtype == Q4_0 ? 2 : qtype == Q4_1 ? 4 : qtype == Q5_0 ? 6 : 8);
     const __m256 min = _mm256_set1_ps(qtype == Q4_1 || qtype == Q5_1 ? half_at(b + 2) : 0.0f);
-    /* values 0-15 in the low nibbles of the 16 bytes, 16-31 in the high ones */
-    const __m128i raw = _mm_loadu_si128((const __m128i *)qs), nibble = _mm_set1_epi8(0xf);
-    __m128i low = _mm_and_si128(raw, nibble), high = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+    /* value v in byte v: values 0-15 the low nibbles of the 16 bytes, 16-31 the high ones */
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0xf));
     if (qtype == Q5_0 || qtype == Q5_1) { /* value v's fifth bit is bit v of qh: 16 in byte v */
         uint32_t qh;
         memcpy(&qh, qs - 4, 4);
-        const __m256i fifth = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(16));
-        low = _mm_or_si128(low, _mm256_castsi256_si128(fifth));
-        high = _mm_or_si128(high, _mm256_extracti128_si256(fifth, 1));
+        q = _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(16)));
     }
     for (int i = 0; i < 4; i++) { /* values 8i..8i+7 */
-        const __m128i bytes = i < 2 ? low : high;
-        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(i % 2 ? _mm_srli_si128(bytes, 8) : bytes));
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight_of(q, i)));
         __m256 out;
         if (qtype == Q4_0) out = _mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(8.0f)), d);
         else if (qtype == Q5_0) out = _mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(16.0f)), d);
@@ -128,12 +125,7 @@ INLINE void dot_rows(const uint8_t *row, const int qtype, const int bytes, int64
         for (int64_t k = 0; k < cols / 256; k++) block256_emit(row + k * bytes, qtype, NULL, k, x, cols, m, acc);
     else
         for (int64_t k = 0; k < cols / 32; k++) block32_emit(row + k * bytes, qtype, NULL, k, x, cols, m, acc);
-    for (int j = 0; j < m; j++) {
-        const __m256 eight = _mm256_add_ps(acc[j][0], acc[j][1]);
-        __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
-        four = _mm_add_ps(four, _mm_movehl_ps(four, four));
-        out[j * out_stride] = _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
-    }
+    for (int j = 0; j < m; j++) out[j * out_stride] = sum8(_mm256_add_ps(acc[j][0], acc[j][1]));
 }
 
 #define DOT_ROWS_CASE(QTYPE, BYTES, M) \

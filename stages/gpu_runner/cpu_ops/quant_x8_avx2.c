@@ -7,7 +7,7 @@
 #include "quant_x8.h"
 
 #if defined(QUANT_X8_AVX2)
-#include "bits_avx2.h"
+#include "avx2.h"
 #include "k_scales.h"
 
 /* Activation rows dotted with each weight row in one pass: 4, so that their accumulators and the
@@ -177,11 +177,8 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *row, c
         if (blocks & 1) pair_dot(row + 2 * p * bytes, qtype, bytes, 1, x + p, pairs, m, acc, mins);
     }
     for (int j = 0; j < m; j++) {
-        __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
-        sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-        sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
         const __m128 pairs_of = _mm_add_ps(mins[j], _mm_movehl_ps(mins[j], mins[j]));
-        out[j * out_stride] = _mm_cvtss_f32(sum) + _mm_cvtss_f32(_mm_add_ss(pairs_of, _mm_shuffle_ps(pairs_of, pairs_of, 1)));
+        out[j * out_stride] = sum8(acc[j]) + _mm_cvtss_f32(_mm_add_ss(pairs_of, _mm_shuffle_ps(pairs_of, pairs_of, 1)));
     }
 }
 
