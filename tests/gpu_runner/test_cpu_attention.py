@@ -133,3 +133,62 @@ def test_keys_written_into_a_bfloat16_cache_are_rounded_to_nearest() -> None:
     flat = cache.flatten(1, 2)
     assert torch.equal(flat[0, [0, 5, 9]], key.to(torch.bfloat16)) and torch.equal(flat[1, [0, 5, 9]],
                                                                                   value.to(torch.bfloat16))
+
+
+def chunked_step(contexts: list[int], window: int | None, *, kv_heads: int = 3, heads: int = 9, head_dim: int = 64,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode rows over long contexts, straight for the compiled kernel: (query [rows, 1, heads,
+    head_dim], flat cache [2, slots, kv_heads, head_dim], slots [rows, num_keys] (each row's keys
+    scattered over the cache, padding masked), mask [rows, 1, num_keys] (the last `window` keys))."""
+    generator = torch.Generator().manual_seed(seed)
+    num_keys = max(contexts)
+    cache = torch.randn(2, len(contexts) * num_keys, kv_heads, head_dim, generator=generator)
+    order = torch.randperm(cache.shape[1], generator=generator)
+    slots = order.view(len(contexts), num_keys).clone()
+    mask = torch.zeros(len(contexts), 1, num_keys, dtype=torch.bool)
+    for row, context in enumerate(contexts):
+        first = 0 if window is None else max(0, context - window)
+        mask[row, 0, first:context] = True
+    query = torch.randn(len(contexts), 1, heads, head_dim, generator=generator)
+    return query, cache, slots, mask
+
+
+def chunked_reference(query, cache, slots, mask, scale):
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    group = query.shape[2] // cache.shape[2]
+    for row in range(query.shape[0]):
+        seen = slots[row][mask[row, 0]]
+        keys = cache[0, seen].double().repeat_interleave(group, dim=1)  # [keys, heads, head_dim]
+        values = cache[1, seen].double().repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,khd->hk", query[row, 0].double() * scale, keys), dim=-1)
+        out[row, 0] = torch.einsum("hk,khd->hd", weights, values)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5, 70])
+def test_long_rows_are_attended_in_key_chunks(window: int | None) -> None:
+    """Rows of more keys than a chunk (64): split, each chunk softmaxed alone, merged; with a window
+    some chunks see no key at all. Equal to float64 attention within float32 rounding."""
+    from stages.gpu_runner.cpu_ops import paged_attention as compiled
+
+    query, cache, slots, mask = chunked_step([200, 64, 65, 129, 1], window)
+    out = compiled(query, cache, slots, mask, 0.125)
+    assert_close(out, chunked_reference(query, cache, slots, mask, 0.125), torch.float32)
+
+
+def test_a_rows_attention_depends_on_neither_its_batch_nor_the_threads() -> None:
+    """A long row's chunks may be shared by the threads; its result is the same float alone, beside
+    other rows, and on one thread or two (the chunks are fixed, and merged in order)."""
+    from stages.gpu_runner.cpu_ops import paged_attention as compiled
+
+    query, cache, slots, mask = chunked_step([300, 200, 77], None, seed=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = compiled(query, cache, slots, mask, 0.125)
+        alone = [compiled(query[i:i + 1], cache, slots[i:i + 1], mask[i:i + 1], 0.125) for i in range(3)]
+        torch.set_num_threads(1)
+        one_thread = compiled(query, cache, slots, mask, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(torch.cat(alone), together) and torch.equal(one_thread, together)

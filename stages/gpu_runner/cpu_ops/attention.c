@@ -1,11 +1,13 @@
 /* Paged attention over a step's few-query rows (decodes, and rows verifying drafts) on the CPU.
  *
  * Each row reads its keys in place from the paged cache by slot: no gathered copy of its context,
- * no padding to the batch's longest row (masked keys are skipped, not scored). One task per row
- * scores all its query heads against each key once (a key's KV heads are contiguous in its
- * slot), then a softmax and the weighted sum of values, all in float32. Tasks are shared by the
- * process's OpenMP threads (torch's own: this library links libgomp by soname, which torch has
- * loaded); a single row, one stream's decode, runs on the calling thread without waking the team.
+ * no padding to the batch's longest row (masked keys are skipped, not scored). A task is a chunk
+ * of a row's keys (KEY_CHUNK): it scores all the row's query heads against each key once (a key's
+ * KV heads are contiguous in its slot), then a softmax within the chunk and the weighted sum of its
+ * values, all in float32; a row's chunks are then merged. Tasks are shared by the process's OpenMP
+ * threads (torch's own: this library links libgomp by soname, which torch has loaded), so one
+ * stream's decode over a long context uses them all; a single chunk runs on the calling thread
+ * without waking the team.
  *
  * Layouts (C-contiguous; element type float32 or bfloat16, one for query and out (`bf16`) and one
  * for the keys and values (`kv_bf16`: a bfloat16 cache under a float32 model is widened as read):
@@ -53,6 +55,11 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 #define AHEAD 4  /* keys whose lines are fetched ahead of the one in use */
+/* A row's keys are taken in chunks of this many, each scored, softmaxed against its own highest score
+ * and summed over its values alone, then the chunks merged in order: a row of many keys is shared by
+ * the threads, and a row's result does not depend on the rows beside it or on the thread count. */
+#define KEY_CHUNK 64
+#define SCRATCH_FLOATS (1 << 20) /* the chunks' partial results held at once (4 MiB) */
 
 /* Fetch the cache lines of key j + AHEAD's slot (`slot_bytes` at `base`) ahead of their use. */
 static inline void fetch_ahead(const void *base, const int64_t *slots, int64_t j, int64_t num_keys,
@@ -76,54 +83,57 @@ static inline const float *slot_row(const void *base, int64_t slot, int64_t slot
     return vector;
 }
 
-/* One row: `width` = queries * heads query vectors q [width, head_dim] (already scaled), query
- * i's heads at rows i * heads.. of q; head h reads KV head h / group. Each key is read once for
- * all KV heads (its slot's bytes are contiguous). Scratch: scores [width, num_keys], vector
- * [kv_heads * head_dim] (bfloat16 slots widened); the result goes to acc [width, head_dim]. */
-static void attend(const float *q, int64_t width, int64_t heads, const void *keys, const void *values, int bf16,
-                   const int64_t *slots, const uint8_t *mask, int64_t queries, int64_t num_keys,
-                   int64_t kv_heads, int64_t head_dim, float *scores, float *vector, float *acc) {
-    const int64_t group = heads / kv_heads, slot_width = kv_heads * head_dim;
+/* Keys [j0, j1) of one row, `width` = queries * heads query vectors q [width, head_dim] (already
+ * scaled), query i's heads at rows i * heads.. of q; head h reads KV head h / group. Each key is read
+ * once for all KV heads (its slot's bytes are contiguous). For each query vector m the chunk leaves
+ * top[m] (its highest score, -inf where it sees none of these keys), total[m] = sum exp(s - top[m])
+ * and acc [m, head_dim] = sum exp(s - top[m]) v. Scratch: scores [width, KEY_CHUNK], vector
+ * [kv_heads * head_dim] (bfloat16 slots widened). */
+static void attend_chunk(const float *q, int64_t width, int64_t heads, const void *keys, const void *values,
+                         int bf16, const int64_t *slots, const uint8_t *mask, int64_t queries, int64_t num_keys,
+                         int64_t j0, int64_t j1, int64_t kv_heads, int64_t head_dim, float *scores, float *vector,
+                         float *top, float *total, float *acc) {
+    const int64_t group = heads / kv_heads, slot_width = kv_heads * head_dim, n = j1 - j0;
     const int64_t slot_bytes = slot_width * (bf16 ? 2 : 4);
-    for (int64_t j = 0; j < num_keys; j++) {
-        fetch_ahead(keys, slots, j, num_keys, slot_bytes);
+    for (int64_t j = j0; j < j1; j++) {
+        fetch_ahead(keys, slots, j, j1, slot_bytes);
         const float *key = seen(mask, queries, num_keys, j) ? slot_row(keys, slots[j], slot_width, bf16, vector) : NULL;
         for (int64_t i = 0; i < queries; i++) {
             const int visible = key != NULL && mask[i * num_keys + j];
             for (int64_t kv = 0; kv < kv_heads; kv++)
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t m = i * heads + kv * group + g;
-                    scores[m * num_keys + j] = visible ? dot(q + m * head_dim, key + kv * head_dim, head_dim) : -INFINITY;
+                    scores[m * KEY_CHUNK + j - j0] = visible ? dot(q + m * head_dim, key + kv * head_dim, head_dim) : -INFINITY;
                 }
         }
     }
     for (int64_t m = 0; m < width; m++) {
-        float *s = scores + m * num_keys, top = -INFINITY, total = 0.0f;
-        for (int64_t j = 0; j < num_keys; j++) top = s[j] > top ? s[j] : top;
-        if (top == -INFINITY) {  /* sees nothing: zeros */
-            memset(s, 0, sizeof(float) * num_keys);
+        float *s = scores + m * KEY_CHUNK, high = -INFINITY, sum = 0.0f;
+        for (int64_t j = 0; j < n; j++) high = s[j] > high ? s[j] : high;
+        top[m] = high;
+        if (high == -INFINITY) { /* sees none of these keys: weights 0 */
+            memset(s, 0, sizeof(float) * n);
+            total[m] = 0.0f;
             continue;
         }
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < num_keys; j++) {
-            const float p = exp_approx(s[j] - top);  /* 0 for masked keys (-inf) */
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; j++) {
+            const float p = exp_approx(s[j] - high); /* 0 for masked keys (-inf) */
             s[j] = p;
-            total += p;
+            sum += p;
         }
-        const float inverse = 1.0f / total;
-#pragma omp simd
-        for (int64_t j = 0; j < num_keys; j++) s[j] *= inverse;
+        total[m] = sum;
     }
     memset(acc, 0, sizeof(float) * width * head_dim);
-    for (int64_t j = 0; j < num_keys; j++) {
-        fetch_ahead(values, slots, j, num_keys, slot_bytes);
+    for (int64_t j = j0; j < j1; j++) {
+        fetch_ahead(values, slots, j, j1, slot_bytes);
         if (!seen(mask, queries, num_keys, j)) continue;
         const float *value = slot_row(values, slots[j], slot_width, bf16, vector);
         for (int64_t i = 0; i < queries; i++)
             for (int64_t kv = 0; kv < kv_heads; kv++)
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t m = i * heads + kv * group + g;
-                    const float p = scores[m * num_keys + j], *vm = value + kv * head_dim;
+                    const float p = scores[m * KEY_CHUNK + j - j0], *vm = value + kv * head_dim;
                     float *am = acc + m * head_dim;
 #pragma omp simd
                     for (int64_t e = 0; e < head_dim; e++) am[e] += p * vm[e];
@@ -131,27 +141,75 @@ static void attend(const float *q, int64_t width, int64_t heads, const void *key
     }
 }
 
+/* A row's chunks (`chunks` runs of `per_chunk` floats: top [width], total [width], acc [width,
+ * head_dim]) into its output: each chunk's weights rescaled to the row's highest score, in chunk
+ * order, then divided by their sum. A query that sees no key gets zeros. */
+static void merge_chunks(const float *parts, int64_t chunks, int64_t per_chunk, int64_t width, int64_t head_dim,
+                         float *out) {
+    for (int64_t m = 0; m < width; m++) {
+        float high = -INFINITY, sum = 0.0f;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float t = parts[c * per_chunk + m];
+            high = t > high ? t : high;
+        }
+        float *o = out + m * head_dim;
+        memset(o, 0, sizeof(float) * head_dim);
+        if (high == -INFINITY) continue;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *part = parts + c * per_chunk;
+            const float weight = exp_approx(part[m] - high); /* 1 for the highest chunk, 0 for a chunk seeing nothing */
+            const float *a = part + 2 * width + m * head_dim;
+            sum += weight * part[width + m];
+#pragma omp simd
+            for (int64_t e = 0; e < head_dim; e++) o[e] += weight * a[e];
+        }
+        const float inverse = 1.0f / sum;
+#pragma omp simd
+        for (int64_t e = 0; e < head_dim; e++) o[e] *= inverse;
+    }
+}
+
 void paged_attention(const void *query, const void *keys, const void *values, const int64_t *slots,
                      const uint8_t *mask, void *out, int64_t rows, int64_t queries, int64_t num_keys,
                      int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int bf16, int kv_bf16) {
     const int64_t width = queries * heads;  /* query vectors per row */
-#pragma omp parallel if (rows > 1)
+    const int64_t chunks = num_keys > 0 ? (num_keys + KEY_CHUNK - 1) / KEY_CHUNK : 1;
+    const int64_t per_chunk = width * (head_dim + 2);
+    /* rows a wave: their chunks' partial results held at once, in about SCRATCH_FLOATS */
+    int64_t wave = SCRATCH_FLOATS / (chunks * per_chunk);
+    wave = wave < 1 ? 1 : wave > rows ? rows : wave;
+    float *parts = malloc(sizeof(float) * (size_t)(wave * chunks * per_chunk));
+    if (parts == NULL) abort();
+#pragma omp parallel if (rows * chunks > 1)
     {
         float *q = malloc(sizeof(float) * width * head_dim);
-        float *acc = malloc(sizeof(float) * width * head_dim);
-        float *scores = malloc(sizeof(float) * width * num_keys);
+        float *scores = malloc(sizeof(float) * width * KEY_CHUNK);
         float *vector = malloc(sizeof(float) * kv_heads * head_dim);
+        float *merged = malloc(sizeof(float) * width * head_dim);
+        if (q == NULL || scores == NULL || vector == NULL || merged == NULL) abort();
+        for (int64_t first = 0; first < rows; first += wave) {
+            const int64_t count = rows - first < wave ? rows - first : wave;
 #pragma omp for schedule(static)
-        for (int64_t row = 0; row < rows; row++) {
-            load_row(query, row * width * head_dim, bf16, q, width * head_dim);
-            for (int64_t e = 0; e < width * head_dim; e++) q[e] *= scale;
-            attend(q, width, heads, keys, values, kv_bf16, slots + row * num_keys, mask + row * queries * num_keys,
-                   queries, num_keys, kv_heads, head_dim, scores, vector, acc);
-            store_row(out, row * width * head_dim, bf16, acc, width * head_dim);
+            for (int64_t task = 0; task < count * chunks; task++) {
+                const int64_t row = first + task / chunks, c = task % chunks;
+                const int64_t j0 = c * KEY_CHUNK, j1 = j0 + KEY_CHUNK < num_keys ? j0 + KEY_CHUNK : num_keys;
+                float *part = parts + task * per_chunk;
+                load_row(query, row * width * head_dim, bf16, q, width * head_dim);
+                for (int64_t e = 0; e < width * head_dim; e++) q[e] *= scale;
+                attend_chunk(q, width, heads, keys, values, kv_bf16, slots + row * num_keys,
+                             mask + row * queries * num_keys, queries, num_keys, j0, j1, kv_heads, head_dim, scores,
+                             vector, part, part + width, part + 2 * width);
+            }
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < count; r++) {
+                merge_chunks(parts + r * chunks * per_chunk, chunks, per_chunk, width, head_dim, merged);
+                store_row(out, (first + r) * width * head_dim, bf16, merged, width * head_dim);
+            }
         }
         free(q);
-        free(acc);
         free(scores);
         free(vector);
+        free(merged);
     }
+    free(parts);
 }
