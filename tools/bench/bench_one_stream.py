@@ -14,7 +14,7 @@ printed with the table: on a shared machine only ratios from one run count.
 
     python tools/bench/bench_one_stream.py [--model FILE.gguf ...] [--real-files] [--quantization auto none gguf]
         [--dtype auto] [--quantized-activations float32 int8] [--http] [--kv-cache-dtype auto bfloat16]
-        [--backend stages in-process]
+        [--backend stages split in-process]
         [--llamacpp-python /path/to/venv/bin/python]
         [--context-tokens 2048] [--json]
 
@@ -169,9 +169,10 @@ def main() -> None:
                         help="each setting is also run with each of these (int8: 8-bit activations for a few rows)")
     parser.add_argument("--http", action="store_true",
                         help="serve through pipeline's OpenAI server instead of the in-process engine")
-    parser.add_argument("--backend", nargs="+", default=["stages"], choices=["stages", "in-process"],
-                        help="served rows (--http): the stage processes, or `pipeline start --in-process` (the "
-                             "engine in the daemon's own thread)")
+    parser.add_argument("--backend", nargs="+", default=["stages"], choices=["stages", "split", "in-process"],
+                        help="served rows (--http): the stage processes (split: with `--cpu-placement split`, the "
+                             "runner on all cores but one), or `pipeline start --in-process` (the engine in the "
+                             "daemon's own thread)")
     parser.add_argument("--llamacpp-python", type=Path, default=None,
                         help="a llama-cpp-python[server] venv's python: llama.cpp serves each file too (with --http)")
     parser.add_argument("--context-tokens", type=int, default=2048,

@@ -117,7 +117,8 @@ def pipeline_server(model: Path, quantization: str, dtype: str | None, port: int
                "--num-kv-blocks", str(context_tokens // BLOCK_TOKENS), "--block-size", str(BLOCK_TOKENS)]
     return command + ([] if dtype is None else ["--dtype", dtype]) + ["--kv-cache-dtype", kv_cache_dtype,
                                                                        "--quantized-activations", activations] \
-        + (["--in-process"] if backend == "in-process" else [])
+        + (["--in-process"] if backend == "in-process" else []) \
+        + (["--cpu-placement", "split"] if backend == "split" else [])
 
 
 def llamacpp_server(python: Path, model: Path, port: int, context_tokens: int = CONTEXT_TOKENS) -> list[str]:
