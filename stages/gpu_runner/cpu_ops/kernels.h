@@ -35,14 +35,15 @@ void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t r
 void quant_decode_row(const uint8_t *row, int qtype, int64_t cols, float *w);
 
 /* quant_decode_avx2.c, built where QUANT_AVX2 (AVX2, FMA and F16C without AVX-512): one block's
- * values as quant_decode_row gives them, and quant_matmul's fused product of a row with x[j] for
- * j < n (out[j * out_stride]) */
+ * values as quant_decode_row gives them; x's block sums [n, cols / 32]; and quant_matmul's fused
+ * product of a row with x[j] for j < n (out[j * out_stride]), given those sums */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 #define QUANT_AVX2 1
 #endif
 void quant_decode_block_avx2(const uint8_t *b, int qtype, float *w);
-void quant_dot_row_avx2(const uint8_t *row, int qtype, int64_t cols, const float *x, int64_t n, float *out,
-                        int64_t out_stride);
+void quant_block_sums_avx2(const float *x, int64_t n, int64_t cols, float *sums);
+void quant_dot_row_avx2(const uint8_t *row, int qtype, int64_t cols, const float *x, const float *sums, int64_t n,
+                        float *out, int64_t out_stride);
 
 /* quant_x8.c */
 int quant_x8_available(int qtype);

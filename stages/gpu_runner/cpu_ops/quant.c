@@ -410,6 +410,11 @@ static inline void prefetch_row(const uint8_t *row, int64_t row_bytes) {
 /* out [n, rows] = x [n, cols] times the weight [rows, cols] transposed. */
 void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t rows, int64_t cols, const float *x,
                   int64_t n, float *out) {
+#if defined(QUANT_AVX2)
+    float *sums = malloc(sizeof(float) * (size_t)(n * (cols / 32))); /* x's block sums, for the minimums */
+    if (sums == NULL) abort();
+    quant_block_sums_avx2(x, n, cols, sums);
+#endif
 #pragma omp parallel
     {
         float *w = malloc(sizeof(float) * cols);
@@ -424,7 +429,7 @@ void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t r
                 dot_row256(blocks + r * row_bytes, qtype, cols, x, n, out + r, rows);
             continue;
 #elif defined(QUANT_AVX2)
-            quant_dot_row_avx2(blocks + r * row_bytes, qtype, cols, x, n, out + r, rows);
+            quant_dot_row_avx2(blocks + r * row_bytes, qtype, cols, x, sums, n, out + r, rows);
             continue;
 #endif
             quant_decode_row(blocks + r * row_bytes, qtype, cols, w);
@@ -432,4 +437,7 @@ void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t r
         }
         free(w);
     }
+#if defined(QUANT_AVX2)
+    free(sums);
+#endif
 }
