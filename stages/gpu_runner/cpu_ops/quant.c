@@ -5,14 +5,16 @@
  * tiles); quant_matmul is the decode step's fused dequantize-and-dot: out[j, r] = x[j] . W[r],
  * output rows shared by the OpenMP threads. With AVX-512 every block is decoded 16 values a
  * register and multiplied there with up to 8 (32-value types) or 4 (Q4_K, Q5_K, Q6_K) activation
- * rows at a time; with AVX2 (quant_decode_avx2.c) 8 values a register, multiplied there with up to
- * 4 rows; else a row is decoded by the scalar code, then dotted.
- * Activations stay float32, and the only rounding is the dot's (8-bit activations with integer
- * dots, llama.cpp's shortcut, are quant_x8.c: --quantized-activations int8).
+ * rows at a time; with AVX2 (quant_decode_avx2.c) a block's integers are dotted with up to 4 rows
+ * and the sum scaled once, d (q . x) (+ m sum(x) for the types with a minimum); else a row is
+ * decoded by the scalar code, then dotted. Activations stay float32, and the result is the decoded
+ * weights' dot within float32 rounding (8-bit activations with integer dots, llama.cpp's shortcut,
+ * are quant_x8.c: --quantized-activations int8).
  *
  * Every decoded value is the float32 that loaders/gguf_quants.py gives, bit for bit: the same
  * operations in the same order, each rounded (-ffp-contract=off; nothing here is an FMA except the
- * dot's own accumulation). Only the dot's order of summation differs from a float32 matmul.
+ * dot's own accumulation). Only the dot's order of summation (and on AVX2 its factoring) differs
+ * from a float32 matmul.
  * Type ids are ggml's (GGMLQuantizationType).
  */
 #include <math.h>
