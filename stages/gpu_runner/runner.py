@@ -51,7 +51,7 @@ from stages.gpu_runner.parallel.group import PlanBroadcast, TensorParallel
 from stages.gpu_runner.parallel.sharding import check_tensor_parallel
 from stages.gpu_runner.sampling.constraints import RowConstraints
 from stages.gpu_runner.sampling.metadata import SamplingMetadata
-from stages.gpu_runner.sampling.sampler import Sampler, SamplerOutput, greedy_tokens
+from stages.gpu_runner.sampling.sampler import Sampler, SamplerOutput
 from stages.gpu_runner.speculative.speculator import Speculator, shift_meta
 from stages.gpu_runner.speculative.verify_cost import StepCosts, start_up_costs
 from stages.messages import encode_plan
@@ -337,7 +337,7 @@ class ModelRunner:
             # A bare argmax (the sampler's own for such rows) without building the metadata: on
             # one stream of a small model that building cost about a millisecond a step.
             self.batch.check_held(rows)
-            return SamplerOutput(greedy_tokens(logits), None, None)
+            return SamplerOutput(logits.argmax(dim=-1).to(torch.int32), None, None)
         meta = SamplingMetadata.for_rows(self.batch, rows, num_tokens, self.config.eos_token_ids)
         if shift is not None:
             shift_meta(meta, shift)

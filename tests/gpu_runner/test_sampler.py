@@ -9,7 +9,7 @@ import torch
 
 from stages.contracts.params import SamplingParams
 from stages.gpu_runner.sampling.metadata import SamplingMetadata
-from stages.gpu_runner.sampling.sampler import Sampler, greedy_tokens
+from stages.gpu_runner.sampling.sampler import Sampler
 
 EOS = 2
 CPU = torch.device("cpu")
@@ -357,19 +357,3 @@ def test_no_host_synchronisation_on_cuda(top_p: float):
     assert out.token_ids.device.type == "cuda" and out.logprobs.device.type == "cuda"
     # greedy and seeded rows pick the same tokens on the device as on the host
     assert out.token_ids.cpu()[:2].tolist() == cpu_tokens[:2].tolist()
-
-
-def test_greedy_tokens_are_torchs_argmax_ties_and_nans_alike() -> None:
-    """The greedy fast path's argmax (numpy's on CPU float32 logits) picks what torch's does: the
-    first of tied highest logits, and the first NaN of a row that has one."""
-    logits = torch.randn(5, 49152, generator=torch.Generator().manual_seed(0))
-    logits[1, [7, 40000]] = 50.0  # a tie
-    logits[2, [11, 3]] = float("nan")  # NaNs beat any number
-    logits[3] = float("-inf")
-    logits[3, 49151] = -1e30
-    logits[4] = 0.0
-    for rows in (logits, logits[1:2], logits[:, ::2]):
-        got = greedy_tokens(rows)
-        assert got.dtype == torch.int32 and torch.equal(got, rows.argmax(dim=-1).to(torch.int32))
-    assert greedy_tokens(logits).tolist()[1:] == [7, 3, 49151, 0]
-    assert torch.equal(greedy_tokens(logits.to(torch.bfloat16)), logits.to(torch.bfloat16).argmax(dim=-1).int())
