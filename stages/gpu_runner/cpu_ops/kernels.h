@@ -36,7 +36,8 @@ void quant_decode_row(const uint8_t *row, int qtype, int64_t cols, float *w);
 
 /* quant_decode_avx2.c, built where QUANT_AVX2 (AVX2, FMA and F16C without AVX-512): one block's
  * values as quant_decode_row gives them; x's block sums [n, cols / 32]; and quant_matmul's fused
- * product of a row with x[j] for j < n (out[j * out_stride]), given those sums */
+ * product of a row with x[j] for j < n (out[j * out_stride]), given those sums (NULL for the types
+ * without a minimum: Q4_0, Q5_0, Q8_0, Q6_K) */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 #define QUANT_AVX2 1
 #endif

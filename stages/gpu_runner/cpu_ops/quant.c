@@ -413,9 +413,13 @@ static inline void prefetch_row(const uint8_t *row, int64_t row_bytes) {
 void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t rows, int64_t cols, const float *x,
                   int64_t n, float *out) {
 #if defined(QUANT_AVX2)
-    float *sums = malloc(sizeof(float) * (size_t)(n * (cols / 32))); /* x's block sums, for the minimums */
-    if (sums == NULL) abort();
-    quant_block_sums_avx2(x, n, cols, sums);
+    /* x's block sums, which the minimums of Q4_1, Q5_1, Q4_K and Q5_K multiply (the other types read none) */
+    float *sums = NULL;
+    if (qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K) {
+        sums = malloc(sizeof(float) * (size_t)(n * (cols / 32)));
+        if (sums == NULL) abort();
+        quant_block_sums_avx2(x, n, cols, sums);
+    }
 #endif
 #pragma omp parallel
     {
