@@ -187,6 +187,7 @@ void paged_attention(const void *query, const void *keys, const void *values, co
         float *vector = malloc(sizeof(float) * kv_heads * head_dim);
         float *merged = malloc(sizeof(float) * width * head_dim);
         if (q == NULL || scores == NULL || vector == NULL || merged == NULL) abort();
+        int64_t q_row = -1; /* the row whose scaled queries q holds: a thread's tasks run a row's chunks in turn */
         for (int64_t first = 0; first < rows; first += wave) {
             const int64_t count = rows - first < wave ? rows - first : wave;
 #pragma omp for schedule(static)
@@ -194,8 +195,11 @@ void paged_attention(const void *query, const void *keys, const void *values, co
                 const int64_t row = first + task / chunks, c = task % chunks;
                 const int64_t j0 = c * KEY_CHUNK, j1 = j0 + KEY_CHUNK < num_keys ? j0 + KEY_CHUNK : num_keys;
                 float *part = parts + task * per_chunk;
-                load_row(query, row * width * head_dim, bf16, q, width * head_dim);
-                for (int64_t e = 0; e < width * head_dim; e++) q[e] *= scale;
+                if (row != q_row) {
+                    load_row(query, row * width * head_dim, bf16, q, width * head_dim);
+                    for (int64_t e = 0; e < width * head_dim; e++) q[e] *= scale;
+                    q_row = row;
+                }
                 attend_chunk(q, width, heads, keys, values, kv_bf16, slots + row * num_keys,
                              mask + row * queries * num_keys, queries, num_keys, j0, j1, kv_heads, head_dim, scores,
                              vector, part, part + width, part + 2 * width);
