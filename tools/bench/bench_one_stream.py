@@ -66,7 +66,7 @@ def child(args: argparse.Namespace) -> dict:
     loaded = _memory_mib()
     ids = llm.runner.tokenizer_path
     from tokenizers import Tokenizer
-    prompt = Tokenizer.from_file(str(ids)).encode(TEXT * (args.prompt_tokens // 16 + 8)).ids[:args.prompt_tokens]
+    prompt = prompt_ids(Tokenizer.from_file(str(ids)), args.prompt_tokens)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     full = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     llm.generate([prompt], full)  # warm-up
@@ -112,15 +112,19 @@ def real_files() -> list[Path]:
     return [default_model_file(), gemma]
 
 
+def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
+    """The first `num_tokens` token ids of TEXT repeated (as often as that takes)."""
+    return tokenizer.encode(TEXT * (num_tokens // 16 + 8)).ids[:num_tokens]
+
+
 def prompt_text(model: Path, num_tokens: int) -> str:
-    """`num_tokens` tokens of text: TEXT repeated (as often as that takes), cut at a token boundary of the
-    file's tokenizer."""
+    """`num_tokens` tokens of text (prompt_ids), cut at a token boundary of the file's tokenizer."""
     from tokenizers import Tokenizer
 
     from pipeline.models.checkpoints import resolve_model
 
     tokenizer = Tokenizer.from_file(str(Path(resolve_model(model)) / "tokenizer.json"))
-    return tokenizer.decode(tokenizer.encode(TEXT * (num_tokens // 16 + 8)).ids[:num_tokens])
+    return tokenizer.decode(prompt_ids(tokenizer, num_tokens))
 
 
 def offline_row(args: argparse.Namespace, model: Path | None, mode: str, dtype: str, activations: str) -> dict:
