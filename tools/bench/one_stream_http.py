@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from servers import free_port, start_server, stop_server, tree_cpu_s, tree_memory_mib
+from servers import cpu_load, free_port, start_server, stop_server, tree_cpu_s, tree_memory_mib
 
 SERVED_NAME = "one-stream"
 CONTEXT_TOKENS = 2048  # default of llama.cpp's --n_ctx, and pipeline's KV pool and longest request alike
@@ -64,21 +64,25 @@ class Server:
     memory: dict = field(default_factory=dict)
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
+    tpot_busy: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     cpu_s: dict[str, float] = field(default_factory=dict)
 
     def result(self) -> dict:
         return {**self.row, "tpot_ms_p50": round(statistics.median(self.tpot), 2),
                 "ttft_ms_p50": round(statistics.median(self.ttft), 1), "tokens_min": min(self.tokens), **self.memory,
+                "tpot_busy_ms_p50": round(statistics.median(self.tpot_busy), 2) if self.tpot_busy else None,
                 "cpu_ms_per_token": {name: round(1e3 * seconds / sum(self.tokens), 2)
                                      for name, seconds in sorted(self.cpu_s.items())}}
 
 
-def measure(servers: list[Server], prompt: str, max_tokens: int, rounds: int, run_dir: Path) -> None:
+def measure(servers: list[Server], prompt: str, max_tokens: int, rounds: int, run_dir: Path,
+            busy_per_core: int = 0) -> None:
     """Memory: each server alone (started, one warm-up request and one round, its tree read,
     stopped), so that no other server shares the file's pages with it. Time: every server up at
     once, each warmed up, then `rounds` rounds that take each server in turn, so that a machine
-    whose speed drifts meanwhile weighs them alike; each server's CPU time over its own requests."""
+    whose speed drifts meanwhile weighs them alike; each server's CPU time over its own requests.
+    With `busy_per_core`, as many rounds again beside that many busy processes per core (TPOT only)."""
     for server in servers:
         process = start_server(server.label, server.command, dict(os.environ), server.port, run_dir)
         try:
@@ -103,6 +107,11 @@ def measure(servers: list[Server], prompt: str, max_tokens: int, rounds: int, ru
                 server.tokens.append(count)
                 for name, seconds in after.items():
                     server.cpu_s[name] = server.cpu_s.get(name, 0.0) + seconds - before.get(name, 0.0)
+        with cpu_load(busy_per_core):
+            for index in range(rounds if busy_per_core else 0):
+                for server in servers:
+                    server.tpot_busy.append(stream_once(server.port, f"{index + 101}. {prompt}", max_tokens,
+                                                        server.stop_at_eos)[1])
     finally:
         for process in processes:
             stop_server(process)
@@ -142,7 +151,8 @@ def eos_token_id(model: Path) -> int:
 
 
 def serve_both(model: Path, settings: list[tuple[str, str | None, str, str, str]], llamacpp_python: Path | None, prompt: str,
-               max_tokens: int, rounds: int, run_dir: Path, context_tokens: int = CONTEXT_TOKENS) -> list[dict]:
+               max_tokens: int, rounds: int, run_dir: Path, context_tokens: int = CONTEXT_TOKENS,
+               busy_per_core: int = 0) -> list[dict]:
     """One row per pipeline setting (quantization, dtype, KV cache dtype, quantized activations, backend), then llama.cpp's (see
     `measure`), each with room for `context_tokens` (llama.cpp's --n_ctx; pipeline's KV pool and
     longest request)."""
@@ -165,5 +175,5 @@ def serve_both(model: Path, settings: list[tuple[str, str | None, str, str, str]
                                            "quantization": "file", "dtype": "-"},
                               llamacpp_server(llamacpp_python, model, port, context_tokens), port,
                               {"logit_bias": {str(eos_token_id(model)): -100.0}}))
-    measure(servers, prompt, max_tokens, rounds, run_dir)
+    measure(servers, prompt, max_tokens, rounds, run_dir, busy_per_core)
     return [server.result() for server in servers]

@@ -31,8 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,7 +41,7 @@ from pipeline.bench.daemon import engine_options, start_daemon
 from pipeline.bench.workload import mixed_params
 from pipeline.client import AsyncClient, Client, Completion
 from pipeline.models.tiny_model import make_tiny_model
-from servers import descendants
+from servers import cpu_load, descendants
 
 STAGES = ["tokenizer0", "scheduler", "runner", "detokenizer"]
 LONG = "long"
@@ -55,7 +53,6 @@ LONG_FRACTIONS = (0.2, 0.45, 0.7)  # of the long stream: runner, forkserver, run
 KILL_TIMEOUT_S = 90.0  # a kill cycle, from its first request to its last token
 LONG_TIMEOUT_S = 240.0  # the long stream, through its three faults
 SERVING_TIMEOUT_S = 60.0  # for the daemon to serve again after a cycle
-CONTENTION = Path(__file__).resolve().parents[2] / "tests" / "contention.py"
 
 
 @dataclass
@@ -89,22 +86,6 @@ def workload(model: Path, long_tokens: int) -> Workload:
     long_prompt = "Through every fault the stream"
     greedy = SamplingParams(max_tokens=long_tokens, ignore_eos=True, temperature=0.0)
     return Workload(model, prompts, params, expected, long_prompt, llm.generate([long_prompt], greedy)[0].token_ids)
-
-
-@contextmanager
-def cpu_load(enabled: bool) -> Iterator[None]:
-    """Two busy processes per core (tests/contention.py run alone) for the block; the load's whole
-    process group ended after it (a background shell may have it ignore SIGINT)."""
-    if not enabled:
-        yield
-        return
-    load = subprocess.Popen([sys.executable, str(CONTENTION), "600"], stdout=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        yield
-    finally:
-        os.killpg(load.pid, signal.SIGKILL)
-        load.wait()
 
 
 async def kill_cycle(socket_path: Path, work: Workload, stage: str, progress: list[str]) -> str | None:
@@ -285,7 +266,7 @@ def run_scenario(name: str, work: Workload, directory: Path, cycles: int, load: 
             if not serving(daemon.socket_path, SERVING_TIMEOUT_S):
                 daemon.start()
                 result.daemon_starts += 1
-            with cpu_load(load):  # afresh each cycle: one load lasts 600 s at most
+            with cpu_load(2 if load else 0):  # afresh each cycle: one load lasts 600 s at most
                 progress: list[str] = ["started"]
                 if name == LONG:
                     cycle = long_cycle(daemon.socket_path, daemon.process.pid, work, progress)

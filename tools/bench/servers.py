@@ -1,17 +1,40 @@
 """Benchmark servers started and stopped in their own process group: a free port, waiting for the
-OpenAI API to answer, and the resident memory of a server's whole process tree."""
+OpenAI API to answer, and the resident memory of a server's whole process tree; and a load of busy
+processes to run them beside."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.bench.daemon import cpu_s
 
 START_TIMEOUT_S = 900.0  # vLLM compiles its CPU kernels on start
+CONTENTION = Path(__file__).resolve().parents[2] / "tests" / "contention.py"
+
+
+@contextmanager
+def cpu_load(per_core: int) -> Iterator[None]:
+    """`per_core` busy processes per core (tests/contention.py run alone) for the block, none for 0;
+    the load's whole process group ended after it (a background shell may have it ignore SIGINT)."""
+    if per_core <= 0:
+        yield
+        return
+    load = subprocess.Popen([sys.executable, str(CONTENTION), "600", str(per_core)], stdout=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        time.sleep(0.5)  # the busy processes started
+        yield
+    finally:
+        os.killpg(load.pid, signal.SIGKILL)
+        load.wait()
 
 
 def free_port() -> int:

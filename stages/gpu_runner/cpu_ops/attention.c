@@ -4,10 +4,9 @@
  * no padding to the batch's longest row (masked keys are skipped, not scored). A task is a chunk
  * of a row's keys (KEY_CHUNK): it scores all the row's query heads against each key once (a key's
  * KV heads are contiguous in its slot), then a softmax within the chunk and the weighted sum of its
- * values, all in float32; a row's chunks are then merged. Tasks are shared by the process's OpenMP
- * threads (torch's own: this library links libgomp by soname, which torch has loaded), so one
- * stream's decode over a long context uses them all; a single chunk runs on the calling thread
- * without waking the team.
+ * values, all in float32; a row's chunks are then merged. Tasks are shared by the decode threads
+ * (pool.c), so one stream's decode over a long context uses them all; a single chunk runs on the
+ * calling thread.
  *
  * Layouts (C-contiguous; element type float32 or bfloat16, one for query and out (`bf16`) and one
  * for the keys and values (`kv_bf16`: a bfloat16 cache under a float32 model is widened as read):
@@ -169,6 +168,57 @@ static void merge_chunks(const float *parts, int64_t chunks, int64_t per_chunk, 
     }
 }
 
+/* One call's arguments and the wave of rows in hand: the threads' tasks read it. */
+typedef struct {
+    const void *query, *keys, *values;
+    const int64_t *slots;
+    const uint8_t *mask;
+    void *out;
+    int64_t queries, num_keys, heads, kv_heads, head_dim, width, chunks, per_chunk, first;
+    float scale;
+    int bf16, kv_bf16;
+    float *parts; /* [wave rows, chunks, per_chunk] */
+} attention_job;
+
+/* Tasks [begin, end) of the wave: task = row in the wave * chunks + chunk, a row's chunks in turn. */
+static void attend_tasks(void *job_pointer, int64_t begin, int64_t end) {
+    const attention_job *j = job_pointer;
+    const int64_t width = j->width, head_dim = j->head_dim, chunks = j->chunks;
+    float *q = malloc(sizeof(float) * width * head_dim);
+    float *scores = malloc(sizeof(float) * width * KEY_CHUNK);
+    float *vector = malloc(sizeof(float) * j->kv_heads * head_dim);
+    if (q == NULL || scores == NULL || vector == NULL) abort();
+    int64_t q_row = -1; /* the row whose scaled queries q holds */
+    for (int64_t task = begin; task < end; task++) {
+        const int64_t row = j->first + task / chunks, c = task % chunks;
+        const int64_t j0 = c * KEY_CHUNK, j1 = j0 + KEY_CHUNK < j->num_keys ? j0 + KEY_CHUNK : j->num_keys;
+        float *part = j->parts + task * j->per_chunk;
+        if (row != q_row) {
+            load_row(j->query, row * width * head_dim, j->bf16, q, width * head_dim);
+            for (int64_t e = 0; e < width * head_dim; e++) q[e] *= j->scale;
+            q_row = row;
+        }
+        attend_chunk(q, width, j->heads, j->keys, j->values, j->kv_bf16, j->slots + row * j->num_keys,
+                     j->mask + row * j->queries * j->num_keys, j->queries, j->num_keys, j0, j1, j->kv_heads, head_dim,
+                     scores, vector, part, part + width, part + 2 * width);
+    }
+    free(q);
+    free(scores);
+    free(vector);
+}
+
+/* Rows [begin, end) of the wave: their chunks merged and stored. */
+static void merge_rows(void *job_pointer, int64_t begin, int64_t end) {
+    const attention_job *j = job_pointer;
+    float *merged = malloc(sizeof(float) * j->width * j->head_dim);
+    if (merged == NULL) abort();
+    for (int64_t r = begin; r < end; r++) {
+        merge_chunks(j->parts + r * j->chunks * j->per_chunk, j->chunks, j->per_chunk, j->width, j->head_dim, merged);
+        store_row(j->out, (j->first + r) * j->width * j->head_dim, j->bf16, merged, j->width * j->head_dim);
+    }
+    free(merged);
+}
+
 void paged_attention(const void *query, const void *keys, const void *values, const int64_t *slots,
                      const uint8_t *mask, void *out, int64_t rows, int64_t queries, int64_t num_keys,
                      int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int bf16, int kv_bf16) {
@@ -178,42 +228,14 @@ void paged_attention(const void *query, const void *keys, const void *values, co
     /* rows a wave: their chunks' partial results held at once, in about SCRATCH_FLOATS */
     int64_t wave = SCRATCH_FLOATS / (chunks * per_chunk);
     wave = wave < 1 ? 1 : wave > rows ? rows : wave;
-    float *parts = malloc(sizeof(float) * (size_t)(wave * chunks * per_chunk));
-    if (parts == NULL) abort();
-#pragma omp parallel if (rows * chunks > 1)
-    {
-        float *q = malloc(sizeof(float) * width * head_dim);
-        float *scores = malloc(sizeof(float) * width * KEY_CHUNK);
-        float *vector = malloc(sizeof(float) * kv_heads * head_dim);
-        float *merged = malloc(sizeof(float) * width * head_dim);
-        if (q == NULL || scores == NULL || vector == NULL || merged == NULL) abort();
-        int64_t q_row = -1; /* the row whose scaled queries q holds: a thread's tasks run a row's chunks in turn */
-        for (int64_t first = 0; first < rows; first += wave) {
-            const int64_t count = rows - first < wave ? rows - first : wave;
-#pragma omp for schedule(static)
-            for (int64_t task = 0; task < count * chunks; task++) {
-                const int64_t row = first + task / chunks, c = task % chunks;
-                const int64_t j0 = c * KEY_CHUNK, j1 = j0 + KEY_CHUNK < num_keys ? j0 + KEY_CHUNK : num_keys;
-                float *part = parts + task * per_chunk;
-                if (row != q_row) {
-                    load_row(query, row * width * head_dim, bf16, q, width * head_dim);
-                    for (int64_t e = 0; e < width * head_dim; e++) q[e] *= scale;
-                    q_row = row;
-                }
-                attend_chunk(q, width, heads, keys, values, kv_bf16, slots + row * num_keys,
-                             mask + row * queries * num_keys, queries, num_keys, j0, j1, kv_heads, head_dim, scores,
-                             vector, part, part + width, part + 2 * width);
-            }
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < count; r++) {
-                merge_chunks(parts + r * chunks * per_chunk, chunks, per_chunk, width, head_dim, merged);
-                store_row(out, (first + r) * width * head_dim, bf16, merged, width * head_dim);
-            }
-        }
-        free(q);
-        free(scores);
-        free(vector);
-        free(merged);
+    attention_job job = {query, keys, values, slots, mask, out, queries, num_keys, heads, kv_heads, head_dim,
+                         width, chunks, per_chunk, 0, scale, bf16, kv_bf16, NULL};
+    job.parts = malloc(sizeof(float) * (size_t)(wave * chunks * per_chunk));
+    if (job.parts == NULL) abort();
+    for (job.first = 0; job.first < rows; job.first += wave) {
+        const int64_t count = rows - job.first < wave ? rows - job.first : wave;
+        pool_run(attend_tasks, &job, count * chunks, pool_grain(count * chunks, 1));
+        pool_run(merge_rows, &job, count, pool_grain(count, 1));
     }
-    free(parts);
+    free(job.parts);
 }

@@ -72,6 +72,7 @@ int decoder_layers(const decoder_layer *layers, int64_t num_layers, const decode
     int status = 0;
     if (!residual || !h || !cur || !qkv || !normed || !q || !k || !attended || !gate_up || !act) abort();
     memcpy(cur, x, sizeof(float) * t * hidden);
+    pool_enter(); /* the products and the attention on pool.c's threads, the elementwise work on this one */
     for (int64_t i = 0; i < num_layers; i++) { /* a product that fails (status -1) breaks out */
         const decoder_layer *layer = layers + i;
         const key_set *keys = s->key_sets + layer->key_set;
@@ -130,6 +131,7 @@ int decoder_layers(const decoder_layer *layers, int64_t num_layers, const decode
             memcpy(cur, h, sizeof(float) * t * hidden);
         }
     }
+    pool_leave();
     if (status == 0)
         for (int64_t i = 0; i < t * hidden; i++) out[i] = cur[i] + residual[i];
     free(residual);

@@ -6,7 +6,8 @@
  * to bfloat16 here at the same point, and float32 arithmetic is not contracted into fused
  * multiply-adds (-ffp-contract=off). What may differ is the order of the RMS sum's terms and the
  * last bit of exp, as between any two float32 reductions. Rows are shared by the OpenMP threads; one row
- * (a decode step of one stream) stays on the calling thread.
+ * (a decode step of one stream), and every row on the GGUF decode path (pool.c's), stays on the
+ * calling thread.
  * Element types: float32 or bfloat16 (`bf16`), one for all of a call's tensors.
  */
 #include <math.h>
@@ -24,7 +25,7 @@
  * elements; each row's hidden values are contiguous. */
 void rms_norm(const void *x, int64_t x_stride, const void *residual_in, void *residual_out, const void *weight,
               void *out, int64_t rows, int64_t hidden, float eps, int unit_offset, int bf16) {
-#pragma omp parallel if (rows > 1)
+#pragma omp parallel if (rows > 1 && !pool_entered())
     {
         float *v = malloc(sizeof(float) * hidden), *t = malloc(sizeof(float) * hidden);
         float *w = malloc(sizeof(float) * hidden);
@@ -58,7 +59,7 @@ void rms_norm(const void *x, int64_t x_stride, const void *residual_in, void *re
 /* out [rows, width] = silu(gate) * up, gate and up [rows, width] at row strides (elements). */
 void silu_and_mul(const void *gate, const void *up, int64_t stride, void *out, int64_t rows, int64_t width,
                   int bf16) {
-#pragma omp parallel if (rows > 1)
+#pragma omp parallel if (rows > 1 && !pool_entered())
     {
         float *g = malloc(sizeof(float) * width), *u = malloc(sizeof(float) * width);
 #pragma omp for schedule(static)
@@ -81,7 +82,7 @@ void silu_and_mul(const void *gate, const void *up, int64_t stride, void *out, i
 void rotary(const void *x, int64_t x_stride, const void *cos_table, const void *sin_table, void *out,
             int64_t tokens, int64_t heads, int64_t head_dim, int bf16) {
     const int64_t half = head_dim / 2, width = heads * head_dim;
-#pragma omp parallel if (tokens > 1)
+#pragma omp parallel if (tokens > 1 && !pool_entered())
     {
         float *v = malloc(sizeof(float) * width), *a = malloc(sizeof(float) * width);
         float *b = malloc(sizeof(float) * width), *c = malloc(sizeof(float) * head_dim);

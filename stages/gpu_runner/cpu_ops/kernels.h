@@ -9,6 +9,17 @@
 extern "C" {
 #endif
 
+/* pool.c: task(arg, begin, end) for chunks of `grain` items of [0, items): on the pool's threads
+ * between pool_enter() and pool_leave() on the calling thread (the GGUF decode path), else on
+ * OpenMP's (torch's). pool_grain: a grain, a multiple of `multiple`, that cuts `items` into several
+ * chunks a thread. */
+typedef void (*pool_task)(void *arg, int64_t begin, int64_t end);
+void pool_run(pool_task task, void *arg, int64_t items, int64_t grain);
+void pool_enter(void);
+void pool_leave(void);
+int pool_entered(void);
+int64_t pool_grain(int64_t items, int64_t multiple);
+
 /* attention.c */
 void paged_attention(const void *query, const void *keys, const void *values, const int64_t *slots,
                      const uint8_t *mask, void *out, int64_t rows, int64_t queries, int64_t num_keys,

@@ -3,7 +3,7 @@
  *
  * quant_dequantize_rows decodes chosen rows to float32 (the embedding's gathered rows, a prefill's
  * tiles); quant_matmul is the decode step's fused dequantize-and-dot: out[j, r] = x[j] . W[r],
- * output rows shared by the OpenMP threads. With AVX-512 every block is decoded 16 values a
+ * output rows shared by the decode threads (pool.c). With AVX-512 every block is decoded 16 values a
  * register and multiplied there with up to 8 (32-value types) or 4 (Q4_K, Q5_K, Q6_K) activation
  * rows at a time; with AVX2 (quant_decode_avx2.c) a block's integers are dotted with up to 4 rows
  * and the sum scaled once, d (q . x) (+ m sum(x) for the types with a minimum); else a row is
@@ -409,9 +409,42 @@ static inline void prefetch_row(const uint8_t *row, int64_t row_bytes) {
 #endif
 }
 
+typedef struct {
+    const uint8_t *blocks;
+    int qtype;
+    int64_t row_bytes, rows, cols, n;
+    const float *x, *sums;
+    float *out;
+} matmul_job;
+
+/* Rows [begin, end) of a product: one thread's chunk. */
+static void matmul_rows(void *job_pointer, int64_t begin, int64_t end) {
+    const matmul_job *j = job_pointer;
+    float *w = NULL; /* the scalar path's decoded row */
+    for (int64_t r = begin; r < end; r++) {
+        const uint8_t *row = j->blocks + r * j->row_bytes;
+        prefetch_row(row, j->row_bytes);
+#if defined(__AVX512F__)
+        if (block_values(j->qtype) == 32)
+            dot_row32(row, j->qtype, j->cols, j->x, j->n, j->out + r, j->rows);
+        else
+            dot_row256(row, j->qtype, j->cols, j->x, j->n, j->out + r, j->rows);
+        continue;
+#elif defined(QUANT_AVX2)
+        quant_dot_row_avx2(row, j->qtype, j->cols, j->x, j->sums, j->n, j->out + r, j->rows);
+        continue;
+#endif
+        if (w == NULL && (w = malloc(sizeof(float) * j->cols)) == NULL) abort(); /* cols floats: a few KiB */
+        quant_decode_row(row, j->qtype, j->cols, w);
+        for (int64_t k = 0; k < j->n; k++) j->out[k * j->rows + r] = dot(w, j->x + k * j->cols, j->cols);
+    }
+    free(w);
+}
+
 /* out [n, rows] = x [n, cols] times the weight [rows, cols] transposed. */
 void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t rows, int64_t cols, const float *x,
                   int64_t n, float *out) {
+    matmul_job job = {blocks, qtype, row_bytes, rows, cols, n, x, NULL, out};
 #if defined(QUANT_AVX2)
     /* x's block sums, which the minimums of Q4_1, Q5_1, Q4_K and Q5_K multiply (the other types read none) */
     float *sums = NULL;
@@ -420,29 +453,11 @@ void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t r
         if (sums == NULL) abort();
         quant_block_sums_avx2(x, n, cols, sums);
     }
+    job.sums = sums;
 #endif
-#pragma omp parallel
-    {
-        float *w = malloc(sizeof(float) * cols);
-        if (w == NULL) abort(); /* cols floats: a few KiB */
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            prefetch_row(blocks + r * row_bytes, row_bytes);
-#if defined(__AVX512F__)
-            if (block_values(qtype) == 32)
-                dot_row32(blocks + r * row_bytes, qtype, cols, x, n, out + r, rows);
-            else
-                dot_row256(blocks + r * row_bytes, qtype, cols, x, n, out + r, rows);
-            continue;
-#elif defined(QUANT_AVX2)
-            quant_dot_row_avx2(blocks + r * row_bytes, qtype, cols, x, sums, n, out + r, rows);
-            continue;
-#endif
-            quant_decode_row(blocks + r * row_bytes, qtype, cols, w);
-            for (int64_t j = 0; j < n; j++) out[j * rows + r] = dot(w, x + j * cols, cols);
-        }
-        free(w);
-    }
+    pool_enter();
+    pool_run(matmul_rows, &job, rows, pool_grain(rows, 8));
+    pool_leave();
 #if defined(QUANT_AVX2)
     free(sums);
 #endif

@@ -18,6 +18,7 @@
  */
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "quant_x8.h"
 
 int quant_x8_available(int qtype) {
@@ -98,6 +99,24 @@ static void quantize_row(const float *x, int64_t cols, int nibble_order, pair8 *
 
 /* Blocks read this far ahead of the row being multiplied (as quant.c does, and for the same reason). */
 #define PREFETCH_AHEAD 4096
+
+typedef struct {
+    const uint8_t *blocks;
+    int qtype;
+    int64_t row_bytes, rows, blocks_per_row, pairs, n;
+    const pair8 *quantized;
+    float *out;
+} x8_job;
+
+/* Rows [begin, end) of a product: one thread's chunk. */
+static void x8_rows(void *job_pointer, int64_t begin, int64_t end) {
+    const x8_job *j = job_pointer;
+    for (int64_t r = begin; r < end; r++) {
+        const uint8_t *row = j->blocks + r * j->row_bytes;
+        for (int64_t at = 0; at < j->row_bytes; at += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + at, _MM_HINT_T0);
+        x8_row_products(row, j->qtype, j->blocks_per_row, j->quantized, j->pairs, j->n, j->out + r, j->rows);
+    }
+}
 #endif
 
 /* out [n, rows] = x [n, cols] times the weight [rows, cols] transposed, x quantized to 8 bits a block.
@@ -110,12 +129,10 @@ int quant_matmul_x8(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t
     pair8 *quantized = aligned_alloc(64, sizeof(pair8) * (size_t)(pairs * n));
     if (quantized == NULL) abort(); /* n rows of cols bytes and scales: a few KiB */
     for (int64_t j = 0; j < n; j++) quantize_row(x + j * cols, cols, qtype != Q8_0 && !is_k_type(qtype), quantized + j * pairs);
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = blocks + r * row_bytes;
-        for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + at, _MM_HINT_T0);
-        x8_row_products(row, qtype, blocks_per_row, quantized, pairs, n, out + r, rows);
-    }
+    x8_job job = {blocks, qtype, row_bytes, rows, blocks_per_row, pairs, n, quantized, out};
+    pool_enter();
+    pool_run(x8_rows, &job, rows, pool_grain(rows, 8));
+    pool_leave();
     free(quantized);
     return 0;
 #else
