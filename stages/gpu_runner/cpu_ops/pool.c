@@ -38,7 +38,7 @@
 #endif
 
 #define MAX_WORKERS 63
-#define SPIN_NS 50000     /* a worker's spin after a job: the gaps between a step's products are far shorter */
+#define SPIN_NS 200000    /* a worker's spin after a job: longer than the gaps between a step's products */
 #define YIELD_AFTER 2000  /* the caller's spins on a begun chunk before it yields its core to the worker */
 #define CHUNKS_PER_THREAD 8
 
@@ -46,15 +46,17 @@
  * validates what it read by claiming with a compare-and-swap on `state` (generation << 32 | next
  * chunk), which fails once the generation moves on. */
 static struct {
+    /* each written by one thread and read by the others on a cache line of its own */
+    _Alignas(64) _Atomic uint64_t state;
+    _Alignas(64) _Atomic int64_t done; /* chunks finished this job */
+    _Alignas(64) _Atomic(pool_task) task;
+    _Atomic(void *) arg;
+    _Atomic int64_t items, grain, chunks;
+    _Atomic int helpers; /* workers with an id below it take part in this job */
+    _Alignas(64) _Atomic int sleepers;
     pthread_mutex_t busy;  /* held by a job's caller */
     pthread_mutex_t sleep; /* with `wake`: idle workers' sleep */
     pthread_cond_t wake;
-    _Atomic uint64_t state;
-    _Atomic int64_t done; /* chunks finished this job */
-    _Atomic int sleepers, helpers; /* helpers: workers with an id below it take part in this job */
-    _Atomic(pool_task) task;
-    _Atomic(void *) arg;
-    _Atomic int64_t items, grain, chunks;
     int workers; /* started (the caller's, under `busy`) */
     int atfork;
 } pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .sleep = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};

@@ -456,7 +456,7 @@ void quant_matmul(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t r
     job.sums = sums;
 #endif
     pool_enter();
-    pool_run(matmul_rows, &job, rows, pool_grain(rows, 8));
+    pool_run(matmul_rows, &job, rows, pool_grain(rows, 64));
     pool_leave();
 #if defined(QUANT_AVX2)
     free(sums);

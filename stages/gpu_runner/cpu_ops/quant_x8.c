@@ -131,7 +131,7 @@ int quant_matmul_x8(const uint8_t *blocks, int qtype, int64_t row_bytes, int64_t
     for (int64_t j = 0; j < n; j++) quantize_row(x + j * cols, cols, qtype != Q8_0 && !is_k_type(qtype), quantized + j * pairs);
     x8_job job = {blocks, qtype, row_bytes, rows, blocks_per_row, pairs, n, quantized, out};
     pool_enter();
-    pool_run(x8_rows, &job, rows, pool_grain(rows, 8));
+    pool_run(x8_rows, &job, rows, pool_grain(rows, 64));
     pool_leave();
     free(quantized);
     return 0;
