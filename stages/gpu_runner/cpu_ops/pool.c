@@ -1,21 +1,25 @@
-/* The decode step's threads: a job's items are cut into chunks that the calling thread and the
- * pool's workers claim one at a time, and the job is over when every chunk is done, not when every
- * thread has come by.
+/* The GGUF decode path's threads: a job's items are cut into chunks that the calling thread and
+ * the pool's workers claim one at a time, and the job is over when every chunk is done, not when
+ * every thread has come by.
  *
  * An OpenMP loop ends at a barrier that waits for each of its threads. On a CPU shared with the
  * other stages (and, on a busy machine, with other work), one of them is often preempted or asleep
- * as a step's products start, and a decode step is some 150 products of tens of microseconds each:
- * its caller waited at those barriers for about half of a served step. Here a late worker costs
- * nothing: the caller claims the chunks it has not started, and it waits only for a chunk a worker
- * has begun. The worker, when it runs, finds the job over, or the next one.
+ * as a product starts, and a decode step is some 150 products of tens of microseconds each. Here a
+ * late worker costs nothing: the caller claims the chunks it has not started, and it waits only
+ * for a chunk a worker has begun. The worker, when it runs, finds the job over, or the next one.
+ * (One stream of SmolLM2 in process beside two busy processes per core: 67-234 ms a token with
+ * OpenMP's loops, 59-68 ms here; docs/cpu.md.)
  *
  * Each item is computed by one thread from the same inputs in the same order whoever claims it, so
  * a result does not depend on the number of threads or on who ran what.
  *
- * A job at a time: a second caller (another thread, or a job's own chunk) runs its job inline. The
- * threads are at::get_num_threads() (the OpenMP runtime's count, which torch.set_num_threads sets):
- * the caller and that many less one workers, started as first needed and inheriting the caller's
- * CPU affinity. Between jobs a worker spins for SPIN_NS, then sleeps until the next one.
+ * pool_run uses the pool between pool_enter() and pool_leave() on the calling thread (decoder.c's
+ * stack, quant.c's and quant_x8.c's products), and OpenMP's threads (torch's) elsewhere, so that
+ * the layer path's kernels and torch's operators keep one team. A job at a time: a second caller
+ * (another thread, or a job's own chunk) runs its job inline. The threads are omp_get_max_threads()
+ * (which torch.set_num_threads sets): the caller and that many less one workers, started as first
+ * needed and inheriting the caller's CPU affinity. Between jobs a worker spins for SPIN_NS, then
+ * sleeps until the next one.
  */
 #define _GNU_SOURCE
 #include <omp.h>
