@@ -71,15 +71,16 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* Claims and runs the chunks of generation `s >> 32` until none is left. */
+/* Claims and runs the chunks of generation `s >> 32` until none is left. The fields are read once,
+ * after `s`: a claim that succeeds proves they were still that generation's. */
 static void help(uint64_t s) {
     const uint64_t generation = s >> 32;
+    const pool_task task = atomic_load_explicit(&pool.task, memory_order_relaxed);
+    void *arg = atomic_load_explicit(&pool.arg, memory_order_relaxed);
+    const int64_t items = atomic_load_explicit(&pool.items, memory_order_relaxed);
+    const int64_t grain = atomic_load_explicit(&pool.grain, memory_order_relaxed);
+    const int64_t chunks = atomic_load_explicit(&pool.chunks, memory_order_relaxed);
     for (;;) {
-        const pool_task task = atomic_load_explicit(&pool.task, memory_order_relaxed);
-        void *arg = atomic_load_explicit(&pool.arg, memory_order_relaxed);
-        const int64_t items = atomic_load_explicit(&pool.items, memory_order_relaxed);
-        const int64_t grain = atomic_load_explicit(&pool.grain, memory_order_relaxed);
-        const int64_t chunks = atomic_load_explicit(&pool.chunks, memory_order_relaxed);
         const int64_t next = (int64_t)(uint32_t)s;
         if (next >= chunks) return;
         if (atomic_compare_exchange_weak_explicit(&pool.state, &s, s + 1, memory_order_acq_rel, memory_order_acquire)) {
